@@ -1,0 +1,232 @@
+"""The NVFP4 format: E2M1 values, E4M3 block scales, global scales, scale layouts (SPEC §1).
+
+Everything here is pure torch and runs unchanged on CPU and CUDA tensors. Every FP32 operation is a
+single torch op, so each intermediate is rounded to nearest-even exactly once, as the SPEC's block
+math prescribes; the kernels reproduce these functions bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK_SIZE = 16
+"""Elements per E4M3 block scale, along K."""
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+FLT_MAX = torch.finfo(torch.float32).max
+
+GLOBAL_SCALE_NUMERATOR = E4M3_MAX * E2M1_MAX
+"""2688: maps a tensor's amax onto the largest representable block value (``gs = 2688 / amax``)."""
+
+DEFAULT_GLOBAL_SCALE_INV = 1.0 / GLOBAL_SCALE_NUMERATOR
+"""Default decode-direction scale of the per-token quantizer (``1 / 2688``)."""
+
+SF_LAYOUTS = ("linear", "swizzled")
+SWIZZLE_ROWS = 128
+SWIZZLE_COLS = 4
+
+# E2M1 magnitudes of codes 0..7; bit 3 of a code is the sign.
+_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_VALUES = _E2M1_MAGNITUDES + tuple(-v for v in _E2M1_MAGNITUDES)
+"""The value of each of the 16 codes (code 8 is -0)."""
+
+# Round-to-nearest-even decision points between consecutive magnitudes. A magnitude exactly on a
+# midpoint goes to the code with mantissa bit 0 (the even code): 0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0,
+# 1.75 -> 2.0, 2.5 -> 2.0, 3.5 -> 4.0, 5 -> 4.0. `inclusive` says whether the midpoint itself moves up.
+_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def ceil_div(value: int, divisor: int) -> int:
+    return (value + divisor - 1) // divisor
+
+
+def fp32_constant(value: float, like: torch.Tensor) -> torch.Tensor:
+    """`value` rounded once to FP32, as a 0-d tensor on `like`'s device."""
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+
+def rn_one_sixth(like: torch.Tensor) -> torch.Tensor:
+    """RN(1/6) in FP32, computed by an FP32 division."""
+    return fp32_constant(1.0, like) / fp32_constant(6.0, like)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Element formats
+# ---------------------------------------------------------------------------------------------------
+def encode_e2m1(values: torch.Tensor) -> torch.Tensor:
+    """FP32 values -> E2M1 codes (uint8 0..15): nearest, ties to even, saturating at ±6, sign kept.
+
+    A negative value that rounds to zero gives -0 (code 8). NaN encodes as +0 (code 0): NaN's sign
+    bit is not preserved by GPU arithmetic, so it cannot decide a code reproducibly.
+    """
+    magnitude = values.abs()
+    code = torch.zeros(values.shape, dtype=torch.uint8, device=values.device)
+    for midpoint, inclusive in _E2M1_MIDPOINTS:
+        code += (magnitude >= midpoint) if inclusive else (magnitude > midpoint)
+    negative = torch.signbit(values) & ~torch.isnan(values)
+    return code | (negative.to(torch.uint8) << 3)
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8 0..15) -> FP32 values (exact)."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    return table[codes.long()]
+
+
+def to_e4m3(values: torch.Tensor) -> torch.Tensor:
+    """FP32 -> float8_e4m3fn: nearest, ties to even, saturating at ±448 (NaN stays NaN)."""
+    return values.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K] codes -> [..., K/2] bytes, element 2i in the low nibble, 2i+1 in the high nibble."""
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] bytes -> [..., K] codes (inverse of `pack_e2m1`)."""
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def nan_ignoring_abs(values: torch.Tensor) -> torch.Tensor:
+    """|x| with NaN replaced by 0, so that a following max has maxNum semantics (SPEC §1)."""
+    magnitude = values.abs()
+    return torch.where(torch.isnan(magnitude), torch.zeros_like(magnitude), magnitude)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Global scales (the encode direction is `gs`; ModelOpt checkpoints store the decode scale 1/gs)
+# ---------------------------------------------------------------------------------------------------
+def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """Encode-direction global scale ``gs = 2688 / amax`` in FP32; ``amax == 0`` gives FLT_MAX."""
+    amax = amax.float()
+    scale = fp32_constant(GLOBAL_SCALE_NUMERATOR, amax) / amax
+    return torch.where(amax == 0, fp32_constant(FLT_MAX, amax), scale)
+
+
+def global_scale_from_decode_scale(decode_scale: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's decode scale (``amax / 2688``) -> the encode-direction ``gs = RN(1 / decode)``."""
+    return 1.0 / decode_scale.float()
+
+
+def decode_scale_from_global_scale(global_scale: torch.Tensor) -> torch.Tensor:
+    """Encode-direction ``gs`` -> the decode scale ``RN(1 / gs)`` that ModelOpt checkpoints store."""
+    return 1.0 / global_scale.float()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Block math
+# ---------------------------------------------------------------------------------------------------
+def _quantize_with_scale(blocks: torch.Tensor, block_scale: torch.Tensor, inv_gs: torch.Tensor) -> torch.Tensor:
+    """Codes [..., nb, 16] of `blocks` for given E4M3 scales: `q_i = e2m1(RN(x_i * s))`."""
+    sf = block_scale.float()
+    s = torch.clamp(1.0 / (sf * inv_gs), max=FLT_MAX)
+    codes = encode_e2m1(blocks * s[..., None])
+    return torch.where((sf == 0)[..., None], torch.zeros_like(codes), codes)
+
+
+def _block_error(blocks: torch.Tensor, gs: torch.Tensor, codes: torch.Tensor, block_scale: torch.Tensor, metric: str):
+    """FP32 error of one candidate, summed over i = 0..15 in ascending order (SPEC §2, 4-over-6)."""
+    scaled = blocks * gs[..., None]
+    diff = scaled - decode_e2m1(codes) * block_scale.float()[..., None]
+    terms = diff.abs() if metric == "mae" else diff * diff
+    total = terms[..., 0]
+    for i in range(1, BLOCK_SIZE):
+        total = total + terms[..., i]
+    return total
+
+
+def quantize_blocks(x: torch.Tensor, gs: torch.Tensor, four_over_six: str = "off"):
+    """The exact NVFP4 block math of SPEC §1 (with optional 4-over-6 of SPEC §2).
+
+    x: [..., K] (any float dtype, K % 16 == 0); gs: FP32 encode-direction global scale broadcastable
+    to x's leading dimensions ([...]). Returns (codes uint8 [..., K], scales float8_e4m3fn [..., K/16]).
+    """
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
+    gs = gs.float()[..., None].expand(blocks.shape[:-1])
+    inv_gs = 1.0 / gs
+    bmax = nan_ignoring_abs(blocks).amax(dim=-1)
+    unrounded_sf6 = bmax * (gs * rn_one_sixth(gs))
+    sf = to_e4m3(unrounded_sf6)
+    codes = _quantize_with_scale(blocks, sf, inv_gs)
+    if four_over_six != "off":
+        sf4 = to_e4m3(unrounded_sf6 * fp32_constant(1.5, gs))
+        codes4 = _quantize_with_scale(blocks, sf4, inv_gs)
+        pick4 = _block_error(blocks, gs, codes4, sf4, four_over_six) < _block_error(blocks, gs, codes, sf, four_over_six)
+        pick4 &= bmax != 0
+        sf = torch.where(pick4, sf4, sf)
+        codes = torch.where(pick4[..., None], codes4, codes)
+    return codes.reshape(x.shape), sf
+
+
+def per_token_scales(row_amax: torch.Tensor, global_scale_inv: float):
+    """Per-token encode scale and decode scale from FP32 row maxima (SPEC §2).
+
+    ``enc = min(RN(RN(1/global_scale_inv) / row_amax), FLT_MAX)``, ``pts = RN(1/enc)``; rows whose
+    amax is 0 get ``pts = 0``. Returns (enc, pts), both FP32 [M].
+    """
+    row_amax = row_amax.float()
+    numerator = 1.0 / fp32_constant(global_scale_inv, row_amax)
+    enc = torch.clamp(numerator / row_amax, max=FLT_MAX)
+    pts = torch.where(row_amax == 0, torch.zeros_like(enc), 1.0 / enc)
+    return enc, pts
+
+
+# ---------------------------------------------------------------------------------------------------
+# Scale-factor layouts
+# ---------------------------------------------------------------------------------------------------
+def swizzled_shape(rows: int, scale_cols: int) -> tuple[int, int]:
+    """Shape of the 128x4 swizzled scale tensor for `rows` x `scale_cols` linear scales."""
+    return round_up(rows, SWIZZLE_ROWS), round_up(scale_cols, SWIZZLE_COLS)
+
+
+def swizzle_128x4(linear: torch.Tensor) -> torch.Tensor:
+    """[M, C] linear scales -> [round_up(M,128), round_up(C,4)] in the 128x4 order, pads zero.
+
+    Element (r, c) lands at flat offset (c%4) + (c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + (r//128)*128*P.
+    """
+    rows, cols = linear.shape
+    padded_rows, padded_cols = swizzled_shape(rows, cols)
+    raw = linear.view(torch.uint8)
+    padded = raw.new_zeros(padded_rows, padded_cols)
+    padded[:rows, :cols] = raw
+    tiles = padded.view(padded_rows // 128, 4, 32, padded_cols // 4, 4)
+    swizzled = tiles.permute(0, 3, 2, 1, 4).reshape(padded_rows, padded_cols)
+    return swizzled.view(linear.dtype)
+
+
+def unswizzle_128x4(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of `swizzle_128x4`: the [rows, cols] linear scales (padding dropped)."""
+    padded_rows, padded_cols = swizzled.shape
+    tiles = swizzled.contiguous().view(torch.uint8).view(padded_rows // 128, padded_cols // 4, 32, 4, 4)
+    linear = tiles.permute(0, 3, 2, 1, 4).reshape(padded_rows, padded_cols)[:rows, :cols]
+    return linear.contiguous().view(swizzled.dtype)
+
+
+def to_layout(linear: torch.Tensor, sf_layout: str) -> torch.Tensor:
+    return swizzle_128x4(linear) if sf_layout == "swizzled" else linear
+
+
+def to_linear(block_scales: torch.Tensor, sf_layout: str, rows: int, cols: int) -> torch.Tensor:
+    return unswizzle_128x4(block_scales, rows, cols) if sf_layout == "swizzled" else block_scales
+
+
+# ---------------------------------------------------------------------------------------------------
+# Zero-copy interop with torch's own low-precision dtypes
+# ---------------------------------------------------------------------------------------------------
+def as_float4_e2m1fn_x2(codes: torch.Tensor) -> torch.Tensor:
+    """View packed uint8 codes as `torch.float4_e2m1fn_x2` (same bytes, no copy)."""
+    return codes.view(torch.float4_e2m1fn_x2)
+
+
+def codes_from_float4_e2m1fn_x2(packed: torch.Tensor) -> torch.Tensor:
+    """View a `torch.float4_e2m1fn_x2` tensor as fp4moe's packed uint8 codes (no copy)."""
+    return packed.view(torch.uint8)

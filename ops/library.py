@@ -1,0 +1,40 @@
+"""The `fp4moe` op namespace and the one way ops are added to it.
+
+Every op is inference-only: its Autograd kernel refuses inputs that require grad (with grad mode on)
+and otherwise re-dispatches below autograd, so no op ever records a graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+NAMESPACE = "fp4moe"
+LIBRARY = torch.library.Library(NAMESPACE, "DEF")
+
+
+def _inference_only(name: str) -> Callable:
+    def autograd_kernel(*args, **kwargs):
+        if torch.is_grad_enabled():
+            leaves = pytree.arg_tree_leaves(*args, **kwargs)
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+                raise NotImplementedError(
+                    f"{NAMESPACE}.{name} is inference-only and has no autograd formula; "
+                    "call it under torch.no_grad() / torch.inference_mode() or pass tensors that do not require grad"
+                )
+        with torch._C._AutoDispatchBelowAutograd():
+            return getattr(torch.ops.fp4moe, name)(*args, **kwargs)
+
+    return autograd_kernel
+
+
+def define_op(schema: str, cpu: Callable, cuda: Callable) -> None:
+    """Define `fp4moe::<name>` from its schema, register its CPU and CUDA kernels and the
+    inference-only autograd guard. The schema's name is everything before the first '('."""
+    name = schema[: schema.index("(")]
+    LIBRARY.define(schema)
+    LIBRARY.impl(name, cpu, "CPU")
+    LIBRARY.impl(name, cuda, "CUDA")
+    LIBRARY.impl(name, _inference_only(name), "Autograd")
