@@ -1,10 +1,15 @@
-"""Fakes of the NVFP4 quantization ops."""
+"""Fakes of the NVFP4 quantization ops.
+
+Python kernels receive only the arguments a caller passed, so each fake repeats its schema's
+defaults; tests/test_op_signatures.py checks that they agree with the schemas.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from fp4moe import op_outputs, validation
+from fp4moe.nvfp4 import DEFAULT_GLOBAL_SCALE_INV
 
 
 @torch.library.register_fake("fp4moe::quantize")
@@ -14,7 +19,14 @@ def quantize(x, global_scale, sf_layout="swizzled", four_over_six="off"):
 
 
 @torch.library.register_fake("fp4moe::quantize_per_token")
-def quantize_per_token(x, global_scale_inv, sf_layout="swizzled", four_over_six="off", input_amax=None, input_amax_valid_rows=None):
+def quantize_per_token(
+    x,
+    global_scale_inv=DEFAULT_GLOBAL_SCALE_INV,
+    sf_layout="swizzled",
+    four_over_six="off",
+    input_amax=None,
+    input_amax_valid_rows=None,
+):
     validation.check_quantize_per_token(x, global_scale_inv, sf_layout, four_over_six, input_amax, input_amax_valid_rows)
     return op_outputs.quantize_per_token_outputs(x, sf_layout)
 

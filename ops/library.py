@@ -13,6 +13,8 @@ import torch.utils._pytree as pytree
 
 NAMESPACE = "fp4moe"
 LIBRARY = torch.library.Library(NAMESPACE, "DEF")
+IMPLEMENTATIONS: dict[str, Callable] = {}
+"""Op name -> its Python CPU/CUDA implementation (tests compare its defaults with the schema)."""
 
 
 def _inference_only(name: str) -> Callable:
@@ -32,8 +34,12 @@ def _inference_only(name: str) -> Callable:
 
 def define_op(schema: str, cpu: Callable, cuda: Callable) -> None:
     """Define `fp4moe::<name>` from its schema, register its CPU and CUDA kernels and the
-    inference-only autograd guard. The schema's name is everything before the first '('."""
+    inference-only autograd guard. The schema's name is everything before the first '('.
+
+    Python kernels receive only the arguments a caller passed, so `cpu` and `cuda` repeat the
+    schema's defaults (tests/test_op_signatures.py keeps them in agreement)."""
     name = schema[: schema.index("(")]
+    IMPLEMENTATIONS[name] = cpu
     LIBRARY.define(schema)
     LIBRARY.impl(name, cpu, "CPU")
     LIBRARY.impl(name, cuda, "CUDA")
