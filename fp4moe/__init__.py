@@ -3,9 +3,34 @@
 Importing the package registers every op, its CPU/CUDA implementations and its fake.
 """
 
-from fp4moe import ops  # noqa: I001  (defines the ops; must precede the fakes)
-from fp4moe import meta_kernels  # noqa: F401  (registers the fakes)
-from fp4moe.dispatch import AUX_AMAX_MIN_TOKENS, per_token_quant_path, quantize_backend
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+
+def _import_mapped_package(name: str):
+    """Import `fp4moe.<name>`, which pyproject.toml maps from the top-level folder `<name>/`.
+
+    Installed wheels and setuptools' editable finder provide the mapping. Running from a source checkout
+    without them (PYTHONPATH at the repository root, or an editable install by a setuptools too old to
+    map package folders) finds only `fp4moe/`; then the sibling folder is loaded under the same name.
+    """
+    qualified = f"{__name__}.{name}"
+    if importlib.util.find_spec(qualified) is not None:
+        return importlib.import_module(qualified)
+    folder = Path(__file__).resolve().parent.parent / name
+    spec = importlib.util.spec_from_file_location(qualified, folder / "__init__.py", submodule_search_locations=[str(folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[qualified] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+ops = _import_mapped_package("ops")  # defines the ops; must precede the fakes
+meta_kernels = _import_mapped_package("meta_kernels")
+from fp4moe.dispatch import AUX_AMAX_MIN_TOKENS, moe_dispatch, per_token_quant_path, quantize_backend
+from fp4moe.module import FusedMoE
 from fp4moe.nvfp4 import (
     DEFAULT_GLOBAL_SCALE_INV,
     as_float4_e2m1fn_x2,
@@ -16,19 +41,25 @@ from fp4moe.nvfp4 import (
     swizzle_128x4,
     unswizzle_128x4,
 )
+from fp4moe.weights import MoEWeights, moe_weights_from_nvfp4, quantize_moe_weights
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AUX_AMAX_MIN_TOKENS",
     "DEFAULT_GLOBAL_SCALE_INV",
+    "FusedMoE",
+    "MoEWeights",
     "as_float4_e2m1fn_x2",
     "codes_from_float4_e2m1fn_x2",
     "decode_scale_from_global_scale",
     "global_scale_from_amax",
     "global_scale_from_decode_scale",
+    "moe_dispatch",
+    "moe_weights_from_nvfp4",
     "per_token_quant_path",
     "quantize_backend",
+    "quantize_moe_weights",
     "swizzle_128x4",
     "unswizzle_128x4",
 ]

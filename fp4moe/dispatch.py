@@ -6,6 +6,8 @@ The decisions are public functions so that users and tests can observe them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 AUX_AMAX_MIN_TOKENS = 4
@@ -31,3 +33,41 @@ def quantize_backend(device: torch.device) -> str:
     """
     del device
     return REFERENCE_BACKEND
+
+
+# ---------------------------------------------------------------------------------------------------
+# MoE
+# ---------------------------------------------------------------------------------------------------
+MOE_TILE_M_CHOICES = (8, 16, 32, 64, 128)
+"""Rows per plan tile. Each expert's segment is padded to a whole tile, so the tile follows the
+expected rows per expert: small for decode (little padding), 128 for prefill."""
+
+AUX_AMAX_TILE_N = 128
+"""Columns of the intermediate covered by one aux-amax entry (GEMM1's output N-tile)."""
+
+
+class MoEDispatch(NamedTuple):
+    """Everything `fused_moe` decides on the host, from shapes and flags alone."""
+
+    per_token_path: str | None
+    """`aux_amax` or `legacy` for per-token W4A4; None when activations are not per-token."""
+    tile_m: int
+    aux_amax_tile_n: int
+    backend: str
+
+
+def moe_tile_m(num_tokens: int, top_k: int, num_local_experts: int) -> int:
+    """The smallest tile that holds the expected rows per expert (uniform routing), at most 128."""
+    expected_rows = -(-num_tokens * top_k // num_local_experts)
+    return next((t for t in MOE_TILE_M_CHOICES if t >= expected_rows), MOE_TILE_M_CHOICES[-1])
+
+
+def moe_dispatch(num_tokens: int, top_k: int, num_local_experts: int, quant_mode: str, per_token_activation: bool):
+    """The host-static choices of `fused_moe` for these shapes (SPEC §4). Reads no device data."""
+    per_token = quant_mode == "w4a4" and per_token_activation
+    return MoEDispatch(
+        per_token_path=per_token_quant_path(num_tokens) if per_token else None,
+        tile_m=moe_tile_m(num_tokens, top_k, num_local_experts),
+        aux_amax_tile_n=AUX_AMAX_TILE_N,
+        backend=REFERENCE_BACKEND,
+    )

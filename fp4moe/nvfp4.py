@@ -46,8 +46,12 @@ def ceil_div(value: int, divisor: int) -> int:
 
 
 def fp32_constant(value: float, like: torch.Tensor) -> torch.Tensor:
-    """`value` rounded once to FP32, as a 0-d tensor on `like`'s device."""
-    return torch.tensor(value, dtype=torch.float32, device=like.device)
+    """`value` rounded once to FP32, as a 0-d tensor on `like`'s device.
+
+    Made by a fill on the device: `torch.tensor(value, device=cuda)` would copy from pageable host
+    memory, which synchronizes and is refused during CUDA-graph capture.
+    """
+    return torch.full((), value, dtype=torch.float32, device=like.device)
 
 
 def rn_one_sixth(like: torch.Tensor) -> torch.Tensor:
@@ -73,9 +77,20 @@ def encode_e2m1(values: torch.Tensor) -> torch.Tensor:
 
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes (uint8 0..15) -> FP32 values (exact)."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    return table[codes.long()]
+    """E2M1 codes (uint8 0..15) -> FP32 values (exact).
+
+    Decoded from the bits rather than through a lookup table, because building a table on a CUDA
+    device is a host-to-device copy (a synchronization, and illegal inside CUDA-graph capture).
+    In units of 0.5, magnitude bits 0 and 1 are the subnormals 0 and 0.5 (the bits themselves); from
+    2 on, exponent e = bits >> 1 and mantissa m = bits & 1 give (1 + m/2) * 2^(e-1) = (2 + m) << (e-1)
+    halves. Negating +0 gives -0, so code 8 decodes to -0.
+    """
+    magnitude_bits = codes & 0x7
+    exponent = magnitude_bits >> 1
+    normal_halves = (2 + (magnitude_bits & 1)) << (exponent.clamp(min=1) - 1)
+    halves = torch.where(exponent == 0, magnitude_bits, normal_halves)
+    magnitude = halves.float() * 0.5
+    return torch.where((codes & 0x8) != 0, -magnitude, magnitude)
 
 
 def to_e4m3(values: torch.Tensor) -> torch.Tensor:
@@ -165,6 +180,17 @@ def quantize_blocks(x: torch.Tensor, gs: torch.Tensor, four_over_six: str = "off
         sf = torch.where(pick4, sf4, sf)
         codes = torch.where(pick4[..., None], codes4, codes)
     return codes.reshape(x.shape), sf
+
+
+def dequantize_blocks(packed_codes: torch.Tensor, block_scales: torch.Tensor) -> torch.Tensor:
+    """Packed codes [..., K/2] and linear E4M3 block scales [..., K/16] -> FP32 `e2m1 * sf` [..., K].
+
+    Exact: every E2M1 value times every E4M3 scale is representable (in bf16 already), so any global
+    or per-token scale the caller applies afterwards is the only rounding.
+    """
+    values = decode_e2m1(unpack_e2m1(packed_codes))
+    blocks = values.reshape(*values.shape[:-1], values.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
+    return (blocks * block_scales.float()[..., None]).reshape(values.shape)
 
 
 def per_token_scales(row_amax: torch.Tensor, global_scale_inv: float):

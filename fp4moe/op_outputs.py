@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from fp4moe.nvfp4 import BLOCK_SIZE, ceil_div, swizzled_shape
-from fp4moe.validation import AUX_AMAX_ROW_GROUP
+from fp4moe.validation import AUX_AMAX_ROW_GROUP, route_plan_capacity
 
 
 def block_scales_shape(rows: int, k: int, sf_layout: str) -> tuple[int, int]:
@@ -38,3 +38,97 @@ def tile_amax_output(x: torch.Tensor, tile_n: int) -> torch.Tensor:
     """[ceil(M/8), ceil(N/tile_n), 8] in x's dtype (the blocked-8 aux-amax layout, SPEC §2)."""
     rows, cols = x.shape
     return x.new_empty((ceil_div(rows, AUX_AMAX_ROW_GROUP), ceil_div(cols, tile_n), AUX_AMAX_ROW_GROUP))
+
+
+def routing_outputs(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids int32 [T, top_k] and topk_weights fp32 [T, top_k], shared by every routing op."""
+    shape = (router_logits.shape[0], top_k)
+    return router_logits.new_empty(shape, dtype=torch.int32), router_logits.new_empty(shape, dtype=torch.float32)
+
+
+def align_block_size_outputs(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The route plan, sized statically from (T, k, E, block_m) (SPEC §5): sorted_token_ids int32
+    [capacity], expert_ids int32 [capacity / block_m], num_tokens_post_padded int32 [1]."""
+    capacity = route_plan_capacity(topk_ids.numel(), num_experts, block_m)
+    return (
+        topk_ids.new_empty((capacity,), dtype=torch.int32),
+        topk_ids.new_empty((capacity // block_m,), dtype=torch.int32),
+        topk_ids.new_empty((1,), dtype=torch.int32),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# MoE stages
+# ---------------------------------------------------------------------------------------------------
+def moe_plan_sizes(num_pairs, num_local_experts: int, tile_m: int):
+    """Static worst-case (rows, tiles) of a plan, from host-known sizes only.
+
+    Each expert that receives a pair pads its segment by at most `tile_m - 1` rows, and at most
+    `min(E, pairs)` experts receive one: rows <= pairs + min(E, pairs) * (tile_m - 1), rounded up to
+    a whole tile. `num_pairs` may be symbolic (a dynamic token count).
+    """
+    bound = num_pairs + torch.sym_min(num_local_experts, num_pairs) * (tile_m - 1)
+    tiles = (bound + tile_m - 1) // tile_m
+    return tiles * tile_m, tiles
+
+
+def moe_plan_outputs(topk_ids: torch.Tensor, num_local_experts: int, tile_m: int):
+    """permuted_to_pair int32 [R], pair_to_permuted int32 [T*k], tile_expert int32 [R/tile_m],
+    tile_valid_rows int32 [R/tile_m], totals int32 [3] = (local pairs, padded rows, used tiles)."""
+    num_pairs = topk_ids.shape[0] * topk_ids.shape[1]
+    rows, tiles = moe_plan_sizes(num_pairs, num_local_experts, tile_m)
+    new = topk_ids.new_empty
+    return (
+        new((rows,), dtype=torch.int32),
+        new((num_pairs,), dtype=torch.int32),
+        new((tiles,), dtype=torch.int32),
+        new((tiles,), dtype=torch.int32),
+        new((3,), dtype=torch.int32),
+    )
+
+
+def moe_intermediate_size(w1: torch.Tensor, activation: str) -> int:
+    """I: w1 has 2I rows ([gate; up]) for SwiGLU and I rows for relu2."""
+    return w1.shape[1] // 2 if activation == "swiglu" else w1.shape[1]
+
+
+def moe_gemm1_outputs(
+    a: torch.Tensor, permuted_to_pair: torch.Tensor, w1: torch.Tensor, activation: str, nvfp4_output: bool, aux_amax_tile_n: int
+):
+    """(out, out_scales, aux_amax) over the R permuted rows. NVFP4 output: codes uint8 [R, I/2] and
+    linear scales [R, I/16]; bf16 output: bf16 [R, I]. Outputs a configuration does not produce are
+    empty tensors of shape [0]; aux_amax is [ceil(R/8), ceil(I/tile_n), 8] bf16 when requested."""
+    rows = permuted_to_pair.shape[0]
+    intermediate = moe_intermediate_size(w1, activation)
+    new = a.new_empty
+    if nvfp4_output:
+        out = new((rows, intermediate // 2), dtype=torch.uint8)
+        out_scales = new((rows, intermediate // BLOCK_SIZE), dtype=torch.float8_e4m3fn)
+    else:
+        out = new((rows, intermediate), dtype=torch.bfloat16)
+        out_scales = new((0,), dtype=torch.float8_e4m3fn)
+    if aux_amax_tile_n > 0:
+        aux_shape = (ceil_div(rows, AUX_AMAX_ROW_GROUP), ceil_div(intermediate, aux_amax_tile_n), AUX_AMAX_ROW_GROUP)
+        aux_amax = new(aux_shape, dtype=torch.bfloat16)
+    else:
+        aux_amax = new((0,), dtype=torch.bfloat16)
+    return out, out_scales, aux_amax
+
+
+def moe_gemm2_output(a: torch.Tensor, w2: torch.Tensor, num_tokens, top_k: int, finalize: str):
+    """`fused`: bf16 [T, H]; `expanded`: FP32 [T*k, H] (one row per (token, slot) pair)."""
+    hidden = w2.shape[1]
+    if finalize == "expanded":
+        return a.new_empty((num_tokens * top_k, hidden), dtype=torch.float32)
+    return a.new_empty((num_tokens, hidden), dtype=torch.bfloat16)
+
+
+def moe_finalize_output(expanded: torch.Tensor, top_k: int, out_dtype: torch.dtype):
+    return expanded.new_empty((expanded.shape[0] // top_k, expanded.shape[1]), dtype=out_dtype)
+
+
+def fused_moe_output(x: torch.Tensor, w2: torch.Tensor):
+    """bf16 [T, H] (x may be bf16 or NVFP4 codes; H comes from w2)."""
+    return x.new_empty((x.shape[0], w2.shape[1]), dtype=torch.bfloat16)

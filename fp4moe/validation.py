@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from fp4moe.nvfp4 import BLOCK_SIZE, SF_LAYOUTS, ceil_div, swizzled_shape
+from fp4moe.nvfp4 import BLOCK_SIZE, FLT_MAX, SF_LAYOUTS, ceil_div, round_up, swizzled_shape
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HANDOFF_DTYPES = (torch.bfloat16, torch.float16)
@@ -161,3 +161,442 @@ def check_tile_amax(x: torch.Tensor, tile_n: int) -> None:
         raise ValueError("x.shape[1] must be positive")
     if tile_n < 1:
         raise ValueError(f"tile_n must be >= 1, got {tile_n}")
+
+
+# --- Routing (SPEC §3.1) -----------------------------------------------------------------------
+
+ROUTER_LOGITS_DTYPES = ACTIVATION_DTYPES
+
+
+def check_router_logits(router_logits: torch.Tensor) -> None:
+    """A 2-D [T, E] tensor of router logits with at least one expert (T may be 0)."""
+    check_dtype("router_logits", router_logits, ROUTER_LOGITS_DTYPES)
+    check_dim("router_logits", router_logits, 2)
+    if router_logits.shape[1] == 0:
+        raise ValueError("router_logits.shape[1] (the number of experts E) must be positive")
+
+
+def check_top_k_in_range(top_k: int, limit: int, limit_name: str) -> None:
+    if not 1 <= top_k <= limit:
+        raise ValueError(f"top_k must be in [1, {limit_name} = {limit}], got {top_k}")
+
+
+def check_route_softmax_topk(router_logits: torch.Tensor, top_k: int) -> None:
+    check_router_logits(router_logits)
+    check_top_k_in_range(top_k, router_logits.shape[1], "E")
+
+
+def check_route_deepseek_v3(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+) -> None:
+    """`correction_bias` may be FP32 or the logits' dtype: either widens to FP32 exactly, so the
+    routing is the same (checkpoints store it in FP32; some engines keep it in the model dtype)."""
+    check_router_logits(router_logits)
+    experts = router_logits.shape[1]
+    bias_dtypes = (torch.float32,) if router_logits.dtype == torch.float32 else (torch.float32, router_logits.dtype)
+    check_dtype("correction_bias", correction_bias, bias_dtypes)
+    check_shape("correction_bias", correction_bias, (experts,))
+    check_same_device("correction_bias", correction_bias, "router_logits", router_logits)
+    if n_group < 1 or experts % n_group != 0:
+        raise ValueError(f"n_group must be a positive divisor of E = {experts}, got {n_group}")
+    group_size = experts // n_group
+    if group_size < 2:
+        # The group score is the sum of the group's two largest biased scores.
+        raise ValueError(f"each group needs at least 2 experts, got E / n_group = {experts} / {n_group} = {group_size}")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group must be in [1, n_group = {n_group}], got {topk_group}")
+    check_top_k_in_range(top_k, topk_group * group_size, "topk_group * E / n_group")
+    check_finite_fp32("routed_scaling_factor", routed_scaling_factor)
+
+
+# --- Aligned fused MoE and its route plan (SPEC §5) --------------------------------------------
+
+INT32_MAX = 2**31 - 1
+ALIGNED_MOE_DIM_MULTIPLE = 256
+"""K (hidden size) and N (= 2I, gate and up rows of w1) must be positive multiples of this."""
+ALIGNED_MOE_BLOCK_M_MULTIPLE = 8
+ALIGNED_MOE_ALIGNMENT_BYTES = 16
+"""Data pointers and activation row strides are multiples of this (16-byte vector loads / TMA)."""
+ALIGNED_MOE_VECTOR_OPERANDS = ("out", "hidden", "hidden_scales", "w1", "w1_scales", "w2", "w2_scales")
+"""The operands kernels move in 16-byte vectors; their data pointers must be 16-byte aligned."""
+ALIGNED_MOE_ROW_STRIDED = ("out", "hidden", "hidden_scales")
+"""Per-token operands that may be row-strided views; every other tensor argument is dense."""
+
+
+def route_plan_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Static length of `sorted_token_ids` for `num_pairs = T*k` routed pairs and `num_experts` local
+    experts: the worst case `T*k + E*(block_m - 1)` of SPEC §5 (every expert ends in a partial block)
+    rounded up to whole blocks, so that `expert_ids` has exactly `capacity / block_m` entries."""
+    return round_up(num_pairs + num_experts * (block_m - 1), block_m)
+
+
+def check_finite_fp32(name: str, value: float) -> None:
+    """A Python float that stays finite once rounded to FP32 (the precision it is applied in)."""
+    if not (math.isfinite(value) and abs(value) <= FLT_MAX):
+        raise ValueError(f"{name} must be finite in FP32, got {value}")
+
+
+def check_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int, local_expert_offset: int) -> None:
+    check_topk(topk_ids)
+    if block_m < 1:
+        raise ValueError(f"block_m must be >= 1, got {block_m}")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if not 0 <= local_expert_offset <= INT32_MAX - num_experts:
+        raise ValueError(
+            "local_expert_offset must be in [0, 2^31 - 1 - num_experts] (global ids are int32), "
+            f"got {local_expert_offset}"
+        )
+    # Pair indices, the sentinel and num_tokens_post_padded are int32 values no larger than the capacity.
+    capacity = route_plan_capacity(topk_ids.numel(), num_experts, block_m)
+    if capacity > INT32_MAX:
+        raise ValueError(
+            f"the route plan of topk_ids {tuple(topk_ids.shape)} needs {capacity} int32 slots (> 2^31 - 1)"
+        )
+
+
+def _check_row_major(name: str, tensor: torch.Tensor) -> None:
+    """A 2-D activation that may be a row-strided view: unit element stride, row stride a multiple of
+    16 bytes (rows are fetched with 16-byte vector loads)."""
+    if tensor.stride(1) != 1:
+        raise ValueError(f"{name} must have unit stride along its last dimension, got strides {tensor.stride()}")
+    if tensor.stride(0) * tensor.element_size() % ALIGNED_MOE_ALIGNMENT_BYTES != 0:
+        raise ValueError(
+            f"{name}'s row stride ({tensor.stride(0)} elements of {tensor.element_size()} bytes) must be a multiple "
+            f"of {ALIGNED_MOE_ALIGNMENT_BYTES} bytes"
+        )
+
+
+def _check_contiguous(name: str, tensor: torch.Tensor) -> None:
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got shape {tuple(tensor.shape)} with strides {tensor.stride()}")
+
+
+def check_aligned_moe(
+    out: torch.Tensor,
+    hidden: torch.Tensor,
+    hidden_scales: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scales: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scales: torch.Tensor,
+    scale_gate: torch.Tensor,
+    scale_up: torch.Tensor,
+    scale_down: torch.Tensor,
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
+    topk_weights: torch.Tensor,
+    routed_scaling_factor: float,
+    block_m: int,
+    *,
+    real_storage: bool,
+) -> None:
+    """The contract of `aligned_moe_` (SPEC §5). The real op passes `real_storage=True` to add the
+    checks that need addresses, which fakes do not have: 16-byte aligned vector operands, and `out`
+    (written while the inputs are still being read) overlapping no other tensor argument."""
+    tensors = {
+        "out": (out, torch.bfloat16),
+        "hidden": (hidden, torch.uint8),
+        "hidden_scales": (hidden_scales, torch.float8_e4m3fn),
+        "w1": (w1, torch.uint8),
+        "w1_scales": (w1_scales, torch.float8_e4m3fn),
+        "w2": (w2, torch.uint8),
+        "w2_scales": (w2_scales, torch.float8_e4m3fn),
+        "scale_gate": (scale_gate, torch.float32),
+        "scale_up": (scale_up, torch.float32),
+        "scale_down": (scale_down, torch.float32),
+        "sorted_token_ids": (sorted_token_ids, torch.int32),
+        "expert_ids": (expert_ids, torch.int32),
+        "num_tokens_post_padded": (num_tokens_post_padded, torch.int32),
+        "topk_weights": (topk_weights, torch.float32),
+    }
+    for name, (tensor, dtype) in tensors.items():
+        check_dtype(name, tensor, (dtype,))
+
+    check_dim("hidden", hidden, 2)
+    rows, k = hidden.shape[0], hidden.shape[1] * 2
+    if k < ALIGNED_MOE_DIM_MULTIPLE or k % ALIGNED_MOE_DIM_MULTIPLE != 0:
+        raise ValueError(f"hidden.shape[1] * 2 (K = {k}) must be a positive multiple of {ALIGNED_MOE_DIM_MULTIPLE}")
+    check_dim("w1", w1, 3)
+    experts, n = w1.shape[0], w1.shape[1]
+    if n < ALIGNED_MOE_DIM_MULTIPLE or n % ALIGNED_MOE_DIM_MULTIPLE != 0:
+        raise ValueError(f"w1.shape[1] (N = 2I = {n}) must be a positive multiple of {ALIGNED_MOE_DIM_MULTIPLE}")
+    check_shape("w1", w1, (experts, n, k // 2))
+    check_shape("hidden_scales", hidden_scales, (rows, k // BLOCK_SIZE))
+    check_shape("w1_scales", w1_scales, (experts, n, k // BLOCK_SIZE))
+    check_shape("w2", w2, (experts, k, n // 4))
+    check_shape("w2_scales", w2_scales, (experts, k, n // 2 // BLOCK_SIZE))
+    for name in ("scale_gate", "scale_up", "scale_down"):
+        check_shape(name, tensors[name][0], (experts,))
+    check_dim("topk_weights", topk_weights, 2)
+    top_k = topk_weights.shape[1]
+    check_shape("topk_weights", topk_weights, (rows, top_k))
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"topk_weights.shape[1] (top_k = {top_k}) must be in [1, E = {experts}]")
+    check_shape("out", out, (rows, k))
+    check_dim("sorted_token_ids", sorted_token_ids, 1)
+    check_dim("expert_ids", expert_ids, 1)
+    check_shape("num_tokens_post_padded", num_tokens_post_padded, (1,))
+
+    if block_m < ALIGNED_MOE_BLOCK_M_MULTIPLE or block_m % ALIGNED_MOE_BLOCK_M_MULTIPLE != 0:
+        raise ValueError(f"block_m must be a positive multiple of {ALIGNED_MOE_BLOCK_M_MULTIPLE}, got {block_m}")
+    if sorted_token_ids.numel() < expert_ids.numel() * block_m:
+        raise ValueError(
+            f"sorted_token_ids has {sorted_token_ids.numel()} entries, fewer than expert_ids.numel() * block_m = "
+            f"{expert_ids.numel()} * {block_m}"
+        )
+    # The sentinel M * top_k and every plan position must be int32 values.
+    if rows * top_k > INT32_MAX or sorted_token_ids.numel() > INT32_MAX:
+        raise ValueError(
+            f"the route plan exceeds int32: M * top_k = {rows * top_k}, "
+            f"sorted_token_ids.numel() = {sorted_token_ids.numel()}"
+        )
+    check_finite_fp32("routed_scaling_factor", routed_scaling_factor)
+
+    for name, (tensor, _) in tensors.items():
+        check_same_device(name, tensor, "hidden", hidden)
+    for name in ALIGNED_MOE_ROW_STRIDED:
+        _check_row_major(name, tensors[name][0])
+    if rows > 1 and out.stride(0) < k:
+        raise ValueError(f"out's rows overlap each other (row stride {out.stride(0)} < K = {k})")
+    # Weights, per-expert scalars and the plan are addressed as dense arrays (topk_weights by the
+    # flat pair index t * top_k + j).
+    for name, (tensor, _) in tensors.items():
+        if name not in ALIGNED_MOE_ROW_STRIDED:
+            _check_contiguous(name, tensor)
+    if real_storage:
+        _check_aligned_moe_storage({name: tensor for name, (tensor, _) in tensors.items()})
+
+
+def _byte_range(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """[first, last + 1) bytes spanned by a strided tensor; None when it has no elements."""
+    if tensor.numel() == 0:
+        return None
+    span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return tensor.data_ptr(), tensor.data_ptr() + span * tensor.element_size()
+
+
+def _check_aligned_moe_storage(tensors: dict[str, torch.Tensor]) -> None:
+    for name in ALIGNED_MOE_VECTOR_OPERANDS:
+        if tensors[name].data_ptr() % ALIGNED_MOE_ALIGNMENT_BYTES != 0:
+            raise ValueError(f"{name}'s data pointer must be {ALIGNED_MOE_ALIGNMENT_BYTES}-byte aligned")
+    written = _byte_range(tensors["out"])
+    if written is None:
+        return
+    for name, tensor in tensors.items():
+        read = None if name == "out" else _byte_range(tensor)
+        if read is not None and read[0] < written[1] and written[0] < read[1]:
+            raise RuntimeError(f"out overlaps {name} in memory; aligned_moe_ writes out while it still reads {name}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# MoE pipeline stages and fused_moe (SPEC §3)
+# ---------------------------------------------------------------------------------------------------
+MOE_QUANT_MODES = ("w4a4", "w4a16")
+MOE_ACTIVATIONS = ("swiglu", "relu2")
+MOE_FINALIZE_MODES = ("fused", "expanded")
+MOE_TILE_M_MULTIPLE = 8
+"""Plan tiles hold whole groups of 8 rows, the granularity of the aux-amax handoff."""
+
+
+def check_topk(topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> None:
+    check_dtype("topk_ids", topk_ids, (torch.int32,))
+    check_dim("topk_ids", topk_ids, 2)
+    if topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids must have at least one column (top_k >= 1), got shape {tuple(topk_ids.shape)}")
+    if topk_weights is not None:
+        check_dtype("topk_weights", topk_weights, (torch.float32,))
+        check_shape("topk_weights", topk_weights, topk_ids.shape)
+        check_same_device("topk_weights", topk_weights, "topk_ids", topk_ids)
+
+
+def check_moe_plan(topk_ids: torch.Tensor, num_local_experts: int, local_expert_offset: int, tile_m: int) -> None:
+    check_topk(topk_ids)
+    if num_local_experts < 1:
+        raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
+    if local_expert_offset < 0:
+        raise ValueError(f"local_expert_offset must be >= 0, got {local_expert_offset}")
+    if tile_m < MOE_TILE_M_MULTIPLE or tile_m % MOE_TILE_M_MULTIPLE != 0:
+        raise ValueError(f"tile_m must be a positive multiple of {MOE_TILE_M_MULTIPLE}, got {tile_m}")
+
+
+def check_expert_weights(prefix: str, w: torch.Tensor, scales: torch.Tensor, alpha: torch.Tensor, device_of) -> tuple:
+    """NVFP4 expert weights `uint8 [E, N, K/2]`, linear scales `[E, N, K/16]`, FP32 alpha `[E]`.
+    Returns (E, N, K)."""
+    check_dtype(prefix, w, (torch.uint8,))
+    check_dim(prefix, w, 3)
+    experts, n, k = w.shape[0], w.shape[1], w.shape[2] * 2
+    if experts < 1 or n < 1 or k == 0 or k % BLOCK_SIZE != 0:
+        raise ValueError(
+            f"{prefix} must be [E >= 1, N >= 1, K/2] with K a positive multiple of {BLOCK_SIZE}, got {tuple(w.shape)}"
+        )
+    check_dtype(f"{prefix}_scales", scales, (torch.float8_e4m3fn,))
+    check_shape(f"{prefix}_scales (linear)", scales, (experts, n, k // BLOCK_SIZE))
+    check_dtype(f"{prefix}_alpha", alpha, (torch.float32,))
+    check_shape(f"{prefix}_alpha", alpha, (experts,))
+    for name, tensor in ((prefix, w), (f"{prefix}_scales", scales), (f"{prefix}_alpha", alpha)):
+        check_same_device(name, tensor, device_of[0], device_of[1])
+    return experts, n, k
+
+
+def check_moe_activation_input(
+    name: str, a: torch.Tensor, a_scales: torch.Tensor | None, a_per_token_scale: torch.Tensor | None, rows, k: int
+) -> None:
+    """A GEMM input: bf16 [rows, K], or NVFP4 codes uint8 [rows, K/2] with linear scales [rows, K/16];
+    an optional FP32 per-row scale [rows] (NVFP4 only)."""
+    if a_scales is None:
+        check_dtype(f"{name} (without {name}_scales)", a, (torch.bfloat16,))
+        check_shape(name, a, (rows, k))
+        if a_per_token_scale is not None:
+            raise ValueError(f"{name}_per_token_scale needs NVFP4 {name} (codes with {name}_scales)")
+        return
+    check_dtype(f"{name} (with {name}_scales)", a, (torch.uint8,))
+    check_shape(name, a, (rows, k // 2))
+    check_dtype(f"{name}_scales", a_scales, (torch.float8_e4m3fn,))
+    check_shape(f"{name}_scales (linear)", a_scales, (rows, k // BLOCK_SIZE))
+    check_same_device(f"{name}_scales", a_scales, name, a)
+    if a_per_token_scale is not None:
+        check_dtype(f"{name}_per_token_scale", a_per_token_scale, (torch.float32,))
+        check_shape(f"{name}_per_token_scale", a_per_token_scale, (rows,))
+        check_same_device(f"{name}_per_token_scale", a_per_token_scale, name, a)
+
+
+def check_plan_tensors(permuted_to_pair: torch.Tensor, tile_expert: torch.Tensor, a: torch.Tensor) -> None:
+    for name, tensor in (("permuted_to_pair", permuted_to_pair), ("tile_expert", tile_expert)):
+        check_dtype(name, tensor, (torch.int32,))
+        check_dim(name, tensor, 1)
+        check_same_device(name, tensor, "a", a)
+    rows, tiles = permuted_to_pair.shape[0], tile_expert.shape[0]
+    if (tiles == 0) != (rows == 0) or (tiles and rows % tiles != 0):
+        raise ValueError(
+            f"permuted_to_pair ({rows} rows) must split into tile_expert.numel() = {tiles} equal tiles (from moe_plan)"
+        )
+
+
+def check_swiglu_parameters(activation: str, swiglu_alpha, swiglu_beta, swiglu_limit) -> None:
+    check_choice("activation", activation, MOE_ACTIVATIONS)
+    given = [n for n, v in (("swiglu_alpha", swiglu_alpha), ("swiglu_beta", swiglu_beta), ("swiglu_limit", swiglu_limit)) if v is not None]
+    if activation != "swiglu" and given:
+        raise ValueError(f"{', '.join(given)} only apply to activation='swiglu', got activation={activation!r}")
+    for name, value in (("swiglu_alpha", swiglu_alpha), ("swiglu_beta", swiglu_beta)):
+        if value is not None:
+            check_finite_fp32(name, value)
+    if swiglu_limit is not None and not (math.isfinite(swiglu_limit) and swiglu_limit > 0):
+        raise ValueError(f"swiglu_limit must be finite and > 0, got {swiglu_limit}")
+
+
+def check_gated_rows(activation: str, n: int, name: str) -> int:
+    """I from w1's N: 2I rows ([gate; up]) for SwiGLU, I for relu2; I must be a multiple of 16."""
+    if activation == "swiglu" and n % 2:
+        raise ValueError(f"{name}.shape[1] must be even ([gate; up] rows) for SwiGLU, got {n}")
+    intermediate = n // 2 if activation == "swiglu" else n
+    if intermediate % BLOCK_SIZE:
+        raise ValueError(f"the intermediate size I = {intermediate} (from {name}) must be a multiple of {BLOCK_SIZE}")
+    return intermediate
+
+
+def check_moe_gemm1(
+    a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, top_k,
+    activation, swiglu_alpha, swiglu_beta, swiglu_limit, router_weights, output_global_scale, aux_amax_tile_n,
+) -> None:
+    _, n, k = check_expert_weights("w1", w1, w1_scales, w1_alpha, ("a", a))
+    check_moe_activation_input("a", a, a_scales, a_per_token_scale, a.shape[0], k)
+    check_plan_tensors(permuted_to_pair, tile_expert, a)
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    check_swiglu_parameters(activation, swiglu_alpha, swiglu_beta, swiglu_limit)
+    check_gated_rows(activation, n, "w1")
+    if router_weights is not None:
+        check_dtype("router_weights", router_weights, (torch.float32,))
+        check_shape("router_weights", router_weights, (a.shape[0], top_k))
+        check_same_device("router_weights", router_weights, "a", a)
+    if output_global_scale is not None:
+        check_dtype("output_global_scale", output_global_scale, (torch.float32,))
+        if output_global_scale.numel() != 1:
+            raise ValueError(f"output_global_scale must hold one element, got shape {tuple(output_global_scale.shape)}")
+        check_same_device("output_global_scale", output_global_scale, "a", a)
+    if aux_amax_tile_n < 0:
+        raise ValueError(f"aux_amax_tile_n must be >= 0 (0: no aux-amax output), got {aux_amax_tile_n}")
+    if aux_amax_tile_n and output_global_scale is not None:
+        raise ValueError("aux_amax_tile_n needs the bf16 output (output_global_scale=None)")
+
+
+def check_moe_gemm2(
+    a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w2, w2_scales, w2_alpha, router_weights,
+    num_tokens, top_k, finalize,
+) -> None:
+    _, _, k = check_expert_weights("w2", w2, w2_scales, w2_alpha, ("a", a))
+    check_plan_tensors(permuted_to_pair, tile_expert, a)
+    check_moe_activation_input("a", a, a_scales, a_per_token_scale, permuted_to_pair.shape[0], k)
+    if num_tokens < 0 or top_k < 1:
+        raise ValueError(f"num_tokens must be >= 0 and top_k >= 1, got {num_tokens} and {top_k}")
+    if router_weights is not None:
+        check_dtype("router_weights", router_weights, (torch.float32,))
+        check_shape("router_weights", router_weights, (num_tokens, top_k))
+        check_same_device("router_weights", router_weights, "a", a)
+    check_choice("finalize", finalize, MOE_FINALIZE_MODES)
+
+
+def check_moe_finalize(expanded, pair_to_permuted, top_k, out_dtype) -> None:
+    check_dtype("expanded", expanded, (torch.float32,))
+    check_dim("expanded", expanded, 2)
+    if top_k < 1 or expanded.shape[0] % top_k:
+        raise ValueError(f"expanded.shape[0] ({expanded.shape[0]}) must be a multiple of top_k = {top_k} >= 1")
+    check_dtype("pair_to_permuted", pair_to_permuted, (torch.int32,))
+    check_shape("pair_to_permuted", pair_to_permuted, (expanded.shape[0],))
+    check_same_device("pair_to_permuted", pair_to_permuted, "expanded", expanded)
+    if out_dtype not in ACTIVATION_DTYPES:
+        raise TypeError(f"out_dtype must be one of ({', '.join(str(d) for d in ACTIVATION_DTYPES)}), got {out_dtype}")
+
+
+def check_fused_moe(
+    x, topk_ids, topk_weights, w1, w1_scales, w1_alpha, w2, w2_scales, w2_alpha, fc1_input_scale, fc2_input_scale,
+    quant_mode, per_token_activation, activation, swiglu_alpha, swiglu_beta, swiglu_limit,
+    apply_router_weight_on_input, deterministic, local_expert_offset, num_local_experts, x_scales,
+) -> None:
+    check_choice("quant_mode", quant_mode, MOE_QUANT_MODES)
+    check_topk(topk_ids, topk_weights)
+    experts, n1, hidden = check_expert_weights("w1", w1, w1_scales, w1_alpha, ("topk_ids", topk_ids))
+    check_swiglu_parameters(activation, swiglu_alpha, swiglu_beta, swiglu_limit)
+    intermediate = check_gated_rows(activation, n1, "w1")
+    check_expert_weights("w2", w2, w2_scales, w2_alpha, ("topk_ids", topk_ids))
+    check_shape("w2", w2, (experts, hidden, intermediate // 2))
+    tokens = topk_ids.shape[0]
+    check_same_device("x", x, "topk_ids", topk_ids)
+    if x_scales is None:
+        check_dtype("x", x, (torch.bfloat16,))
+        check_shape("x", x, (tokens, hidden))
+    else:
+        if quant_mode != "w4a4" or per_token_activation:
+            raise NotImplementedError("pre-quantized x (x_scales given) is supported for per-tensor w4a4 only")
+        check_moe_activation_input("x", x, x_scales, None, tokens, hidden)
+    if num_local_experts is not None and num_local_experts != experts:
+        raise ValueError(f"num_local_experts ({num_local_experts}) must equal w1.shape[0] ({experts})")
+    if local_expert_offset < 0:
+        raise ValueError(f"local_expert_offset must be >= 0, got {local_expert_offset}")
+    per_tensor_w4a4 = quant_mode == "w4a4" and not per_token_activation
+    if quant_mode == "w4a16" and per_token_activation:
+        raise ValueError("per_token_activation applies to quant_mode='w4a4' only")
+    needs_fc1 = per_tensor_w4a4 and x_scales is None
+    for name, scale, needed in (
+        ("fc1_input_scale", fc1_input_scale, needs_fc1),
+        ("fc2_input_scale", fc2_input_scale, per_tensor_w4a4),
+    ):
+        if needed and scale is None:
+            raise ValueError(f"{name} (the encode-direction global scale) is required for per-tensor w4a4")
+        if not needed and scale is not None:
+            raise ValueError(
+                f"{name} is only used by per-tensor w4a4 with bf16 x; got quant_mode={quant_mode!r}, "
+                f"per_token_activation={per_token_activation}, pre-quantized x={x_scales is not None}"
+            )
+        if scale is not None:
+            check_dtype(name, scale, (torch.float32,))
+            if scale.numel() != 1:
+                raise ValueError(f"{name} must hold one element, got shape {tuple(scale.shape)}")
+            check_same_device(name, scale, "x", x)

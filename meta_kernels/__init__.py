@@ -5,3 +5,6 @@ helper, so shapes, dtypes and errors agree with the real implementations under t
 """
 
 from fp4moe.meta_kernels import quantize  # noqa: F401  (registers the quantization fakes)
+from fp4moe.meta_kernels import routing  # noqa: F401  (registers the routing fakes)
+from fp4moe.meta_kernels import aligned_moe  # noqa: F401  (registers the aligned fused MoE fakes)
+from fp4moe.meta_kernels import moe  # noqa: F401  (registers the MoE pipeline fakes)

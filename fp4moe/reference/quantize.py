@@ -90,14 +90,12 @@ def dequantize(
     """
     out = dequantize_output(codes, out_dtype)
     rows, k = out.shape
-    values = nvfp4.decode_e2m1(nvfp4.unpack_e2m1(codes)).reshape(rows, k // nvfp4.BLOCK_SIZE, nvfp4.BLOCK_SIZE)
-    scales = nvfp4.to_linear(block_scales, sf_layout, rows, k // nvfp4.BLOCK_SIZE).float()
-    products = values * scales[..., None]
+    products = nvfp4.dequantize_blocks(codes, nvfp4.to_linear(block_scales, sf_layout, rows, k // nvfp4.BLOCK_SIZE))
     if global_scale is not None:
         result = products / global_scale.reshape(()).float()
     else:
-        result = products * per_token_scale.float()[:, None, None]
-    out.copy_(result.reshape(rows, k))
+        result = products * per_token_scale.float()[:, None]
+    out.copy_(result)
     return out
 
 

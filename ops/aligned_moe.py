@@ -1,0 +1,71 @@
+"""Schemas and CPU/CUDA registrations of the aligned fused MoE and its route-plan op (SPEC §5).
+
+Every device runs the pure-torch reference (`fp4moe.reference.aligned_moe`) until a kernel is
+registered for it; the semantics are documented there.
+"""
+
+from __future__ import annotations
+
+from fp4moe import validation
+from fp4moe.ops.library import define_op
+from fp4moe.reference import aligned_moe as reference
+
+ALIGN_BLOCK_SIZE_SCHEMA = (
+    "align_block_size(Tensor topk_ids, int block_m, int num_experts, int local_expert_offset=0) "
+    "-> (Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded)"
+)
+ALIGNED_MOE_SCHEMA = (
+    "aligned_moe_(Tensor(a!) out, Tensor hidden, Tensor hidden_scales, Tensor w1, Tensor w1_scales, "
+    "Tensor w2, Tensor w2_scales, Tensor scale_gate, Tensor scale_up, Tensor scale_down, "
+    "Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, "
+    "float routed_scaling_factor, int block_m) -> ()"
+)
+
+
+def align_block_size(topk_ids, block_m, num_experts, local_expert_offset=0):
+    validation.check_align_block_size(topk_ids, block_m, num_experts, local_expert_offset)
+    return reference.align_block_size(topk_ids, block_m, num_experts, local_expert_offset)
+
+
+def aligned_moe_(
+    out,
+    hidden,
+    hidden_scales,
+    w1,
+    w1_scales,
+    w2,
+    w2_scales,
+    scale_gate,
+    scale_up,
+    scale_down,
+    sorted_token_ids,
+    expert_ids,
+    num_tokens_post_padded,
+    topk_weights,
+    routed_scaling_factor,
+    block_m,
+):
+    args = (
+        out,
+        hidden,
+        hidden_scales,
+        w1,
+        w1_scales,
+        w2,
+        w2_scales,
+        scale_gate,
+        scale_up,
+        scale_down,
+        sorted_token_ids,
+        expert_ids,
+        num_tokens_post_padded,
+        topk_weights,
+        routed_scaling_factor,
+        block_m,
+    )
+    validation.check_aligned_moe(*args, real_storage=True)
+    reference.aligned_moe_(*args)
+
+
+for _schema, _impl in ((ALIGN_BLOCK_SIZE_SCHEMA, align_block_size), (ALIGNED_MOE_SCHEMA, aligned_moe_)):
+    define_op(_schema, cpu=_impl, cuda=_impl)

@@ -1,0 +1,143 @@
+"""Schemas and CPU/CUDA registrations of the MoE pipeline ops (SPEC §3–4).
+
+Both devices run the pure-torch reference (`fp4moe.reference.moe`) until the Hopper kernels replace
+the CUDA implementations stage by stage; `fp4moe.dispatch.moe_dispatch` reports the choice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp4moe import validation
+from fp4moe.ops.library import define_op
+from fp4moe.ops.quantize import BFLOAT16_SCALAR_TYPE
+from fp4moe.reference import moe as reference
+
+MOE_PLAN_SCHEMA = (
+    "moe_plan(Tensor topk_ids, int num_local_experts, int local_expert_offset=0, int tile_m=128) "
+    "-> (Tensor permuted_to_pair, Tensor pair_to_permuted, Tensor tile_expert, Tensor tile_valid_rows, Tensor totals)"
+)
+MOE_GEMM1_SCHEMA = (
+    "moe_gemm1(Tensor a, Tensor? a_scales, Tensor? a_per_token_scale, Tensor permuted_to_pair, Tensor tile_expert, "
+    'Tensor w1, Tensor w1_scales, Tensor w1_alpha, int top_k, str activation="swiglu", float? swiglu_alpha=None, '
+    "float? swiglu_beta=None, float? swiglu_limit=None, Tensor? router_weights=None, "
+    "Tensor? output_global_scale=None, int aux_amax_tile_n=0) -> (Tensor out, Tensor out_scales, Tensor aux_amax)"
+)
+MOE_GEMM2_SCHEMA = (
+    "moe_gemm2(Tensor a, Tensor? a_scales, Tensor? a_per_token_scale, Tensor permuted_to_pair, Tensor tile_expert, "
+    "Tensor w2, Tensor w2_scales, Tensor w2_alpha, Tensor? router_weights, SymInt num_tokens, int top_k, "
+    'str finalize="fused") -> Tensor'
+)
+MOE_FINALIZE_SCHEMA = (
+    f"moe_finalize(Tensor expanded, Tensor pair_to_permuted, int top_k, ScalarType out_dtype={BFLOAT16_SCALAR_TYPE}) "
+    "-> Tensor"
+)
+FUSED_MOE_SCHEMA = (
+    "fused_moe(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w1, Tensor w1_scales, Tensor w1_alpha, "
+    "Tensor w2, Tensor w2_scales, Tensor w2_alpha, Tensor? fc1_input_scale=None, Tensor? fc2_input_scale=None, "
+    'str quant_mode="w4a4", bool per_token_activation=False, str activation="swiglu", float? swiglu_alpha=None, '
+    "float? swiglu_beta=None, float? swiglu_limit=None, bool apply_router_weight_on_input=False, "
+    "bool deterministic=False, int local_expert_offset=0, int? num_local_experts=None, Tensor? x_scales=None) "
+    "-> Tensor"
+)
+
+
+def moe_plan(topk_ids, num_local_experts, local_expert_offset=0, tile_m=128):
+    validation.check_moe_plan(topk_ids, num_local_experts, local_expert_offset, tile_m)
+    return reference.moe_plan(topk_ids, num_local_experts, local_expert_offset, tile_m)
+
+
+def moe_gemm1(
+    a,
+    a_scales,
+    a_per_token_scale,
+    permuted_to_pair,
+    tile_expert,
+    w1,
+    w1_scales,
+    w1_alpha,
+    top_k,
+    activation="swiglu",
+    swiglu_alpha=None,
+    swiglu_beta=None,
+    swiglu_limit=None,
+    router_weights=None,
+    output_global_scale=None,
+    aux_amax_tile_n=0,
+):
+    args = (
+        a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, top_k,
+        activation, swiglu_alpha, swiglu_beta, swiglu_limit, router_weights, output_global_scale, aux_amax_tile_n,
+    )
+    validation.check_moe_gemm1(*args)
+    return reference.moe_gemm1(*args)
+
+
+def moe_gemm2(
+    a,
+    a_scales,
+    a_per_token_scale,
+    permuted_to_pair,
+    tile_expert,
+    w2,
+    w2_scales,
+    w2_alpha,
+    router_weights,
+    num_tokens,
+    top_k,
+    finalize="fused",
+):
+    args = (
+        a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w2, w2_scales, w2_alpha, router_weights,
+        num_tokens, top_k, finalize,
+    )
+    validation.check_moe_gemm2(*args)
+    return reference.moe_gemm2(*args)
+
+
+def moe_finalize(expanded, pair_to_permuted, top_k, out_dtype=torch.bfloat16):
+    validation.check_moe_finalize(expanded, pair_to_permuted, top_k, out_dtype)
+    return reference.moe_finalize(expanded, pair_to_permuted, top_k, out_dtype)
+
+
+def fused_moe(
+    x,
+    topk_ids,
+    topk_weights,
+    w1,
+    w1_scales,
+    w1_alpha,
+    w2,
+    w2_scales,
+    w2_alpha,
+    fc1_input_scale=None,
+    fc2_input_scale=None,
+    quant_mode="w4a4",
+    per_token_activation=False,
+    activation="swiglu",
+    swiglu_alpha=None,
+    swiglu_beta=None,
+    swiglu_limit=None,
+    apply_router_weight_on_input=False,
+    deterministic=False,
+    local_expert_offset=0,
+    num_local_experts=None,
+    x_scales=None,
+):
+    args = (
+        x, topk_ids, topk_weights, w1, w1_scales, w1_alpha, w2, w2_scales, w2_alpha, fc1_input_scale,
+        fc2_input_scale, quant_mode, per_token_activation, activation, swiglu_alpha, swiglu_beta, swiglu_limit,
+        apply_router_weight_on_input, deterministic, local_expert_offset, num_local_experts, x_scales,
+    )
+    validation.check_fused_moe(*args)
+    return reference.fused_moe(*args)
+
+
+for _schema, _impl in (
+    (MOE_PLAN_SCHEMA, moe_plan),
+    (MOE_GEMM1_SCHEMA, moe_gemm1),
+    (MOE_GEMM2_SCHEMA, moe_gemm2),
+    (MOE_FINALIZE_SCHEMA, moe_finalize),
+    (FUSED_MOE_SCHEMA, fused_moe),
+):
+    define_op(_schema, cpu=_impl, cuda=_impl)
