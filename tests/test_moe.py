@@ -243,7 +243,7 @@ def _stage_samples(p):
         (ops.moe_plan.default, (p.topk_ids, w.num_experts), {"tile_m": 8}),
         (ops.moe_plan.default, (p.topk_ids[:, ::2], w.num_experts, 2, 16), {}),
         (ops.moe_gemm1.default, gemm1, {"aux_amax_tile_n": 16}),
-        (ops.moe_gemm1.default, gemm1, {"output_global_scale": torch.ones(1), "router_weights": p.topk_weights}),
+        (ops.moe_gemm1.default, gemm1, {"output_global_scale": torch.ones(1, device=p.x.device), "router_weights": p.topk_weights}),
         (ops.moe_gemm1.default, (p.x, None, None) + gemm1[3:], {"swiglu_limit": 7.0}),
         (ops.moe_gemm2.default, gemm2, {}),
         (ops.moe_gemm2.default, gemm2, {"finalize": "expanded"}),

@@ -110,7 +110,10 @@ def test_dequantize_matches_the_format_definition(device):
     gs = torch.tensor([0.75], device=device)
     codes, sf = ops.quantize(x, gs, sf_layout="linear")
     values = torch.tensor(nvfp4.E2M1_VALUES, device=device)[nvfp4.unpack_e2m1(codes).long()]
-    expected = values * sf.float().repeat_interleave(16, dim=1) / 0.75
+    # A true division, rounded once: in FP64, then to FP32 (no double-rounding risk: e2m1 * sf has at
+    # most 5 significant bits, so (e2m1 * sf) / 0.75 is a repeating binary fraction, never an FP32 tie).
+    # Dividing a CUDA tensor by a Python scalar would multiply by a rounded reciprocal instead.
+    expected = (values.double() * sf.double().repeat_interleave(16, dim=1) / 0.75).float()
     assert torch.equal(ops.dequantize(codes, sf, "linear", gs, None, torch.float32), expected)
 
 
