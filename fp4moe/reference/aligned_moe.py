@@ -48,6 +48,7 @@ import torch
 
 from fp4moe import nvfp4
 from fp4moe.op_outputs import align_block_size_outputs
+from fp4moe.reference.grouping import group_pairs_by_expert, tile_owners
 
 EMPTY_BLOCK_EXPERT = -1
 """`expert_ids` value of the blocks at or past `num_tokens_post_padded` (vLLM's fill value)."""
@@ -59,31 +60,13 @@ def align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int, loc
     device = topk_ids.device
     num_pairs = topk_ids.numel()
     capacity = sorted_token_ids.numel()
-
-    local = topk_ids.reshape(-1).long() - local_expert_offset
-    # Non-local pairs go to an overflow bucket `num_experts`, which sorts after every local expert.
-    bucket = torch.where((local >= 0) & (local < num_experts), local, num_experts)
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
-    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
-    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
-    segment_end = torch.cumsum(padded, 0)
-    # The overflow bucket's segment starts at `capacity`: its pairs all land in one scratch slot there.
-    segment_start = torch.cat((segment_end - padded, segment_end.new_full((1,), capacity)))
-
-    # Stable, so that pairs keep ascending pair order within an expert.
-    sorted_bucket, order = torch.sort(bucket, stable=True)
-    rank_in_bucket = torch.arange(num_pairs, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_bucket]
-    slot = torch.clamp(segment_start[sorted_bucket] + rank_in_bucket, max=capacity)
-    slots = torch.full((capacity + 1,), num_pairs, dtype=torch.int32, device=device)
-    slots.scatter_(0, slot, order.to(torch.int32))
+    grouping = group_pairs_by_expert(topk_ids, num_experts, local_expert_offset, block_m, capacity)
+    slots = torch.full((capacity + 1,), num_pairs, dtype=torch.int32, device=topk_ids.device)
+    slots.scatter_(0, grouping.row, grouping.order.to(torch.int32))
     sorted_token_ids.copy_(slots[:capacity])
-
-    total = segment_end[-1]
-    block_start = torch.arange(expert_ids.numel(), device=device) * block_m
-    # The expert of a block is the number of padded segments that end at or before its start.
-    block_expert = torch.searchsorted(segment_end, block_start, right=True)
-    expert_ids.copy_(torch.where(block_start < total, block_expert, EMPTY_BLOCK_EXPERT))
-    num_tokens_post_padded.copy_(total.reshape(1))
+    block_expert, used = tile_owners(grouping.segment_end, expert_ids.numel(), block_m)
+    expert_ids.copy_(torch.where(used, block_expert, EMPTY_BLOCK_EXPERT))
+    num_tokens_post_padded.copy_(grouping.segment_end[-1].reshape(1))
     return sorted_token_ids, expert_ids, num_tokens_post_padded
 
 

@@ -22,6 +22,7 @@ from fp4moe.op_outputs import (
     moe_plan_outputs,
 )
 from fp4moe.reference import quantize as reference_quantize
+from fp4moe.reference.grouping import group_pairs_by_expert, tile_owners
 
 GEMM_CHUNK_ELEMENTS = 1 << 27
 """Decoded expert-weight elements (FP64) materialized at a time by the reference GEMM (1 GiB)."""
@@ -38,45 +39,24 @@ def moe_plan(topk_ids: torch.Tensor, num_local_experts: int, local_expert_offset
     permuted_to_pair, pair_to_permuted, tile_expert, tile_valid_rows, totals = moe_plan_outputs(
         topk_ids, num_local_experts, tile_m
     )
-    device = topk_ids.device
     num_rows, num_tiles = permuted_to_pair.shape[0], tile_expert.shape[0]
-    ids = topk_ids.reshape(-1).long()
-    num_pairs = ids.shape[0]
-    is_local = (ids >= local_expert_offset) & (ids < local_expert_offset + num_local_experts)
-    expert = torch.where(is_local, ids - local_expert_offset, num_local_experts)  # non-local -> bucket E
-
-    counts = torch.zeros(num_local_experts + 1, dtype=torch.long, device=device)
-    counts.scatter_add_(0, expert, torch.ones_like(expert))
-    counts = counts[:num_local_experts]
-    padded = (counts + tile_m - 1) // tile_m * tile_m
-    segment_end = torch.cumsum(padded, 0)
-    segment_start = segment_end - padded
-    first_pair = torch.cumsum(counts, 0) - counts  # index of each expert's first pair in sorted order
-
-    order = torch.argsort(expert, stable=True)
-    sorted_expert = expert[order]
-    sorted_local = sorted_expert < num_local_experts
-    safe_expert = sorted_expert.clamp(max=num_local_experts - 1)
-    rank = torch.arange(num_pairs, device=device) - first_pair[safe_expert]
-    row = torch.where(sorted_local, segment_start[safe_expert] + rank, num_rows)  # non-local -> dropped slot
-
-    rows_with_slack = torch.full((num_rows + 1,), -1, dtype=torch.long, device=device)
-    rows_with_slack.scatter_(0, row, order)
-    permuted_to_pair.copy_(rows_with_slack[:num_rows])
-    pair_rows = torch.full((num_pairs,), -1, dtype=torch.long, device=device)
-    pair_rows.scatter_(0, order, torch.where(sorted_local, row, -1))
+    num_pairs = pair_to_permuted.shape[0]
+    grouping = group_pairs_by_expert(topk_ids, num_local_experts, local_expert_offset, tile_m, num_rows)
+    rows_with_scratch = torch.full((num_rows + 1,), -1, dtype=torch.long, device=topk_ids.device)
+    rows_with_scratch.scatter_(0, grouping.row, grouping.order)
+    permuted_to_pair.copy_(rows_with_scratch[:num_rows])
+    pair_rows = torch.full((num_pairs,), -1, dtype=torch.long, device=topk_ids.device)
+    pair_rows.scatter_(0, grouping.order, torch.where(grouping.is_local, grouping.row, -1))
     pair_to_permuted.copy_(pair_rows)
 
-    tile_start = torch.arange(num_tiles, device=device) * tile_m
-    owner = torch.searchsorted(segment_end, tile_start, right=True)  # first expert ending after the tile start
-    used = owner < num_local_experts
+    owner, used = tile_owners(grouping.segment_end, num_tiles, tile_m)
     owner = owner.clamp(max=num_local_experts - 1)
     tile_expert.copy_(torch.where(used, owner, -1))
-    in_segment = tile_start - segment_start[owner]
-    tile_valid_rows.copy_(torch.where(used, (counts[owner] - in_segment).clamp(0, tile_m), 0))
+    in_segment = torch.arange(num_tiles, device=topk_ids.device) * tile_m - grouping.segment_start[owner]
+    tile_valid_rows.copy_(torch.where(used, (grouping.counts[owner] - in_segment).clamp(0, tile_m), 0))
 
-    total_rows = padded.sum()
-    totals.copy_(torch.stack((counts.sum(), total_rows, total_rows // tile_m)))
+    total_rows = grouping.segment_end[-1]
+    totals.copy_(torch.stack((grouping.counts.sum(), total_rows, total_rows // tile_m)))
     return permuted_to_pair, pair_to_permuted, tile_expert, tile_valid_rows, totals
 
 
