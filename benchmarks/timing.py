@@ -1,0 +1,126 @@
+"""Timing device work: the median of many replays of one prepared call.
+
+On CUDA a call is warmed up eagerly, captured once into a CUDA graph and replayed, and each replay is
+timed on its own with a pair of CUDA events, so that an optional L2 flush between replays stays out
+of the numbers. On the CPU the call itself runs and `time.perf_counter` times it, with the same median.
+Nothing here knows what is being timed: any callable that launches device work and returns its
+outputs will do.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+L2_FLUSH_MIN_BYTES = 256 << 20
+"""Smallest buffer written between cold-L2 replays. The buffer is four times the L2 (60 MB on the H200)
+or this, whichever is larger: the L2 does not evict in strict LRU order, so a write of just its size
+can leave lines of the last replay resident."""
+
+HOST_LEAD_CYCLES_PER_REPLAY = 50_000
+"""GPU clock cycles of a spin kernel queued ahead of the timed replays, per replay: about 25 us at the
+H200's clock, more than the host needs to queue one replay (a graph launch and two event records). The
+host then queues every replay before the GPU reaches them, so the events measure GPU time and not the
+host's launch rate when a replay is shorter than its launch."""
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_s: float
+    min_s: float
+    max_s: float
+    replays: int
+
+    @classmethod
+    def of(cls, seconds: list[float]) -> Timing:
+        return cls(statistics.median(seconds), min(seconds), max(seconds), len(seconds))
+
+
+class PreparedCall:
+    """`fn` prepared for timing; calling it runs `fn` once more and returns `fn`'s outputs.
+
+    CUDA: `fn` runs `eager_calls` times on a side stream (module loads, kernel compilation, library
+    handles and allocator growth happen there, never inside a capture), then is captured once into a
+    CUDA graph; a call replays the graph on the current stream and returns the outputs captured, static
+    tensors that every replay overwrites. CPU: `fn` runs `eager_calls` times, and a call is `fn()`.
+    Use as a context manager: leaving it frees the graph and its memory pool.
+    """
+
+    def __init__(self, fn: Callable[[], object], device: torch.device | str, eager_calls: int = 1):
+        self.device = torch.device(device)
+        self._fn = fn
+        self._graph = None
+        self._outputs = None
+        if self.device.type != "cuda":
+            for _ in range(eager_calls):
+                fn()
+            return
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(eager_calls):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self._graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._graph):
+            self._outputs = fn()
+
+    def __call__(self):
+        if self._graph is None:
+            return self._fn()
+        self._graph.replay()
+        return self._outputs
+
+    def __enter__(self) -> PreparedCall:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._graph = None
+        self._outputs = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+
+def l2_flush_bytes(device: torch.device) -> int:
+    l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+    return max(4 * l2_bytes, L2_FLUSH_MIN_BYTES)
+
+
+def time_replays(
+    call: Callable[[], object], device: torch.device | str, replays: int, warmup: int = 0, cold_l2: bool = False
+) -> Timing:
+    """Median (and extremes) over `replays` timed calls of `call` after `warmup` untimed ones.
+
+    `cold_l2` (CUDA only; the CPU times with whatever its caches hold) writes a buffer several times the
+    L2's size before every replay, outside the events, so that each replay reads its inputs from device
+    memory, as a layer of a real model does after the other layers have run.
+    """
+    device = torch.device(device)
+    for _ in range(warmup):
+        call()
+    if device.type != "cuda":
+        seconds = []
+        for _ in range(replays):
+            start = time.perf_counter()
+            call()
+            seconds.append(time.perf_counter() - start)
+        return Timing.of(seconds)
+
+    flush = torch.empty(l2_flush_bytes(device), dtype=torch.uint8, device=device) if cold_l2 else None
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    torch.cuda.synchronize(device)
+    torch.cuda._sleep(HOST_LEAD_CYCLES_PER_REPLAY * replays)
+    for start, end in zip(starts, ends):
+        if flush is not None:
+            flush.zero_()
+        start.record()
+        call()
+        end.record()
+    torch.cuda.synchronize(device)
+    return Timing.of([start.elapsed_time(end) * 1e-3 for start, end in zip(starts, ends)])

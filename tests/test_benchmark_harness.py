@@ -1,0 +1,97 @@
+"""The MoE benchmark harness end to end on the CPU: its smoke preset into a temporary directory, with a
+deliberately wrong and a broken implementation registered beside the real ones."""
+
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+
+from benchmarks import moe, moe_implementations, report
+from benchmarks.moe_cases import W4A16
+from benchmarks.moe_implementations import FUSED_MOE_TOLERANCE, REGISTRY, Implementation
+
+REFERENCE_CAP = 4
+
+
+def _build_wrong(case):
+    right = REGISTRY["fused_moe_w4a16"].build(case)
+    # Off by 5% plus an offset, so that even a case whose tokens all go to other ranks (output 0) is wrong.
+    return lambda: right() * 1.05 + 0.01
+
+
+def _build_broken(case):
+    raise RuntimeError("this kernel does not exist")
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """One run serves every test: (exit status, JSON results, stdout, output directory)."""
+    out_dir = tmp_path_factory.mktemp("moe_benchmark")
+    stdout = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout):
+        for implementation in (
+            Implementation("wrong", _build_wrong, lambda case: {"backend": "test"}, W4A16, FUSED_MOE_TOLERANCE),
+            Implementation("broken", _build_broken, lambda case: {"backend": "test"}, W4A16, FUSED_MOE_TOLERANCE),
+        ):
+            patch.setitem(moe_implementations.REGISTRY, implementation.name, implementation)
+        status = moe.main(
+            ["--smoke", "--out-dir", str(out_dir), "--reference-max-tokens", str(REFERENCE_CAP), "--impls", *REGISTRY]
+        )
+    (json_path,) = out_dir.glob("moe_*.json")
+    return status, json.loads(json_path.read_text()), stdout.getvalue(), out_dir
+
+
+def test_smoke_run_measures_every_implementation(smoke_run):
+    status, results, _, _ = smoke_run
+    assert status == 1  # the wrong and the broken implementation
+    ceilings = results["ceilings"]
+    assert ceilings["read_bytes_per_s"] > 0 and ceilings["gemm_flops_per_s"] > 0
+    env = results["environment"]
+    assert "--smoke" in env["command"] and env["torch"] == torch.__version__ and env["date"]
+    assert results["config"]["cold_l2_applied"] is False  # CPU
+
+    assert [s["shape"]["name"] for s in results["shapes"]] == ["smoke", "smoke_ep"]
+    cells = 0
+    for shape in results["shapes"]:
+        assert [row["num_tokens"] for row in shape["rows"]] == moe.SMOKE["tokens"]
+        for row in shape["rows"]:
+            assert row["bytes"] > 0 and row["flops"] >= 0 and row["floor_s"] > 0
+            assert 0 <= row["touched_experts"] <= row["local_pairs"] <= row["num_tokens"] * shape["shape"]["top_k"]
+            for name in ("bf16_grouped_mm", "fused_moe_w4a4_tensor", "fused_moe_w4a4_token", "fused_moe_w4a16"):
+                cell = row["results"][name]
+                capped = cell["backend"] == "reference" and row["num_tokens"] > REFERENCE_CAP
+                if capped:
+                    assert cell["status"] == "skipped" and cell["reason"] == "cap"
+                    continue
+                assert cell["status"] == "ok", cell
+                assert cell["rel_err"] <= cell["tolerance"]
+                assert cell["median_s"] > 0 and cell["min_s"] <= cell["median_s"] <= cell["max_s"]
+                assert cell["bandwidth_pct"] > 0 and cell["flops_pct"] >= 0
+                replays = "reference_replays" if cell["backend"] == "reference" else "replays"
+                assert cell["replays"] == results["config"][replays]
+                cells += 1
+    assert cells > 0
+
+
+def test_smoke_run_reports_wrong_and_broken_implementations(smoke_run):
+    _, results, _, _ = smoke_run
+    for shape in results["shapes"]:
+        for row in shape["rows"]:
+            wrong, broken = row["results"]["wrong"], row["results"]["broken"]
+            assert wrong["status"] == "fail" and "median_s" not in wrong
+            rel_err = float(wrong["rel_err"])  # "inf" where the expected rows are all zeros
+            assert rel_err > wrong["tolerance"]
+            assert broken["status"] == "error" and "this kernel does not exist" in broken["error"]
+
+
+def test_smoke_run_writes_the_tables(smoke_run):
+    _, results, stdout, out_dir = smoke_run
+    assert "FAIL: rel err" in stdout and "skipped (cap)" in stdout and "ERROR: RuntimeError" in stdout
+    assert "fused_moe_w4a4_token [reference]" in stdout and "bf16_grouped_mm [torch]" in stdout
+    for shape in results["shapes"]:
+        assert f"## {shape['shape']['name']}" in stdout
+    (md_path,) = out_dir.glob("moe_*.md")
+    assert md_path.read_text().strip() == stdout.strip()
+    assert len(list(out_dir.glob("moe_*.png"))) == (report.pyplot() is not None)  # the plot needs matplotlib
