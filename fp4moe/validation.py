@@ -426,9 +426,11 @@ def check_moe_plan(topk_ids: torch.Tensor, num_local_experts: int, local_expert_
         raise ValueError(f"tile_m must be a positive multiple of {MOE_TILE_M_MULTIPLE}, got {tile_m}")
 
 
-def check_expert_weights(prefix: str, w: torch.Tensor, scales: torch.Tensor, alpha: torch.Tensor, device_of) -> tuple:
-    """NVFP4 expert weights `uint8 [E, N, K/2]`, linear scales `[E, N, K/16]`, FP32 alpha `[E]`.
-    Returns (E, N, K)."""
+def check_expert_weights(
+    prefix: str, w: torch.Tensor, scales: torch.Tensor, alpha: torch.Tensor, anchor_name: str, anchor: torch.Tensor
+) -> tuple:
+    """NVFP4 expert weights `uint8 [E, N, K/2]`, linear scales `[E, N, K/16]`, FP32 alpha `[E]`, all on
+    `anchor`'s device. Returns (E, N, K)."""
     check_dtype(prefix, w, (torch.uint8,))
     check_dim(prefix, w, 3)
     experts, n, k = w.shape[0], w.shape[1], w.shape[2] * 2
@@ -441,7 +443,7 @@ def check_expert_weights(prefix: str, w: torch.Tensor, scales: torch.Tensor, alp
     check_dtype(f"{prefix}_alpha", alpha, (torch.float32,))
     check_shape(f"{prefix}_alpha", alpha, (experts,))
     for name, tensor in ((prefix, w), (f"{prefix}_scales", scales), (f"{prefix}_alpha", alpha)):
-        check_same_device(name, tensor, device_of[0], device_of[1])
+        check_same_device(name, tensor, anchor_name, anchor)
     return experts, n, k
 
 
@@ -505,7 +507,7 @@ def check_moe_gemm1(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, top_k,
     activation, swiglu_alpha, swiglu_beta, swiglu_limit, router_weights, output_global_scale, aux_amax_tile_n,
 ) -> None:
-    _, n, k = check_expert_weights("w1", w1, w1_scales, w1_alpha, ("a", a))
+    _, n, k = check_expert_weights("w1", w1, w1_scales, w1_alpha, "a", a)
     check_moe_activation_input("a", a, a_scales, a_per_token_scale, a.shape[0], k)
     check_plan_tensors(permuted_to_pair, tile_expert, a)
     if top_k < 1:
@@ -531,7 +533,7 @@ def check_moe_gemm2(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w2, w2_scales, w2_alpha, router_weights,
     num_tokens, top_k, finalize,
 ) -> None:
-    _, _, k = check_expert_weights("w2", w2, w2_scales, w2_alpha, ("a", a))
+    _, _, k = check_expert_weights("w2", w2, w2_scales, w2_alpha, "a", a)
     check_plan_tensors(permuted_to_pair, tile_expert, a)
     check_moe_activation_input("a", a, a_scales, a_per_token_scale, permuted_to_pair.shape[0], k)
     if num_tokens < 0 or top_k < 1:
@@ -562,10 +564,10 @@ def check_fused_moe(
 ) -> None:
     check_choice("quant_mode", quant_mode, MOE_QUANT_MODES)
     check_topk(topk_ids, topk_weights)
-    experts, n1, hidden = check_expert_weights("w1", w1, w1_scales, w1_alpha, ("topk_ids", topk_ids))
+    experts, n1, hidden = check_expert_weights("w1", w1, w1_scales, w1_alpha, "topk_ids", topk_ids)
     check_swiglu_parameters(activation, swiglu_alpha, swiglu_beta, swiglu_limit)
     intermediate = check_gated_rows(activation, n1, "w1")
-    check_expert_weights("w2", w2, w2_scales, w2_alpha, ("topk_ids", topk_ids))
+    check_expert_weights("w2", w2, w2_scales, w2_alpha, "topk_ids", topk_ids)
     check_shape("w2", w2, (experts, hidden, intermediate // 2))
     tokens = topk_ids.shape[0]
     check_same_device("x", x, "topk_ids", topk_ids)
