@@ -6,6 +6,7 @@ The decisions are public functions so that users and tests can observe them.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -19,6 +20,8 @@ LEGACY_PATH = "legacy"
 
 REFERENCE_BACKEND = "reference"
 """The pure-torch backend in `fp4moe.reference` (CPU and CUDA)."""
+CUTE_SM90_BACKEND = "cute_sm90"
+"""The CuTe DSL kernels for Hopper in `fp4moe.kernels.sm90` (host side: `fp4moe.kernels.quantize_launch`)."""
 
 
 def per_token_quant_path(num_tokens: int) -> str:
@@ -26,12 +29,23 @@ def per_token_quant_path(num_tokens: int) -> str:
     return AUX_AMAX_PATH if num_tokens >= AUX_AMAX_MIN_TOKENS else LEGACY_PATH
 
 
+@functools.cache
+def _compute_capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
 def quantize_backend(device: torch.device) -> str:
     """The backend that runs the quantization ops on `device`.
 
-    Every device runs the reference backend until CUDA kernels are registered for it.
+    CUDA devices of compute capability 9.x (Hopper) run the CuTe DSL kernels (`CUTE_SM90_BACKEND`);
+    configurations those kernels do not cover raise NotImplementedError there rather than falling
+    back. Every other device — CPU, and CUDA architectures without kernels yet — runs the reference
+    backend: its torch ops run anywhere and are the oracle the kernels are tested against.
     """
-    del device
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if _compute_capability_major(index) == 9:
+            return CUTE_SM90_BACKEND
     return REFERENCE_BACKEND
 
 

@@ -31,6 +31,10 @@ def _backend_for(x: torch.Tensor):
     backend = dispatch.quantize_backend(x.device)
     if backend == dispatch.REFERENCE_BACKEND:
         return reference
+    if backend == dispatch.CUTE_SM90_BACKEND:
+        from fp4moe.kernels import quantize_launch  # imports the CuTe DSL: only where it runs
+
+        return quantize_launch
     raise NotImplementedError(f"no quantization backend named {backend!r}")
 
 

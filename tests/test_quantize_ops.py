@@ -171,7 +171,9 @@ def _opcheck_samples(device):
     codes, sf = ops.quantize(x, gs)
     codes_l, sf_l, pts = ops.quantize_per_token(x, sf_layout="linear")
     amax = ops.tile_amax(x, 32)
-    valid = torch.tensor([16], dtype=torch.int32, device=device)
+    # Rows past a valid-row count are unspecified (kernels leave them unwritten), which opcheck's
+    # eager-vs-compiled comparison cannot allow: the count here covers every row.
+    valid = torch.tensor([24], dtype=torch.int32, device=device)
     return [
         (ops.quantize.default, (x, gs), {}),
         (ops.quantize.default, (strided, gs), {"sf_layout": "linear", "four_over_six": "mae"}),

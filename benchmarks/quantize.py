@@ -1,0 +1,198 @@
+"""Effective bandwidth of the NVFP4 activation quantizers, as a share of the GPU's read bandwidth.
+
+    python -m benchmarks.quantize [--out-dir benchmarks/results] [--replays 100]
+
+For each quantizer (per-tensor `quantize`, per-token legacy rescan, per-token aux-amax, and the
+legacy path with 4-over-6 `mse`), bfloat16 input, swizzled scales, M in {1, 16, 128, 1024, 8192,
+65536} and K in {2048, 7168}:
+
+1. spot-check the op against `fp4moe.reference` (first and last rows, bitwise);
+2. capture one CUDA graph that calls the op on R rotating inputs (R * input bytes > 2 x L2, so
+   large shapes stream from device memory), replay it `--replays` times after warm-up, each replay
+   timed with CUDA events (`benchmarks.timing`), and take the median / R as the time per call;
+3. report (bytes read + bytes written) / time, also as % of the read bandwidth measured in the
+   same run (`benchmarks.ceilings`: `torch.sum` over a 4 GiB buffer).
+
+It also measures the host time of one eager call (op path and launch layer alone). Prints a
+markdown table and writes it, with the JSON (environment, command, numbers), to `--out-dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.ceilings import measure_read_bandwidth
+from benchmarks.report import RESULTS_DIR, environment, markdown_table, result_stem, write_json
+from benchmarks.timing import PreparedCall, time_replays
+from fp4moe import nvfp4
+from fp4moe.kernels import quantize_launch as launch
+from fp4moe.op_outputs import quantize_per_token_outputs
+from fp4moe.reference import quantize as reference
+
+ROWS = (1, 16, 128, 1024, 8192, 65536)
+KS = (2048, 7168)
+DTYPE = torch.bfloat16
+SF_LAYOUT = "swizzled"
+AUX_TILE_N = 128
+L2_BYTES = 60 * 2**20
+MAX_ROTATION = 64
+READ_BUFFER_BYTES = 4 * 2**30
+WARMUP = 5
+SPOT_ROWS = 256
+HOST_CALLS = 2000
+QUANTIZERS = ("quantize", "per_token_legacy", "per_token_aux", "per_token_legacy_mse")
+
+
+def make_call(quantizer: str, x: torch.Tensor):
+    """(call, bytes read besides x) for one quantizer on input x."""
+    if quantizer == "quantize":
+        gs = nvfp4.global_scale_from_amax(x.float().abs().amax())
+        return (lambda: torch.ops.fp4moe.quantize(x, gs, sf_layout=SF_LAYOUT)), 4
+    if quantizer == "per_token_aux":
+        amax = torch.ops.fp4moe.tile_amax(x, AUX_TILE_N)
+        call = lambda: torch.ops.fp4moe.quantize_per_token(x, sf_layout=SF_LAYOUT, input_amax=amax)  # noqa: E731
+        return call, amax.numel() * amax.element_size()
+    mode = "mse" if quantizer.endswith("mse") else "off"
+    return (lambda: torch.ops.fp4moe.quantize_per_token(x, sf_layout=SF_LAYOUT, four_over_six=mode)), 0
+
+
+def spot_check(quantizer: str, x: torch.Tensor, call) -> None:
+    """The op's first and last rows against the reference applied to those rows (every quantizer is
+    row-local given the global scale), bitwise."""
+    rows, k = x.shape
+    picked = torch.unique(torch.cat([torch.arange(min(rows, SPOT_ROWS)), torch.arange(max(0, rows - SPOT_ROWS), rows)]))
+    picked = picked.to(x.device)
+    got = call()
+    codes, scales = got[0], nvfp4.unswizzle_128x4(got[1], rows, k // nvfp4.BLOCK_SIZE)
+    if quantizer == "quantize":
+        gs = nvfp4.global_scale_from_amax(x.float().abs().amax())
+        expected = reference.quantize(x[picked], gs, "linear", "off")
+    else:
+        mode = "mse" if quantizer.endswith("mse") else "off"
+        expected = reference.quantize_per_token(x[picked], nvfp4.DEFAULT_GLOBAL_SCALE_INV, "linear", mode, None, None)
+        if not torch.equal(got[2][picked], expected[2]):
+            raise AssertionError(f"{quantizer} {tuple(x.shape)}: per-token scales differ from the reference")
+    if not torch.equal(codes[picked], expected[0]):
+        raise AssertionError(f"{quantizer} {tuple(x.shape)}: codes differ from the reference")
+    if not torch.equal(scales[picked].view(torch.uint8), expected[1].view(torch.uint8)):
+        raise AssertionError(f"{quantizer} {tuple(x.shape)}: block scales differ from the reference")
+
+
+def bench_one(quantizer: str, rows: int, k: int, replays: int, read_bytes_per_s: float) -> dict:
+    device = torch.device("cuda")
+    x_bytes = rows * k * DTYPE.itemsize
+    rotation = max(1, min(MAX_ROTATION, math.ceil(2 * L2_BYTES / x_bytes)))
+    inputs = [torch.randn(rows, k, device=device).mul_(1.0 + i).to(DTYPE) for i in range(rotation)]
+    calls, extra = zip(*(make_call(quantizer, x) for x in inputs), strict=True)
+    spot_check(quantizer, inputs[0], calls[0])
+    with PreparedCall(lambda: [call() for call in calls], device) as prepared:
+        outputs = prepared()
+        timing = time_replays(prepared, device, replays, warmup=WARMUP)
+    seconds = timing.median_s / rotation
+    moved = x_bytes + extra[0] + sum(t.numel() * t.element_size() for t in outputs[0])
+    return {
+        "quantizer": quantizer,
+        "rows": rows,
+        "k": k,
+        "rotation": rotation,
+        "us_per_call": seconds * 1e6,
+        "bytes_moved": moved,
+        "effective_GBps": moved / seconds / 1e9,
+        "percent_of_read_bw": 100 * moved / seconds / read_bytes_per_s,
+    }
+
+
+def host_overhead_us() -> dict:
+    """Host time per eager call (M=1, K=2048): GPU work is ~2 us, so the host is the bound."""
+    x = torch.randn(1, 2048, device="cuda").to(DTYPE)
+    amax = torch.ops.fp4moe.tile_amax(x, AUX_TILE_N)
+    outputs = quantize_per_token_outputs(x, SF_LAYOUT)
+    gs = torch.ones(1, device="cuda")
+    cases = {
+        "op quantize_per_token (legacy)": lambda: torch.ops.fp4moe.quantize_per_token(x, sf_layout=SF_LAYOUT),
+        "op quantize_per_token (aux)": lambda: torch.ops.fp4moe.quantize_per_token(
+            x, sf_layout=SF_LAYOUT, input_amax=amax
+        ),
+        "op quantize": lambda: torch.ops.fp4moe.quantize(x, gs, sf_layout=SF_LAYOUT),
+        "launch layer only (quantize_per_token_into)": lambda: launch.quantize_per_token_into(
+            x, nvfp4.DEFAULT_GLOBAL_SCALE_INV, SF_LAYOUT, "off", None, None, *outputs
+        ),
+    }
+    result = {}
+    for name, call in cases.items():
+        for _ in range(50):
+            call()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(HOST_CALLS):
+            call()
+        torch.cuda.synchronize()
+        result[name] = (time.perf_counter() - start) / HOST_CALLS * 1e6
+    return result
+
+
+def markdown(report: dict) -> str:
+    env = report["environment"]
+    lines = [
+        f"GPU: {env['device']} (driver {env['driver']}), torch {env['torch']}, "
+        f"CuTe DSL {env['nvidia-cutlass-dsl']}, TVM-FFI {env['apache-tvm-ffi']}, {env['date']}",
+        f"Command: `{env['command']}`",
+        f"Read bandwidth (torch.sum over 4 GiB, same run): {report['read_bytes_per_s'] / 1e9:.0f} GB/s",
+        "",
+    ]
+    rows = [
+        [r["quantizer"], str(r["rows"]), str(r["k"]), f"{r['us_per_call']:.2f}", f"{r['effective_GBps']:.0f}",
+         f"{r['percent_of_read_bw']:.1f}"]
+        for r in report["results"]
+    ]
+    lines.append(markdown_table(["quantizer", "M", "K", "us/call", "GB/s (read+write)", "% of read BW"], rows))
+    by_key = {(r["quantizer"], r["rows"], r["k"]): r for r in report["results"]}
+    ratios = [
+        [str(m), str(k), f"{by_key[('per_token_aux', m, k)]['us_per_call'] / by_key[('per_token_legacy', m, k)]['us_per_call']:.3f}"]
+        for k in KS
+        for m in ROWS
+    ]
+    lines += ["", markdown_table(["M", "K", "aux / legacy time"], ratios), ""]
+    host = [[name, f"{us:.1f}"] for name, us in report["host_overhead_us"].items()]
+    lines.append(markdown_table(["host time per eager call (M=1, K=2048)", "us"], host))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--replays", type=int, default=100)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    env = environment(device, "benchmarks.quantize", argv)
+    env["apache-tvm-ffi"] = importlib.metadata.version("apache-tvm-ffi")
+    env["backend"] = launch.__name__
+    read_bytes_per_s = measure_read_bandwidth(device, READ_BUFFER_BYTES, args.replays)
+    results = [
+        bench_one(quantizer, rows, k, args.replays, read_bytes_per_s) for k in KS for rows in ROWS for quantizer in QUANTIZERS
+    ]
+    report = {
+        "environment": env,
+        "read_bytes_per_s": read_bytes_per_s,
+        "results": results,
+        "host_overhead_us": host_overhead_us(),
+    }
+    table = markdown(report)
+    print(table)
+    stem = result_stem(args.out_dir, "quantize", env)
+    write_json(stem.with_suffix(".json"), report)
+    stem.with_suffix(".md").write_text(table + "\n")
+    print(f"\nwrote {stem}.json and .md")
+
+
+if __name__ == "__main__":
+    main()

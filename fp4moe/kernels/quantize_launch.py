@@ -1,0 +1,222 @@
+"""The ``cute_sm90`` quantization backend: host side of the CuTe DSL kernels in `fp4moe.kernels.sm90`.
+
+It exposes the functions of `fp4moe.reference.quantize` with the same signatures, so the op layer
+(`fp4moe.ops.quantize`) only swaps modules. Arguments arrive validated. This layer:
+
+- allocates outputs with the shared `fp4moe.op_outputs` allocators (exactly what the fakes return);
+- compiles each kernel once per static configuration — dtype, K (or N and tile_n), scale layout,
+  4-over-6 mode, scale source (path), whether a valid-row count is given, load vector width and
+  target architecture — against fake tensors whose token dimension is symbolic (`cute.sym_int()`),
+  so one binary serves every M (`compile_quantize.cache_info()` shows the cache);
+- launches through TVM-FFI: torch tensors go straight to the compiled function, which takes the
+  *current* torch stream of the tensors' device at every call (CUDA-graph capture included);
+- never reads device data on the host (no synchronisation): `global_scale` and
+  `input_amax_valid_rows` are read by the kernels.
+
+`dequantize` has no kernel yet: it is `fp4moe.reference.quantize.dequantize` (torch ops on the GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import cutlass
+import cutlass.cute as cute
+import numpy as np
+import torch
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+from fp4moe import nvfp4
+from fp4moe.kernels.sm90.quantize import QuantizeSm90
+from fp4moe.kernels.sm90.tile_amax import TileAmaxSm90
+from fp4moe.op_outputs import quantize_outputs, quantize_per_token_outputs, tile_amax_output
+from fp4moe.reference import quantize as reference
+from fp4moe.validation import AUX_AMAX_ROW_GROUP
+
+ARCH_BY_MAJOR = {9: "sm_90a"}
+"""Compute-capability major -> the CuTe DSL target the kernels are compiled for."""
+CUTE_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}
+VECTOR_BYTES = 16
+"""Width of one vector load; activation rows are read 16 bytes at a time."""
+MAX_ELEMENTS = 2**31 - 1
+"""Kernels index elements with 32-bit integers."""
+
+dequantize = reference.dequantize
+
+
+@functools.cache
+def arch_of(device_index: int) -> str:
+    """The compile target for a CUDA device (NotImplementedError for architectures without kernels)."""
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if major not in ARCH_BY_MAJOR:
+        raise NotImplementedError(f"no CuTe DSL quantization kernels for compute capability {major}.{minor}")
+    return ARCH_BY_MAJOR[major]
+
+
+def _compile(kernel, *fake_args, arch: str):
+    return cute.compile(
+        kernel, *fake_args, make_fake_stream(use_tvm_ffi_env_stream=True), options=f"--enable-tvm-ffi --gpu-arch {arch}"
+    )
+
+
+@functools.cache
+def compile_quantize(
+    dtype: torch.dtype, k: int, sf_layout: str, four_over_six: str, scale_source: str, has_valid_rows: bool, arch: str
+):
+    """The compiled quantizer for one static configuration (`scale_source`: "tensor", "rescan", "aux")."""
+    element = CUTE_DTYPES[dtype]
+    rows = cute.sym_int()
+    row_stride = cute.sym_int64(divisibility=VECTOR_BYTES * 8 // element.width)
+    x = make_fake_tensor(element, (rows, k), stride=(row_stride, 1), assumed_align=VECTOR_BYTES)
+    codes = make_fake_compact_tensor(cutlass.Uint8, (rows, k // 2), stride_order=(1, 0), assumed_align=VECTOR_BYTES)
+    blocks = k // nvfp4.BLOCK_SIZE
+    if sf_layout == "swizzled":
+        scale_shape = (cute.sym_int(divisibility=nvfp4.SWIZZLE_ROWS), nvfp4.round_up(blocks, nvfp4.SWIZZLE_COLS))
+    else:
+        scale_shape = (rows, blocks)
+    block_scales = make_fake_compact_tensor(cutlass.Float8E4M3FN, scale_shape, stride_order=(1, 0))
+    per_tensor = scale_source == "tensor"
+    global_scale = make_fake_compact_tensor(cutlass.Float32, (1,)) if per_tensor else None
+    per_token_scale = None if per_tensor else make_fake_compact_tensor(cutlass.Float32, (rows,))
+    numerator = None if per_tensor else cutlass.Float32(1.0)
+    input_amax = None
+    if scale_source == "aux":
+        amax_shape = (cute.sym_int(), cute.sym_int(), AUX_AMAX_ROW_GROUP)
+        input_amax = make_fake_compact_tensor(element, amax_shape, stride_order=(2, 1, 0))
+    valid_rows = make_fake_compact_tensor(cutlass.Int32, (1,)) if has_valid_rows else None
+    kernel = QuantizeSm90(element, k, sf_layout, four_over_six, scale_source)
+    return _compile(
+        kernel, x, global_scale, codes, block_scales, per_token_scale, numerator, input_amax, valid_rows, arch=arch
+    )
+
+
+@functools.cache
+def compile_tile_amax(dtype: torch.dtype, n: int, tile_n: int, vector: int, arch: str):
+    element = CUTE_DTYPES[dtype]
+    x = make_fake_tensor(
+        element, (cute.sym_int(), n), stride=(cute.sym_int64(divisibility=vector), 1), assumed_align=vector * element.width // 8
+    )
+    out = make_fake_compact_tensor(
+        element, (cute.sym_int(), nvfp4.ceil_div(n, tile_n), AUX_AMAX_ROW_GROUP), stride_order=(2, 1, 0)
+    )
+    return _compile(TileAmaxSm90(element, n, tile_n, vector), x, out, arch=arch)
+
+
+def _check_size(name: str, tensor: torch.Tensor) -> None:
+    if tensor.numel() > MAX_ELEMENTS:
+        raise NotImplementedError(f"{name} has {tensor.numel()} elements; the sm90 kernels index at most 2^31 - 1")
+
+
+def _compact_copy(x: torch.Tensor) -> torch.Tensor:
+    """A fresh row-major copy (standard strides even for size-1 dimensions, 256-byte aligned)."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def _vector_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` if its rows can be read 16 bytes at a time, else a compact copy (same values)."""
+    per_vector = VECTOR_BYTES // x.element_size()
+    if x.stride(1) == 1 and x.stride(0) % per_vector == 0 and x.data_ptr() % VECTOR_BYTES == 0:
+        return x
+    return _compact_copy(x)
+
+
+@functools.lru_cache(maxsize=64)
+def _per_token_numerator(global_scale_inv: float) -> float:
+    """RN(1 / global_scale_inv) in FP32, with global_scale_inv first rounded to FP32 (SPEC §2)."""
+    with np.errstate(over="ignore", divide="ignore"):
+        return float(np.float32(1.0) / np.float32(global_scale_inv))
+
+
+def quantize(x: torch.Tensor, global_scale: torch.Tensor, sf_layout: str, four_over_six: str):
+    """Per-tensor NVFP4 quantization with the encode-direction `global_scale` (one FP32 element)."""
+    codes, block_scales = quantize_outputs(x, sf_layout)
+    quantize_into(x, global_scale, sf_layout, four_over_six, codes, block_scales)
+    return codes, block_scales
+
+
+def quantize_into(x, global_scale, sf_layout, four_over_six, codes, block_scales) -> None:
+    """`quantize` writing into preallocated outputs shaped by `quantize_outputs` (tests poison them)."""
+    if x.shape[0] == 0:
+        return
+    _check_size("x", x)
+    kernel = compile_quantize(x.dtype, x.shape[1], sf_layout, four_over_six, "tensor", False, arch_of(x.device.index))
+    kernel(_vector_rows(x), global_scale.reshape(1), codes, block_scales, None, None, None, None)
+
+
+def quantize_per_token(
+    x: torch.Tensor,
+    global_scale_inv: float,
+    sf_layout: str,
+    four_over_six: str,
+    input_amax: torch.Tensor | None,
+    input_amax_valid_rows: torch.Tensor | None,
+):
+    """Per-token NVFP4 quantization (legacy rescan path, or the aux-amax path with `input_amax`).
+
+    Rows at or past `input_amax_valid_rows` (clamped into [0, M], rounded down to a multiple of 8, on
+    the device) are not written: their outputs keep whatever the allocator returned.
+    """
+    outputs = quantize_per_token_outputs(x, sf_layout)
+    quantize_per_token_into(x, global_scale_inv, sf_layout, four_over_six, input_amax, input_amax_valid_rows, *outputs)
+    return outputs
+
+
+def quantize_per_token_into(
+    x, global_scale_inv, sf_layout, four_over_six, input_amax, input_amax_valid_rows, codes, block_scales, per_token_scale
+) -> None:
+    """`quantize_per_token` writing into preallocated outputs shaped by `quantize_per_token_outputs`."""
+    if x.shape[0] == 0:
+        return
+    _check_size("x", x)
+    scale_source = "rescan" if input_amax is None else "aux"
+    if input_amax is not None:
+        _check_size("input_amax", input_amax)
+        input_amax = input_amax.contiguous()
+    kernel = compile_quantize(
+        x.dtype,
+        x.shape[1],
+        sf_layout,
+        four_over_six,
+        scale_source,
+        input_amax_valid_rows is not None,
+        arch_of(x.device.index),
+    )
+    kernel(
+        _vector_rows(x),
+        None,
+        codes,
+        block_scales,
+        per_token_scale,
+        _per_token_numerator(global_scale_inv),
+        input_amax,
+        input_amax_valid_rows,
+    )
+
+
+def _tile_vector(x: torch.Tensor, tile_n: int) -> int:
+    """Elements per load for `tile_amax`: the largest power of two up to 16 bytes dividing N,
+    tile_n and the row stride, for which the base pointer is aligned."""
+    vector = VECTOR_BYTES // x.element_size()
+    while vector > 1 and (
+        x.shape[1] % vector or tile_n % vector or x.stride(0) % vector or x.data_ptr() % (vector * x.element_size())
+    ):
+        vector //= 2
+    return vector
+
+
+def tile_amax(x: torch.Tensor, tile_n: int) -> torch.Tensor:
+    """The aux-amax producer: `out[r // 8, t, r % 8] = max |x[r, t*tile_n : (t+1)*tile_n]|`."""
+    out = tile_amax_output(x, tile_n)
+    tile_amax_into(x, tile_n, out)
+    return out
+
+
+def tile_amax_into(x: torch.Tensor, tile_n: int, out: torch.Tensor) -> None:
+    """`tile_amax` writing into a preallocated output shaped by `tile_amax_output`."""
+    if x.shape[0] == 0:
+        return
+    _check_size("x", x)
+    if x.stride(1) != 1:
+        x = _compact_copy(x)
+    kernel = compile_tile_amax(x.dtype, x.shape[1], tile_n, _tile_vector(x, tile_n), arch_of(x.device.index))
+    kernel(x, out)

@@ -1,0 +1,372 @@
+"""NVFP4 activation quantizers for Hopper (sm_90a): per-tensor, per-token legacy and aux-amax.
+
+One kernel, specialised at compile time by `QuantizeSm90`'s static parameters, serves all three
+quantizers; they differ only in where a row's encode-direction global scale comes from:
+
+- ``"tensor"``: one FP32 scale read from a device tensor (`quantize`);
+- ``"rescan"``: the row's amax, reduced from the row itself (per-token legacy path);
+- ``"aux"``: the row's amax, reduced from GEMM1's tile maxima `input_amax` (per-token aux path).
+
+The block math is `fp4moe.nvfp4.quantize_blocks` step for step (see `nvfp4_device`).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint8, Uint32, const_expr
+
+from fp4moe.kernels.sm90 import nvfp4_device as dev
+from fp4moe.nvfp4 import BLOCK_SIZE, SWIZZLE_COLS, SWIZZLE_ROWS, round_up
+from fp4moe.validation import AUX_AMAX_ROW_GROUP
+
+SCALE_SOURCES = ("tensor", "rescan", "aux")
+WARP_SIZE = 32
+MAX_CTA_THREADS = 256
+MAX_BLOCKS_PER_THREAD = 8
+"""A row lives in registers while its amax is reduced: at most 8 blocks (128 values) per thread,
+i.e. K <= 16 * 8 * 256 = 32768."""
+MAX_K = BLOCK_SIZE * MAX_BLOCKS_PER_THREAD * MAX_CTA_THREADS
+
+# The 128x4 swizzled scale layout: (r, c) -> (c % 4) + (c // 4) * 512 + (r % 32) * 16
+#                                            + ((r % 128) // 32) * 4 + (r // 128) * 128 * P
+SWIZZLE_ROW_GROUP = 32
+SWIZZLE_COL_GROUP_BYTES = SWIZZLE_ROWS * SWIZZLE_COLS
+
+
+def row_tiling(k: int) -> tuple[int, int, int]:
+    """(threads per row, blocks per thread, rows per CTA) for rows of `k` elements.
+
+    A row of `k / 16` blocks is spread over `threads_per_row` threads, each holding
+    `blocks_per_thread` blocks in registers (block `c` belongs to lane `c % threads_per_row`, so a
+    warp's loads of one step are contiguous). Short rows take a power-of-two share of a warp so the
+    row reduction stays inside aligned lane groups; long rows take whole warps.
+    """
+    if k % BLOCK_SIZE or not 0 < k <= MAX_K:
+        raise NotImplementedError(f"the sm90 quantizers need K in [16, {MAX_K}] divisible by 16, got {k}")
+    blocks = k // BLOCK_SIZE
+    if blocks <= WARP_SIZE:
+        threads_per_row = 1 << (blocks - 1).bit_length()
+        blocks_per_thread = 1
+    else:
+        blocks_per_thread = -(-blocks // MAX_CTA_THREADS)
+        threads_per_row = round_up(-(-blocks // blocks_per_thread), WARP_SIZE)
+    return threads_per_row, blocks_per_thread, max(1, MAX_CTA_THREADS // threads_per_row)
+
+
+class QuantizeSm90:
+    """NVFP4 quantization of an `[M, K]` activation, one row per `threads_per_row` threads.
+
+    Roles and stages (no warp specialisation: the kernel is bound by memory bandwidth and keeps
+    each row in registers between its passes):
+
+    1. Every thread issues the loads of its blocks (16 values = 32 B for 16-bit inputs, two 16-byte
+       loads each).
+    2. Per-token: the row amax is the maximum of the row's `input_amax` entries (``aux``:
+       `[row // 8, tile, row % 8]`, reduced while the row's own loads are in flight) or of the
+       block maxima (``rescan``), reduced with butterfly shuffles inside the row's lane group and,
+       for rows wider than a warp, through shared memory and one CTA barrier. Then
+       `enc = min(RN(RN(1/global_scale_inv) / amax), FLT_MAX)` and `pts = RN(1/enc)`. Every block's
+       maximum magnitude comes from packed NaN-propagating maxima (a NaN block redoes it ignoring NaN).
+    3. Every thread quantizes its blocks from registers and writes 8 bytes of codes and one scale
+       byte per block. Blocks without NaN take the FMA-pipe E2M1 encoder
+       (`nvfp4_device.encode_e2m1_biased`); blocks with NaN, and 4-over-6 (both candidates and their
+       errors), take the exact general encoder.
+
+    Rows at or past `input_amax_valid_rows` (clamped into [0, M], rounded down to a multiple of 8)
+    are neither read nor written. The swizzled layout's pad bytes (rows M..round_up(M, 128) and
+    the pad columns K/16..round_up(K/16, 4) of written rows) are written as zeros; the grid then
+    covers the padded rows.
+    """
+
+    def __init__(self, dtype: type[cutlass.Numeric], k: int, sf_layout: str, four_over_six: str, scale_source: str):
+        assert scale_source in SCALE_SOURCES
+        self.dtype = dtype
+        self.k = k
+        self.sf_layout = sf_layout
+        self.four_over_six = four_over_six
+        self.scale_source = scale_source
+        self.blocks = k // BLOCK_SIZE
+        self.padded_blocks = round_up(self.blocks, SWIZZLE_COLS)
+        self.threads_per_row, self.blocks_per_thread, self.rows_per_cta = row_tiling(k)
+        self.cta_threads = self.threads_per_row * self.rows_per_cta
+        self.warps_per_row = max(1, self.threads_per_row // WARP_SIZE)
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,  # [M, K] (row stride a multiple of 16 bytes)
+        mGlobalScale: cute.Tensor | None,  # [1] FP32, "tensor" only
+        mCodes: cute.Tensor,  # [M, K/2] uint8
+        mBlockScales: cute.Tensor,  # [M, K/16] or [round_up(M,128), round_up(K/16,4)] float8_e4m3fn
+        mPerTokenScale: cute.Tensor | None,  # [M] FP32, per-token only
+        numerator: Float32 | None,  # RN(1 / global_scale_inv), per-token only
+        mInputAmax: cute.Tensor | None,  # [ceil(M/8), tiles, 8], "aux" only
+        mValidRows: cute.Tensor | None,  # [1] int32, optional with "aux"
+        stream,
+    ):
+        covered_rows = mBlockScales.shape[0] if const_expr(self.sf_layout == "swizzled") else mX.shape[0]
+        self.kernel(
+            mX, mGlobalScale, mCodes, mBlockScales, mPerTokenScale, numerator, mInputAmax, mValidRows, covered_rows
+        ).launch(
+            grid=[cute.ceil_div(covered_rows, self.rows_per_cta), 1, 1],
+            block=[self.cta_threads, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mX: cute.Tensor,
+        mGlobalScale: cute.Tensor | None,
+        mCodes: cute.Tensor,
+        mBlockScales: cute.Tensor,
+        mPerTokenScale: cute.Tensor | None,
+        numerator: Float32 | None,
+        mInputAmax: cute.Tensor | None,
+        mValidRows: cute.Tensor | None,
+        covered_rows: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        lane = tidx % self.threads_per_row
+        row = cta * self.rows_per_cta + tidx // self.threads_per_row
+        num_rows = mX.shape[0]
+        valid_rows = num_rows
+        if const_expr(mValidRows is not None):
+            # The count is device data: clamp it into [0, M] and round it down to a multiple of 8.
+            count = cutlass.min(cutlass.max(mValidRows[0], Int32(0)), num_rows)
+            valid_rows = count - count % AUX_AMAX_ROW_GROUP
+        is_data_row = row < valid_rows
+
+        x_blocks = cute.zipped_divide(mX, (1, BLOCK_SIZE))  # ((1, 16), (M, K/16))
+        code_blocks = cute.zipped_divide(mCodes, (1, BLOCK_SIZE // 2))  # ((1, 8), (M, K/16))
+        scale_bytes = cute.make_tensor(
+            cute.recast_ptr(mBlockScales.iterator, dtype=Uint8), cute.make_layout(cute.size(mBlockScales))
+        )
+
+        # Stage 1: issue the loads of this thread's blocks (zeros where there is no block); their
+        # values are first used after the aux-amax reduction, so that reduction overlaps the loads.
+        frags = []
+        for j in cutlass.range_constexpr(self.blocks_per_thread):
+            col = lane + j * self.threads_per_row
+            frag = cute.make_rmem_tensor((BLOCK_SIZE,), self.dtype)
+            frag.fill(0)
+            if is_data_row and col < self.blocks:
+                cute.autovec_copy(x_blocks[(0, None), (row, col)], frag)
+            frags.append(frag)
+
+        # Stage 2: the row's encode-direction global scale, and the block maxima. The aux path reduces
+        # the tile maxima before the row's values have arrived; the legacy path needs them first.
+        if const_expr(self.scale_source == "aux"):
+            local_amax = Float32(0.0)
+            if is_data_row:
+                group = row // AUX_AMAX_ROW_GROUP
+                member = row % AUX_AMAX_ROW_GROUP
+                for tile in cutlass.range(lane, mInputAmax.shape[1], self.threads_per_row):
+                    tile_amax = mInputAmax[group, tile, member].to(Float32)
+                    local_amax = dev.max_num(local_amax, dev.magnitude(tile_amax))
+            global_scale = self._per_token_scale(
+                self._row_max(local_amax, tidx), numerator, mPerTokenScale, row, lane, is_data_row
+            )
+        block_maxima = []
+        block_has_nan = []
+        for j in cutlass.range_constexpr(self.blocks_per_thread):
+            block_max, has_nan = self._block_max(frags[j])
+            block_maxima.append(block_max)
+            block_has_nan.append(has_nan)
+        if const_expr(self.scale_source == "tensor"):
+            global_scale = mGlobalScale[0]
+        if const_expr(self.scale_source == "rescan"):
+            local_amax = Float32(0.0)
+            for j in cutlass.range_constexpr(self.blocks_per_thread):
+                local_amax = dev.max_num(local_amax, block_maxima[j])
+            global_scale = self._per_token_scale(
+                self._row_max(local_amax, tidx), numerator, mPerTokenScale, row, lane, is_data_row
+            )
+        sf_factor = dev.mul_rn(global_scale, dev.f32_from_bits(dev.ONE_SIXTH_BITS))
+        inv_global_scale = dev.div_rn(Float32(1.0), global_scale)
+
+        # Stage 3: quantize each block from registers and store codes and scale.
+        for j in cutlass.range_constexpr(self.blocks_per_thread):
+            col = lane + j * self.threads_per_row
+            if is_data_row and col < self.blocks:
+                word0, word1, scale_bits = self._quantize_block(
+                    self._block_values(frags[j]),
+                    block_maxima[j],
+                    block_has_nan[j],
+                    global_scale,
+                    sf_factor,
+                    inv_global_scale,
+                )
+                code_frag = cute.make_rmem_tensor((2,), Uint32)
+                code_frag[0] = word0
+                code_frag[1] = word1
+                cute.autovec_copy(cute.recast_tensor(code_frag, Uint8), code_blocks[(0, None), (row, col)])
+                scale_bytes[self._scale_offset(row, col)] = Uint8(scale_bits)
+            if const_expr(self.sf_layout == "swizzled"):
+                self._zero_swizzle_padding(scale_bytes, row, col, num_rows, covered_rows, is_data_row)
+
+    # -----------------------------------------------------------------------------------------------
+    @cute.jit
+    def _block_values(self, frag: cute.Tensor):
+        """A block's 16 values as FP32 (exact conversions)."""
+        if const_expr(self.dtype.width == 32):
+            return [frag[i] for i in range(BLOCK_SIZE)]
+        pairs = cute.recast_tensor(frag, Uint32)
+        values = []
+        for i in cutlass.range_constexpr(BLOCK_SIZE // 2):
+            if const_expr(self.dtype == cutlass.BFloat16):
+                values += [dev.bf16_low_to_f32(pairs[i]), dev.bf16_high_to_f32(pairs[i])]
+            else:
+                values += [dev.f16_low_to_f32(pairs[i]), dev.f16_high_to_f32(pairs[i])]
+        return values
+
+    @cute.jit
+    def _block_max(self, frag: cute.Tensor):
+        """(maximum magnitude with NaN ignored (maxNum from +0), whether the block holds a NaN).
+
+        The common case costs one packed NaN-propagating `max` per pair; only a block that holds a
+        NaN takes a second, NaN-ignoring pass.
+        """
+        if const_expr(self.dtype.width == 32):
+            packed = Float32(0.0)
+            for i in cutlass.range_constexpr(BLOCK_SIZE):
+                packed = dev.abs_max_nan_f32(packed, frag[i])
+            block_max = dev.magnitude(packed)
+        else:
+            pairs = cute.recast_tensor(frag, Uint32)
+            packed = Uint32(0)
+            for i in cutlass.range_constexpr(BLOCK_SIZE // 2):
+                if const_expr(self.dtype == cutlass.BFloat16):
+                    packed = dev.abs_max_nan_bf16x2(packed, pairs[i])
+                else:
+                    packed = dev.abs_max_nan_f16x2(packed, pairs[i])
+            halves = self._block_values_of_pair(packed & Uint32(0x7FFF7FFF))
+            block_max = dev.abs_max_nan_f32(halves[0], halves[1])
+        has_nan = dev.is_nan(block_max)
+        if has_nan != Uint32(0):
+            block_max = Float32(0.0)
+            for v in self._block_values(frag):
+                block_max = dev.max_num(block_max, dev.magnitude(v))
+        return block_max, has_nan
+
+    @cute.jit
+    def _block_values_of_pair(self, pair: Uint32):
+        if const_expr(self.dtype == cutlass.BFloat16):
+            return [dev.bf16_low_to_f32(pair), dev.bf16_high_to_f32(pair)]
+        return [dev.f16_low_to_f32(pair), dev.f16_high_to_f32(pair)]
+
+    @cute.jit
+    def _per_token_scale(self, row_amax, numerator, mPerTokenScale, row, lane, is_data_row) -> Float32:
+        """`enc = min(RN(numerator / amax), FLT_MAX)` for the row; stores `pts = RN(1 / enc)` (0 for a
+        zero row) once per row."""
+        global_scale = dev.clamp_flt_max(dev.div_rn(numerator, row_amax))
+        if is_data_row and lane == 0:
+            per_token_scale = Float32(0.0)
+            if row_amax != Float32(0.0):
+                per_token_scale = dev.div_rn(Float32(1.0), global_scale)
+            mPerTokenScale[row] = per_token_scale
+        return global_scale
+
+    @cute.jit
+    def _row_max(self, local_amax: Float32, tidx: Int32) -> Float32:
+        """Maximum of `local_amax` over the threads of each row (every thread gets the result)."""
+        lane_group = min(self.threads_per_row, WARP_SIZE)
+        for step in cutlass.range_constexpr(lane_group.bit_length() - 1):
+            offset = lane_group >> (step + 1)
+            local_amax = dev.max_num(local_amax, cute.arch.shuffle_sync_bfly(local_amax, offset))
+        row_amax = local_amax
+        if const_expr(self.warps_per_row > 1):
+            smem = cutlass.memory.SmemAllocator()
+            warp_maxima = smem.allocate_tensor(Float32, cute.make_layout(self.cta_threads // WARP_SIZE), 4)
+            warp = tidx // WARP_SIZE
+            if tidx % WARP_SIZE == 0:
+                warp_maxima[warp] = local_amax
+            cute.arch.sync_threads()
+            first = warp - warp % self.warps_per_row
+            row_amax = warp_maxima[first]
+            for w in cutlass.range_constexpr(1, self.warps_per_row):
+                row_amax = dev.max_num(row_amax, warp_maxima[first + w])
+        return row_amax
+
+    @cute.jit
+    def _encode_block(self, values, block_scale: Float32, inv_global_scale: Float32):
+        """Codes of one block for a given E4M3 scale: `q_i = e2m1(RN(x_i * s))`, all +0 if the scale is 0."""
+        s = dev.clamp_flt_max(dev.div_rn(Float32(1.0), dev.mul_rn(block_scale, inv_global_scale)))
+        codes = [dev.encode_e2m1(dev.mul_rn(v, s)) for v in values]
+        is_zero = block_scale == Float32(0.0)
+        return [cutlass.select_(is_zero, Uint32(0), c) for c in codes]
+
+    @cute.jit
+    def _block_error(self, scaled, codes, block_scale: Float32) -> Float32:
+        """4-over-6 error: sum over i ascending of |d_i| (mae) or RN(d_i^2) (mse), each step rounded."""
+        terms = []
+        for i in cutlass.range_constexpr(BLOCK_SIZE):
+            diff = dev.sub_rn(scaled[i], dev.mul_rn(dev.decode_e2m1(codes[i]), block_scale))
+            if const_expr(self.four_over_six == "mae"):
+                terms.append(dev.magnitude(diff))
+            else:
+                terms.append(dev.mul_rn(diff, diff))
+        total = terms[0]
+        for i in cutlass.range_constexpr(1, BLOCK_SIZE):
+            total = dev.add_rn(total, terms[i])
+        return total
+
+    @cute.jit
+    def _quantize_block(self, values, block_max, has_nan, global_scale, sf_factor, inv_global_scale):
+        """(two packed code words, E4M3 scale bits) of one block: SPEC §1 block math (+ 4-over-6)."""
+        unrounded_sf6 = dev.mul_rn(block_max, sf_factor)
+        scale_bits = dev.to_e4m3(unrounded_sf6)
+        block_scale = dev.e4m3_to_f32(scale_bits)
+        if const_expr(self.four_over_six == "off"):
+            s = dev.clamp_flt_max(dev.div_rn(Float32(1.0), dev.mul_rn(block_scale, inv_global_scale)))
+            # A zero scale, or a NaN s (every RN(x_i * s) NaN), encodes the whole block as +0.
+            is_zero = (block_scale == Float32(0.0)) | (dev.is_nan(s) != Uint32(0))
+            words = [Uint32(0), Uint32(0)]
+            if has_nan != Uint32(0) or s == Float32(0.0):
+                # Rare: RN(x_i * s) may be NaN (a NaN input, or inf * 0), which only the exact
+                # encoder maps to +0.
+                codes = [dev.encode_e2m1(dev.mul_rn(v, s)) for v in values]
+                words = [dev.pack_nibbles(codes[0:8]), dev.pack_nibbles(codes[8:16])]
+            else:
+                biased = [dev.encode_e2m1_biased(dev.mul_rn(v, s)) for v in values]
+                words = [dev.pack_biased_nibbles(biased[0:8]), dev.pack_biased_nibbles(biased[8:16])]
+            return cutlass.select_(is_zero, Uint32(0), words[0]), cutlass.select_(is_zero, Uint32(0), words[1]), scale_bits
+        codes = self._encode_block(values, block_scale, inv_global_scale)
+        scale4_bits = dev.to_e4m3(dev.mul_rn(unrounded_sf6, Float32(dev.FOUR_OVER_SIX_FACTOR)))
+        block_scale4 = dev.e4m3_to_f32(scale4_bits)
+        codes4 = self._encode_block(values, block_scale4, inv_global_scale)
+        scaled = [dev.mul_rn(v, global_scale) for v in values]
+        error6 = self._block_error(scaled, codes, block_scale)
+        error4 = self._block_error(scaled, codes4, block_scale4)
+        # Ties (and NaN errors) keep sf6; a zero block keeps sf6 as well.
+        pick4 = (error4 < error6) & (block_max != Float32(0.0))
+        scale_bits = cutlass.select_(pick4, scale4_bits, scale_bits)
+        codes = [cutlass.select_(pick4, c4, c6) for c4, c6 in zip(codes4, codes, strict=True)]
+        return dev.pack_nibbles(codes[0:8]), dev.pack_nibbles(codes[8:16]), scale_bits
+
+    @cute.jit
+    def _scale_offset(self, row: Int32, col: Int32) -> Int32:
+        """Byte offset of scale (row, col) in the linear or the 128x4 swizzled layout."""
+        if const_expr(self.sf_layout == "linear"):
+            return row * self.blocks + col
+        return (
+            col % SWIZZLE_COLS
+            + (col // SWIZZLE_COLS) * SWIZZLE_COL_GROUP_BYTES
+            + (row % SWIZZLE_ROW_GROUP) * (SWIZZLE_COLS * SWIZZLE_COLS)
+            + ((row % SWIZZLE_ROWS) // SWIZZLE_ROW_GROUP) * SWIZZLE_COLS
+            + (row // SWIZZLE_ROWS) * (SWIZZLE_ROWS * self.padded_blocks)
+        )
+
+    @cute.jit
+    def _zero_swizzle_padding(self, scale_bytes, row, col, num_rows, covered_rows, is_data_row):
+        """Zero the pad bytes this thread owns: whole pad rows (M <= row < round_up(M, 128)) and, on
+        the thread holding a row's last block, the pad columns after it."""
+        if row >= num_rows and row < covered_rows and col < self.blocks:
+            scale_bytes[self._scale_offset(row, col)] = Uint8(0)
+        if const_expr(self.padded_blocks > self.blocks):
+            owns_last = col == self.blocks - 1
+            if owns_last and (is_data_row or (row >= num_rows and row < covered_rows)):
+                for pad in cutlass.range_constexpr(self.blocks, self.padded_blocks):
+                    scale_bytes[self._scale_offset(row, Int32(pad))] = Uint8(0)

@@ -1,0 +1,149 @@
+"""The sm90 quantization kernels compile for sm_90a without a GPU, and their PTX has the properties
+the bitwise-exactness argument rests on (see `fp4moe.kernels.sm90.nvfp4_device`).
+
+Runs in CI on a CPU machine. Compiling every variant (~250) takes about a minute, so this compiles a
+representative subset: every (scale layout x 4-over-6 mode x scale source) combination for one
+dtype at a ragged K, every dtype at every tested K for one combination, the widest row with the
+heaviest mode, and the tile_amax producer per dtype and load width. The compilation runs in a
+subprocess because `CUTE_DSL_KEEP` (which keeps the PTX) is read when the DSL is imported.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import fp4moe
+
+ARCH = "sm_90a"
+QUANTIZE_VARIANTS = sorted(
+    {
+        *(
+            ("bfloat16", 272, layout, mode, source, valid)
+            for layout in ("linear", "swizzled")
+            for mode in ("off", "mae", "mse")
+            for source, valid in (("tensor", False), ("rescan", False), ("aux", False), ("aux", True))
+        ),
+        *(
+            (dtype, k, "swizzled", "off", "rescan", False)
+            for dtype in ("bfloat16", "float16", "float32")
+            for k in (16, 272, 2048, 7168)
+        ),
+        ("bfloat16", 7168, "swizzled", "mse", "aux", True),
+        ("float16", 2048, "linear", "mae", "aux", False),
+        ("float32", 2048, "linear", "mse", "tensor", False),
+    }
+)
+TILE_AMAX_VARIANTS = [("bfloat16", 7168, 128, 8), ("float16", 272, 100, 4), ("float32", 33, 7, 1), ("bfloat16", 2048, 128, 1)]
+
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    import torch
+    from fp4moe.kernels import quantize_launch as launch
+    out = Path(sys.argv[1])
+    spec = json.loads(sys.argv[2])
+    for i, (dtype, k, layout, mode, source, valid) in enumerate(spec["quantize"]):
+        compiled = launch.compile_quantize(getattr(torch, dtype), k, layout, mode, source, valid, spec["arch"])
+        (out / f"quantize_{i}.ptx").write_text(compiled.__ptx__)
+        (out / f"quantize_{i}.cubin").write_bytes(compiled.__cubin__)
+    for i, (dtype, n, tile_n, vector) in enumerate(spec["tile_amax"]):
+        compiled = launch.compile_tile_amax(getattr(torch, dtype), n, tile_n, vector, spec["arch"])
+        (out / f"tile_amax_{i}.ptx").write_text(compiled.__ptx__)
+        (out / f"tile_amax_{i}.cubin").write_bytes(compiled.__cubin__)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """Directory with the PTX and cubin of every variant, compiled for sm_90a in one subprocess."""
+    out = tmp_path_factory.mktemp("sm90_kernels")
+    spec = {"arch": ARCH, "quantize": QUANTIZE_VARIANTS, "tile_amax": TILE_AMAX_VARIANTS}
+    env = dict(os.environ, CUTE_DSL_ARCH=ARCH, CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(out / "dump"))
+    (out / "dump").mkdir()
+    root = Path(fp4moe.__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT, str(out), json.dumps(spec)],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return out
+
+
+def _ptx(compiled, name):
+    # Inline-asm blocks arrive verbatim: drop comments so that only instructions are matched.
+    return re.sub(r"//[^\n]*", "", (compiled / f"{name}.ptx").read_text())
+
+
+def _all_ptx(compiled):
+    names = [f"quantize_{i}" for i in range(len(QUANTIZE_VARIANTS))]
+    names += [f"tile_amax_{i}" for i in range(len(TILE_AMAX_VARIANTS))]
+    return {name: _ptx(compiled, name) for name in names}
+
+
+def test_every_variant_compiles_for_sm90a(compiled):
+    for i, variant in enumerate(QUANTIZE_VARIANTS):
+        assert ".target sm_90a" in _ptx(compiled, f"quantize_{i}"), variant
+    for i, variant in enumerate(TILE_AMAX_VARIANTS):
+        assert ".target sm_90a" in _ptx(compiled, f"tile_amax_{i}"), variant
+
+
+EXACT_PRODUCT_FMA = re.compile(r"fma\.rn\.f32\s+\w+,\s*\w+,\s*0f(40000000|3F000000),\s*0f4B00000[04];")
+"""The fast E2M1 encoder's FMAs: a product by 2 or 1/2 (exact) plus 2^23 (+4), rounded once."""
+
+
+def test_fp32_arithmetic_is_correctly_rounded_and_never_fused(compiled):
+    """Every FP32 add/sub/mul carries `.rn` (which PTX forbids to contract into an FMA), the only FMAs
+    have exact products, division is IEEE `div.rn`, and nothing flushes subnormals to zero."""
+    for name, ptx in _all_ptx(compiled).items():
+        assert not re.search(r"\b(fma|mad)\.[a-z.]*f32", EXACT_PRODUCT_FMA.sub("", ptx)), name
+        assert not re.search(r"\b(add|sub|mul)\.f32\b", ptx), name
+        assert not re.search(r"\.ftz\b", ptx), name
+        assert not re.search(r"\b(div\.approx|div\.full|rcp\.)", ptx), name
+        if name.startswith("quantize"):
+            assert "div.rn.f32" in ptx, name
+
+
+def test_quantizers_use_the_exact_conversions_and_nan_ignoring_maxima(compiled):
+    for i, (dtype, *_rest) in enumerate(QUANTIZE_VARIANTS):
+        ptx = _ptx(compiled, f"quantize_{i}")
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+        assert "cvt.rn.f16x2.e4m3x2" in ptx
+        packed_max = {"bfloat16": "bf16x2", "float16": "f16x2", "float32": "f32"}[dtype]
+        assert f"max.NaN.xorsign.abs.{packed_max}" in ptx, (dtype, packed_max)
+        assert re.search(r"\bmax\.f32\b", ptx), "NaN-ignoring maxima"
+        assert not re.search(r"\bmax\.NaN\.(?!xorsign)", ptx)
+
+
+def test_rows_are_read_with_16_byte_loads(compiled):
+    for i, variant in enumerate(QUANTIZE_VARIANTS):
+        assert "ld.global.v4.b32" in _ptx(compiled, f"quantize_{i}"), variant
+
+
+def test_only_rows_wider_than_a_warp_synchronize_the_cta(compiled):
+    for i, (_dtype, k, _layout, _mode, source, _valid) in enumerate(QUANTIZE_VARIANTS):
+        has_barrier = "bar.sync" in _ptx(compiled, f"quantize_{i}")
+        assert has_barrier == (source != "tensor" and k // 16 > 32), QUANTIZE_VARIANTS[i]
+
+
+def test_no_variant_spills_to_local_memory(compiled):
+    nvdisasm = shutil.which("nvdisasm") or next(
+        (str(p) for p in Path(sys.prefix).glob("lib/python*/site-packages/nvidia/cu*/bin/nvdisasm")), None
+    )
+    if nvdisasm is None:
+        pytest.skip("nvdisasm is not installed (pip install nvidia-cuda-nvdisasm)")
+    for cubin in sorted(compiled.glob("*.cubin")):
+        sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+        assert not re.search(r"\b(LDL|STL)\b", sass), cubin.name
