@@ -352,8 +352,12 @@ def test_malformed_moe_calls_raise_clear_errors(error, message, call):
 # ---------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
-def test_cuda_graph_replay_with_fresh_routing_equals_eager(mode):
-    p = make_problem(tokens=48, top_k=4, num_experts=8, mode=mode, device="cuda", seed=11)
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_cuda_graph_replay_with_fresh_routing_equals_eager(mode, deterministic):
+    # Deterministic finalize is bitwise reproducible; the fused finalize scatter-adds with atomics,
+    # so its FP32 addition order (and the last bit of a bf16 output) may differ between runs.
+    check = assert_bitwise_equal if deterministic else assert_moe_close
+    p = make_problem(tokens=48, top_k=4, num_experts=8, mode=mode, device="cuda", seed=11, deterministic=deterministic)
     static_ids, static_weights = p.topk_ids.clone(), p.topk_weights.clone()
     p.topk_ids, p.topk_weights = static_ids, static_weights
     p.run()  # warm up outside the capture
@@ -366,12 +370,12 @@ def test_cuda_graph_replay_with_fresh_routing_equals_eager(mode):
         static_ids.copy_(fresh.topk_ids)
         static_weights.copy_(fresh.topk_weights)
         graph.replay()
-        assert_bitwise_equal(static_out, p.run())
+        check(static_out, p.run())
 
 
 @pytest.mark.gpu
 def test_reduce_overhead_compile_matches_eager():
-    p = make_problem(tokens=32, top_k=2, device="cuda", seed=12, mode="w4a4_per_token")
+    p = make_problem(tokens=32, top_k=2, device="cuda", seed=12, mode="w4a4_per_token", deterministic=True)
     compiled = torch.compile(lambda x, ids, wts: ops.fused_moe(x, ids, wts, *p.op_args()[3:], **p.op_kwargs()),
                              mode="reduce-overhead", fullgraph=True)
     for _ in range(3):
