@@ -57,10 +57,10 @@ EMPTY_BLOCK_EXPERT = -1
 def align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int, local_expert_offset: int):
     """Builds the route plan (see the module docstring) with a stable sort, counts and prefix sums."""
     sorted_token_ids, expert_ids, num_tokens_post_padded = align_block_size_outputs(topk_ids, block_m, num_experts)
-    device = topk_ids.device
     num_pairs = topk_ids.numel()
     capacity = sorted_token_ids.numel()
     grouping = group_pairs_by_expert(topk_ids, num_experts, local_expert_offset, block_m, capacity)
+    # Dropped pairs all land in the scratch slot `capacity`; the sentinel fills every unused slot.
     slots = torch.full((capacity + 1,), num_pairs, dtype=torch.int32, device=topk_ids.device)
     slots.scatter_(0, grouping.row, grouping.order.to(torch.int32))
     sorted_token_ids.copy_(slots[:capacity])
