@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.utils._pytree as pytree
 
 NAMESPACE = "fp4moe"
 LIBRARY = torch.library.Library(NAMESPACE, "DEF")
@@ -18,18 +17,32 @@ IMPLEMENTATIONS: dict[str, Callable] = {}
 
 
 def _inference_only(name: str) -> Callable:
+    overload = None  # resolved on first call: the op is defined after this kernel is made
+
     def autograd_kernel(*args, **kwargs):
-        if torch.is_grad_enabled():
-            leaves = pytree.arg_tree_leaves(*args, **kwargs)
-            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
-                raise NotImplementedError(
-                    f"{NAMESPACE}.{name} is inference-only and has no autograd formula; "
-                    "call it under torch.no_grad() / torch.inference_mode() or pass tensors that do not require grad"
-                )
+        nonlocal overload
+        if torch.is_grad_enabled() and _any_requires_grad(args, kwargs):
+            raise NotImplementedError(
+                f"{NAMESPACE}.{name} is inference-only and has no autograd formula; "
+                "call it under torch.no_grad() / torch.inference_mode() or pass tensors that do not require grad"
+            )
+        if overload is None:
+            overload = getattr(torch.ops.fp4moe, name).default
         with torch._C._AutoDispatchBelowAutograd():
-            return getattr(torch.ops.fp4moe, name)(*args, **kwargs)
+            return overload(*args, **kwargs)
 
     return autograd_kernel
+
+
+def _any_requires_grad(args, kwargs) -> bool:
+    """Whether a tensor argument requires grad (schemas take tensors directly or in lists)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                return True
+        elif isinstance(value, (list, tuple)) and any(isinstance(t, torch.Tensor) and t.requires_grad for t in value):
+            return True
+    return False
 
 
 def define_op(schema: str, cpu: Callable, cuda: Callable) -> None:
