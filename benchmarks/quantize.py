@@ -20,6 +20,7 @@ markdown table and writes it, with the JSON (environment, command, numbers), to 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import math
 import sys
@@ -126,16 +127,22 @@ def host_overhead_us() -> dict:
         ),
     }
     result = {}
-    for name, call in cases.items():
-        for _ in range(50):
-            call()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(HOST_CALLS):
-            call()
-        torch.cuda.synchronize()
-        result[name] = (time.perf_counter() - start) / HOST_CALLS * 1e6
+    for mode, context in (("", contextlib.nullcontext), (", inference_mode", torch.inference_mode)):
+        for name, call in cases.items():
+            with context():
+                for _ in range(50):
+                    call()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(HOST_CALLS):
+                    call()
+                torch.cuda.synchronize()
+            result[name + mode] = (time.perf_counter() - start) / HOST_CALLS * 1e6
     return result
+
+
+def _host_rows(report: dict) -> list[list[str]]:
+    return [[name, f"{us:.1f}"] for name, us in report["host_overhead_us"].items()]
 
 
 def markdown(report: dict) -> str:
@@ -160,8 +167,7 @@ def markdown(report: dict) -> str:
         for m in ROWS
     ]
     lines += ["", markdown_table(["M", "K", "aux / legacy time"], ratios), ""]
-    host = [[name, f"{us:.1f}"] for name, us in report["host_overhead_us"].items()]
-    lines.append(markdown_table(["host time per eager call (M=1, K=2048)", "us"], host))
+    lines.append(markdown_table(["host time per eager call (M=1, K=2048)", "us"], _host_rows(report)))
     return "\n".join(lines)
 
 
@@ -170,25 +176,33 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--replays", type=int, default=100)
+    parser.add_argument("--host-only", action="store_true", help="measure only the host time per eager call")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     torch.manual_seed(0)
     env = environment(device, "benchmarks.quantize", argv)
     env["apache-tvm-ffi"] = importlib.metadata.version("apache-tvm-ffi")
     env["backend"] = launch.__name__
-    read_bytes_per_s = measure_read_bandwidth(device, READ_BUFFER_BYTES, args.replays)
-    results = [
-        bench_one(quantizer, rows, k, args.replays, read_bytes_per_s) for k in KS for rows in ROWS for quantizer in QUANTIZERS
-    ]
-    report = {
-        "environment": env,
-        "read_bytes_per_s": read_bytes_per_s,
-        "results": results,
-        "host_overhead_us": host_overhead_us(),
-    }
-    table = markdown(report)
+    if args.host_only:
+        report = {"environment": env, "host_overhead_us": host_overhead_us()}
+        table = markdown_table(["host time per eager call (M=1, K=2048)", "us"], _host_rows(report))
+    else:
+        read_bytes_per_s = measure_read_bandwidth(device, READ_BUFFER_BYTES, args.replays)
+        results = [
+            bench_one(quantizer, rows, k, args.replays, read_bytes_per_s)
+            for k in KS
+            for rows in ROWS
+            for quantizer in QUANTIZERS
+        ]
+        report = {
+            "environment": env,
+            "read_bytes_per_s": read_bytes_per_s,
+            "results": results,
+            "host_overhead_us": host_overhead_us(),
+        }
+        table = markdown(report)
     print(table)
-    stem = result_stem(args.out_dir, "quantize", env)
+    stem = result_stem(args.out_dir, "quantize_host" if args.host_only else "quantize", env)
     write_json(stem.with_suffix(".json"), report)
     stem.with_suffix(".md").write_text(table + "\n")
     print(f"\nwrote {stem}.json and .md")
