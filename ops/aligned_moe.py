@@ -22,50 +22,15 @@ ALIGNED_MOE_SCHEMA = (
 )
 
 
-def align_block_size(topk_ids, block_m, num_experts, local_expert_offset=0):
+def align_block_size(topk_ids, block_m, num_experts, local_expert_offset):
     validation.check_align_block_size(topk_ids, block_m, num_experts, local_expert_offset)
     return reference.align_block_size(topk_ids, block_m, num_experts, local_expert_offset)
 
 
-def aligned_moe_(
-    out,
-    hidden,
-    hidden_scales,
-    w1,
-    w1_scales,
-    w2,
-    w2_scales,
-    scale_gate,
-    scale_up,
-    scale_down,
-    sorted_token_ids,
-    expert_ids,
-    num_tokens_post_padded,
-    topk_weights,
-    routed_scaling_factor,
-    block_m,
-):
-    args = (
-        out,
-        hidden,
-        hidden_scales,
-        w1,
-        w1_scales,
-        w2,
-        w2_scales,
-        scale_gate,
-        scale_up,
-        scale_down,
-        sorted_token_ids,
-        expert_ids,
-        num_tokens_post_padded,
-        topk_weights,
-        routed_scaling_factor,
-        block_m,
-    )
-    validation.check_aligned_moe(*args, real_storage=True)
-    reference.aligned_moe_(*args)
+def aligned_moe_(**args):
+    validation.check_aligned_moe(**args, real_storage=True)
+    reference.aligned_moe_(**args)
 
 
 for _schema, _impl in ((ALIGN_BLOCK_SIZE_SCHEMA, align_block_size), (ALIGNED_MOE_SCHEMA, aligned_moe_)):
-    define_op(_schema, cpu=_impl, cuda=_impl)
+    define_op(_schema, _impl)

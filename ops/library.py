@@ -1,4 +1,8 @@
-"""The `fp4moe` op namespace and the one way ops are added to it.
+"""The `fp4moe` op namespace and the one way ops and their fakes are added to it.
+
+Each op's schema string is the single source of its signature: Python kernels receive only the
+arguments a caller passed, so `define_op` and `register_fake_op` bind every call to the schema's full
+argument list (defaults filled in) and pass it to the implementation and the fake by name.
 
 Every op is inference-only: its Autograd kernel refuses inputs that require grad (with grad mode on)
 and otherwise re-dispatches below autograd, so no op ever records a graph.
@@ -12,8 +16,10 @@ import torch
 
 NAMESPACE = "fp4moe"
 LIBRARY = torch.library.Library(NAMESPACE, "DEF")
-IMPLEMENTATIONS: dict[str, Callable] = {}
-"""Op name -> its Python CPU/CUDA implementation (tests compare its defaults with the schema)."""
+
+BFLOAT16_SCALAR_TYPE = 15
+"""c10::ScalarType::BFloat16: schema strings spell dtype defaults by their enum value."""
+_SCALAR_TYPE_DEFAULTS = {BFLOAT16_SCALAR_TYPE: torch.bfloat16}
 
 
 def _inference_only(name: str) -> Callable:
@@ -45,15 +51,44 @@ def _any_requires_grad(args, kwargs) -> bool:
     return False
 
 
-def define_op(schema: str, cpu: Callable, cuda: Callable) -> None:
-    """Define `fp4moe::<name>` from its schema, register its CPU and CUDA kernels and the
-    inference-only autograd guard. The schema's name is everything before the first '('.
+def _schema_binder(name: str) -> Callable:
+    """A function mapping a call's (args, kwargs) to {argument name: value} over the whole schema."""
+    arguments = getattr(torch.ops.fp4moe, name).default._schema.arguments
+    names = [a.name for a in arguments]
+    defaults = {
+        a.name: _SCALAR_TYPE_DEFAULTS[a.default_value] if str(a.real_type) == "ScalarType" else a.default_value
+        for a in arguments
+        if a.has_default_value()
+    }
 
-    Python kernels receive only the arguments a caller passed, so `cpu` and `cuda` repeat the
-    schema's defaults (tests/test_op_signatures.py keeps them in agreement)."""
+    def bind(args: tuple, kwargs: dict) -> dict:
+        # The dispatcher has already checked the call against the schema: every missing name has a default.
+        return {**defaults, **dict(zip(names, args)), **kwargs}
+
+    return bind
+
+
+def define_op(schema: str, implementation: Callable) -> None:
+    """Define `fp4moe::<name>` from its schema, register `implementation` (called with every schema
+    argument by name) as its CPU and CUDA kernel, and the inference-only autograd guard. The
+    implementation picks the backend for the device itself. The name is everything before '('."""
     name = schema[: schema.index("(")]
-    IMPLEMENTATIONS[name] = cpu
     LIBRARY.define(schema)
-    LIBRARY.impl(name, cpu, "CPU")
-    LIBRARY.impl(name, cuda, "CUDA")
+    bind = _schema_binder(name)
+
+    def kernel(*args, **kwargs):
+        return implementation(**bind(args, kwargs))
+
+    LIBRARY.impl(name, kernel, "CPU")
+    LIBRARY.impl(name, kernel, "CUDA")
     LIBRARY.impl(name, _inference_only(name), "Autograd")
+
+
+def register_fake_op(name: str, fake: Callable) -> None:
+    """Register `fake` (called with every schema argument by name) as the fake of `fp4moe::<name>`."""
+    bind = _schema_binder(name)
+
+    def fake_kernel(*args, **kwargs):
+        return fake(**bind(args, kwargs))
+
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake_kernel)

@@ -6,11 +6,8 @@ the CUDA implementations stage by stage; `fp4moe.dispatch.moe_dispatch` reports 
 
 from __future__ import annotations
 
-import torch
-
 from fp4moe import validation
-from fp4moe.ops.library import define_op
-from fp4moe.ops.quantize import BFLOAT16_SCALAR_TYPE
+from fp4moe.ops.library import BFLOAT16_SCALAR_TYPE, define_op
 from fp4moe.reference import moe as reference
 
 MOE_PLAN_SCHEMA = (
@@ -42,95 +39,29 @@ FUSED_MOE_SCHEMA = (
 )
 
 
-def moe_plan(topk_ids, num_local_experts, local_expert_offset=0, tile_m=128):
+def moe_plan(topk_ids, num_local_experts, local_expert_offset, tile_m):
     validation.check_moe_plan(topk_ids, num_local_experts, local_expert_offset, tile_m)
     return reference.moe_plan(topk_ids, num_local_experts, local_expert_offset, tile_m)
 
 
-def moe_gemm1(
-    a,
-    a_scales,
-    a_per_token_scale,
-    permuted_to_pair,
-    tile_expert,
-    w1,
-    w1_scales,
-    w1_alpha,
-    top_k,
-    activation="swiglu",
-    swiglu_alpha=None,
-    swiglu_beta=None,
-    swiglu_limit=None,
-    router_weights=None,
-    output_global_scale=None,
-    aux_amax_tile_n=0,
-):
-    args = (
-        a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, top_k,
-        activation, swiglu_alpha, swiglu_beta, swiglu_limit, router_weights, output_global_scale, aux_amax_tile_n,
-    )
-    validation.check_moe_gemm1(*args)
-    return reference.moe_gemm1(*args)
+def moe_gemm1(**args):
+    validation.check_moe_gemm1(**args)
+    return reference.moe_gemm1(**args)
 
 
-def moe_gemm2(
-    a,
-    a_scales,
-    a_per_token_scale,
-    permuted_to_pair,
-    tile_expert,
-    w2,
-    w2_scales,
-    w2_alpha,
-    router_weights,
-    num_tokens,
-    top_k,
-    finalize="fused",
-):
-    args = (
-        a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w2, w2_scales, w2_alpha, router_weights,
-        num_tokens, top_k, finalize,
-    )
-    validation.check_moe_gemm2(*args)
-    return reference.moe_gemm2(*args)
+def moe_gemm2(**args):
+    validation.check_moe_gemm2(**args)
+    return reference.moe_gemm2(**args)
 
 
-def moe_finalize(expanded, pair_to_permuted, top_k, out_dtype=torch.bfloat16):
+def moe_finalize(expanded, pair_to_permuted, top_k, out_dtype):
     validation.check_moe_finalize(expanded, pair_to_permuted, top_k, out_dtype)
     return reference.moe_finalize(expanded, pair_to_permuted, top_k, out_dtype)
 
 
-def fused_moe(
-    x,
-    topk_ids,
-    topk_weights,
-    w1,
-    w1_scales,
-    w1_alpha,
-    w2,
-    w2_scales,
-    w2_alpha,
-    fc1_input_scale=None,
-    fc2_input_scale=None,
-    quant_mode="w4a4",
-    per_token_activation=False,
-    activation="swiglu",
-    swiglu_alpha=None,
-    swiglu_beta=None,
-    swiglu_limit=None,
-    apply_router_weight_on_input=False,
-    deterministic=False,
-    local_expert_offset=0,
-    num_local_experts=None,
-    x_scales=None,
-):
-    args = (
-        x, topk_ids, topk_weights, w1, w1_scales, w1_alpha, w2, w2_scales, w2_alpha, fc1_input_scale,
-        fc2_input_scale, quant_mode, per_token_activation, activation, swiglu_alpha, swiglu_beta, swiglu_limit,
-        apply_router_weight_on_input, deterministic, local_expert_offset, num_local_experts, x_scales,
-    )
-    validation.check_fused_moe(*args)
-    return reference.fused_moe(*args)
+def fused_moe(**args):
+    validation.check_fused_moe(**args)
+    return reference.fused_moe(**args)
 
 
 for _schema, _impl in (
@@ -140,4 +71,4 @@ for _schema, _impl in (
     (MOE_FINALIZE_SCHEMA, moe_finalize),
     (FUSED_MOE_SCHEMA, fused_moe),
 ):
-    define_op(_schema, cpu=_impl, cuda=_impl)
+    define_op(_schema, _impl)

@@ -6,7 +6,7 @@ import torch
 
 from fp4moe import dispatch, validation
 from fp4moe.nvfp4 import DEFAULT_GLOBAL_SCALE_INV
-from fp4moe.ops.library import define_op
+from fp4moe.ops.library import BFLOAT16_SCALAR_TYPE, define_op
 from fp4moe.reference import quantize as reference
 
 QUANTIZE_SCHEMA = (
@@ -18,8 +18,6 @@ QUANTIZE_PER_TOKEN_SCHEMA = (
     'str sf_layout="swizzled", str four_over_six="off", Tensor? input_amax=None, '
     "Tensor? input_amax_valid_rows=None) -> (Tensor codes, Tensor block_scales, Tensor per_token_scale)"
 )
-BFLOAT16_SCALAR_TYPE = 15
-"""c10::ScalarType::BFloat16: schema strings spell dtype defaults by their enum value."""
 DEQUANTIZE_SCHEMA = (
     'dequantize(Tensor codes, Tensor block_scales, str sf_layout="swizzled", Tensor? global_scale=None, '
     f"Tensor? per_token_scale=None, ScalarType out_dtype={BFLOAT16_SCALAR_TYPE}) -> Tensor"
@@ -38,19 +36,12 @@ def _backend_for(x: torch.Tensor):
     raise NotImplementedError(f"no quantization backend named {backend!r}")
 
 
-def quantize(x, global_scale, sf_layout="swizzled", four_over_six="off"):
+def quantize(x, global_scale, sf_layout, four_over_six):
     validation.check_quantize(x, global_scale, sf_layout, four_over_six)
     return _backend_for(x).quantize(x, global_scale, sf_layout, four_over_six)
 
 
-def quantize_per_token(
-    x,
-    global_scale_inv=DEFAULT_GLOBAL_SCALE_INV,
-    sf_layout="swizzled",
-    four_over_six="off",
-    input_amax=None,
-    input_amax_valid_rows=None,
-):
+def quantize_per_token(x, global_scale_inv, sf_layout, four_over_six, input_amax, input_amax_valid_rows):
     validation.check_quantize_per_token(x, global_scale_inv, sf_layout, four_over_six, input_amax, input_amax_valid_rows)
     if input_amax_valid_rows is not None and input_amax_valid_rows.device.type == "cpu":
         validation.check_valid_rows_value("input_amax_valid_rows", input_amax_valid_rows, x.shape[0])
@@ -59,7 +50,7 @@ def quantize_per_token(
     )
 
 
-def dequantize(codes, block_scales, sf_layout="swizzled", global_scale=None, per_token_scale=None, out_dtype=torch.bfloat16):
+def dequantize(codes, block_scales, sf_layout, global_scale, per_token_scale, out_dtype):
     validation.check_dequantize(codes, block_scales, sf_layout, global_scale, per_token_scale, out_dtype)
     return _backend_for(codes).dequantize(codes, block_scales, sf_layout, global_scale, per_token_scale, out_dtype)
 
@@ -75,4 +66,4 @@ for _schema, _impl in (
     (DEQUANTIZE_SCHEMA, dequantize),
     (TILE_AMAX_SCHEMA, tile_amax),
 ):
-    define_op(_schema, cpu=_impl, cuda=_impl)
+    define_op(_schema, _impl)

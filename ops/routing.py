@@ -21,14 +21,12 @@ ROUTE_DEEPSEEK_V3_SCHEMA = (
 )
 
 
-def route_softmax_topk(router_logits, top_k, renormalize=False):
+def route_softmax_topk(router_logits, top_k, renormalize):
     validation.check_route_softmax_topk(router_logits, top_k)
     return reference.route_softmax_topk(router_logits, top_k, renormalize)
 
 
-def route_deepseek_v3(
-    router_logits, correction_bias, top_k, n_group, topk_group, routed_scaling_factor=1.0, renormalize=True
-):
+def route_deepseek_v3(router_logits, correction_bias, top_k, n_group, topk_group, routed_scaling_factor, renormalize):
     validation.check_route_deepseek_v3(
         router_logits, correction_bias, top_k, n_group, topk_group, routed_scaling_factor
     )
@@ -41,4 +39,4 @@ for _schema, _impl in (
     (ROUTE_SOFTMAX_TOPK_SCHEMA, route_softmax_topk),
     (ROUTE_DEEPSEEK_V3_SCHEMA, route_deepseek_v3),
 ):
-    define_op(_schema, cpu=_impl, cuda=_impl)
+    define_op(_schema, _impl)
