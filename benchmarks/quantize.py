@@ -13,7 +13,8 @@ legacy path with 4-over-6 `mse`), bfloat16 input, swizzled scales, M in {1, 16, 
 3. report (bytes read + bytes written) / time, also as % of the read bandwidth measured in the
    same run (`benchmarks.ceilings`: `torch.sum` over a 4 GiB buffer).
 
-It also measures the host time of one eager call (op path and launch layer alone). Prints a
+It also measures the host time of one eager call (op path and launch layer alone): the median over
+20 batches of 250 back-to-back calls. Prints a
 markdown table and writes it, with the JSON (environment, command, numbers), to `--out-dir`.
 """
 
@@ -23,6 +24,7 @@ import argparse
 import contextlib
 import importlib.metadata
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -47,7 +49,9 @@ MAX_ROTATION = 64
 READ_BUFFER_BYTES = 4 * 2**30
 WARMUP = 5
 SPOT_ROWS = 256
-HOST_CALLS = 2000
+HOST_CALLS = 250
+HOST_BATCHES = 20
+"""Host time: the median over 20 batches of 250 back-to-back eager calls (the host is shared and noisy)."""
 QUANTIZERS = ("quantize", "per_token_legacy", "per_token_aux", "per_token_legacy_mse")
 
 
@@ -133,11 +137,14 @@ def host_overhead_us() -> dict:
                 for _ in range(50):
                     call()
                 torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(HOST_CALLS):
-                    call()
-                torch.cuda.synchronize()
-            result[name + mode] = (time.perf_counter() - start) / HOST_CALLS * 1e6
+                batches = []
+                for _ in range(HOST_BATCHES):
+                    start = time.perf_counter()
+                    for _ in range(HOST_CALLS):
+                        call()
+                    batches.append((time.perf_counter() - start) / HOST_CALLS * 1e6)
+                    torch.cuda.synchronize()
+            result[name + mode] = statistics.median(batches)
     return result
 
 

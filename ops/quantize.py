@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fp4moe import dispatch, validation
@@ -25,8 +27,10 @@ DEQUANTIZE_SCHEMA = (
 TILE_AMAX_SCHEMA = "tile_amax(Tensor x, int tile_n) -> Tensor"
 
 
-def _backend_for(x: torch.Tensor):
-    backend = dispatch.quantize_backend(x.device)
+@functools.cache
+def _backend_module(device: torch.device):
+    """The module implementing the quantization ops on `device` (a device with an index: a tensor's)."""
+    backend = dispatch.quantize_backend(device)
     if backend == dispatch.REFERENCE_BACKEND:
         return reference
     if backend == dispatch.CUTE_SM90_BACKEND:
@@ -34,6 +38,10 @@ def _backend_for(x: torch.Tensor):
 
         return quantize_launch
     raise NotImplementedError(f"no quantization backend named {backend!r}")
+
+
+def _backend_for(x: torch.Tensor):
+    return _backend_module(x.device)
 
 
 def quantize(x, global_scale, sf_layout, four_over_six):

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import fp4moe
+from fp4moe.kernels.sm90.quantize import row_tiling
 
 ARCH = "sm_90a"
 QUANTIZE_VARIANTS = sorted(
@@ -135,7 +136,16 @@ def test_rows_are_read_with_16_byte_loads(compiled):
 def test_only_rows_wider_than_a_warp_synchronize_the_cta(compiled):
     for i, (_dtype, k, _layout, _mode, source, _valid) in enumerate(QUANTIZE_VARIANTS):
         has_barrier = "bar.sync" in _ptx(compiled, f"quantize_{i}")
-        assert has_barrier == (source != "tensor" and k // 16 > 32), QUANTIZE_VARIANTS[i]
+        threads_per_row, _, _ = row_tiling(k)
+        assert has_barrier == (source != "tensor" and threads_per_row > 32), QUANTIZE_VARIANTS[i]
+
+
+def test_16_bit_codes_take_their_sign_bits_from_the_packed_inputs(compiled):
+    """The fast encoder (without 4-over-6) places eight sign bits per code word with byte permutes
+    (16-bit inputs only)."""
+    for i, (dtype, _k, _layout, mode, _source, _valid) in enumerate(QUANTIZE_VARIANTS):
+        has_permutes = "prmt.b32" in _ptx(compiled, f"quantize_{i}")
+        assert has_permutes == (dtype != "float32" and mode == "off"), QUANTIZE_VARIANTS[i]
 
 
 def test_no_variant_spills_to_local_memory(compiled):

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.gpu
 ops = torch.ops.fp4moe
 
 DTYPES = (torch.bfloat16, torch.float16)
-KS = (16, 272, 2048, 7168)
+KS = (16, 272, 2048, 4112, 7168)
+"""4112: a row of three warps holding three blocks each, the last step partial (257 blocks, 96 lanes)."""
 RAGGED_ROWS = (1, 37, 300)
 LAYOUTS = nvfp4.SF_LAYOUTS
 MODES = ("off", "mae", "mse")
@@ -129,11 +130,12 @@ def swizzled_row_of_each_byte(padded_rows, padded_cols):
 # ---------------------------------------------------------------------------------------------------
 # quantize (per-tensor)
 # ---------------------------------------------------------------------------------------------------
-FLOAT32_CASES = [(torch.float32, k, layout, "off") for k in (16, 2048) for layout in LAYOUTS] + [
+FLOAT32_CASES = [(torch.float32, k, layout, "off") for k in (16, 272, 2048, 7168) for layout in LAYOUTS] + [
     (torch.float32, 272, "swizzled", "mae"),
     (torch.float32, 7168, "linear", "mse"),
 ]
-"""float32 input shares every code path but the loads and the block maximum: a few cases suffice."""
+"""float32 input shares every code path but the loads, the block maximum and the code signs: a few
+cases suffice."""
 ALL_CASES = [(d, k, layout, mode) for d in DTYPES for k in KS for layout in LAYOUTS for mode in MODES] + FLOAT32_CASES
 
 

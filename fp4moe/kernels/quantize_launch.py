@@ -114,8 +114,8 @@ def _compact_copy(x: torch.Tensor) -> torch.Tensor:
 
 def _vector_rows(x: torch.Tensor) -> torch.Tensor:
     """`x` if its rows can be read 16 bytes at a time, else a compact copy (same values)."""
-    per_vector = VECTOR_BYTES // x.element_size()
-    if x.stride(1) == 1 and x.stride(0) % per_vector == 0 and x.data_ptr() % VECTOR_BYTES == 0:
+    row_stride, col_stride = x.stride()
+    if col_stride == 1 and (row_stride * x.itemsize) % VECTOR_BYTES == 0 and x.data_ptr() % VECTOR_BYTES == 0:
         return x
     return _compact_copy(x)
 
@@ -139,7 +139,7 @@ def quantize_into(x, global_scale, sf_layout, four_over_six, codes, block_scales
     if x.shape[0] == 0:
         return
     _check_size("x", x)
-    kernel = compile_quantize(x.dtype, x.shape[1], sf_layout, four_over_six, "tensor", False, arch_of(x.device.index))
+    kernel = compile_quantize(x.dtype, x.shape[1], sf_layout, four_over_six, "tensor", False, arch_of(x.get_device()))
     kernel(_vector_rows(x), global_scale.reshape(1), codes, block_scales, None, None, None, None)
 
 
@@ -179,7 +179,7 @@ def quantize_per_token_into(
         four_over_six,
         scale_source,
         input_amax_valid_rows is not None,
-        arch_of(x.device.index),
+        arch_of(x.get_device()),
     )
     kernel(
         _vector_rows(x),
@@ -218,5 +218,5 @@ def tile_amax_into(x: torch.Tensor, tile_n: int, out: torch.Tensor) -> None:
     _check_size("x", x)
     if x.stride(1) != 1:
         x = _compact_copy(x)
-    kernel = compile_tile_amax(x.dtype, x.shape[1], tile_n, _tile_vector(x, tile_n), arch_of(x.device.index))
+    kernel = compile_tile_amax(x.dtype, x.shape[1], tile_n, _tile_vector(x, tile_n), arch_of(x.get_device()))
     kernel(x, out)

@@ -243,15 +243,20 @@ def decode_e2m1(code, *, loc=None, ip=None) -> Float32:
 # runs on the FMA pipe, which keeps the ALU pipe (the bottleneck of integer rounding) free.
 # The result is the FP32 bit pattern 0x4B000000 + code + 8 * sign: the caller packs eight of them
 # with multiply-adds and removes the constant part once per word (`PACK_BIAS`).
-_ENCODE_E2M1_BIASED = (
-    "{ .reg .f32 w, fine, mid, coarse; .reg .b32 sign;"
+_E2M1_MAGNITUDE = (
     " abs.f32 w, $1;"
     " fma.rn.f32 fine, w, 0f40000000, 0f4B000000;"
     " add.rn.f32 mid, w, 0f4B000002;"
     " fma.rn.f32 coarse, w, 0f3F000000, 0f4B000004;"
     " min.f32 fine, fine, mid; min.f32 coarse, coarse, 0f4B000007; min.f32 fine, fine, coarse;"
-    " mov.b32 $0, fine; mov.b32 sign, $1; shr.u32 sign, sign, 31; mad.lo.u32 $0, sign, 8, $0; }"
 )
+_ENCODE_E2M1_BIASED = (
+    "{ .reg .f32 w, fine, mid, coarse; .reg .b32 sign;"
+    + _E2M1_MAGNITUDE
+    + " mov.b32 $0, fine; mov.b32 sign, $1; shr.u32 sign, sign, 31; mad.lo.u32 $0, sign, 8, $0; }"
+)
+_ENCODE_E2M1_MAGNITUDE_BIASED = "{ .reg .f32 w, fine, mid, coarse;" + _E2M1_MAGNITUDE + " mov.b32 $0, fine; }"
+"""The same without the sign: the code of |v|, for callers that place sign bits themselves."""
 PACK_BIAS = 0x05000000
 """Added to a word of eight biased codes: sum_i 0x4B000000 * 16^i = 0xFB000000 (mod 2^32) cancels."""
 
@@ -263,9 +268,35 @@ def encode_e2m1_biased(value, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
-def pack_biased_nibbles(biased_codes, *, loc=None, ip=None) -> Uint32:
-    """Eight `encode_e2m1_biased` results -> one word of codes (code i in bits 4i..4i+3)."""
-    word = Uint32(PACK_BIAS)
+def encode_e2m1_magnitude_biased(value, *, loc=None, ip=None) -> Uint32:
+    """0x4B000000 + E2M1 code of |value| for a non-NaN FP32 value (sign bit of the code clear)."""
+    return _ptx("r", _ENCODE_E2M1_MAGNITUDE_BIASED, "f", value, loc=loc, ip=ip)
+
+
+# Sign bits of eight 16-bit values, given as four packed pairs (element 2p in the low half of pair
+# p), moved to bit 3 of their codes' nibbles: element 2p's sign (bit 15 of pair p) to bit 8p + 3,
+# element 2p + 1's (bit 31) to bit 8p + 7. Two byte permutes gather the high bytes of the pairs'
+# halves, two more sort them into even and odd elements (sign in bit 8p + 7 of each).
+_SIGN_BITS_OF_CODES = (
+    "{ .reg .b32 lo, hi, even, odd;"
+    " prmt.b32 lo, $1, $2, 0x7351; prmt.b32 hi, $3, $4, 0x7351;"
+    " prmt.b32 even, lo, hi, 0x5410; prmt.b32 odd, lo, hi, 0x7632;"
+    " shr.b32 even, even, 4; and.b32 even, even, 0x08080808; and.b32 odd, odd, 0x80808080;"
+    " or.b32 $0, even, odd; }"
+)
+
+
+@dsl_user_op
+def sign_bits_of_codes(pair0, pair1, pair2, pair3, *, loc=None, ip=None) -> Uint32:
+    """The sign bits of a word of eight codes from the eight 16-bit values they encode."""
+    return _ptx("r", _SIGN_BITS_OF_CODES, "rrrr", pair0, pair1, pair2, pair3, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def pack_biased_nibbles(biased_codes, sign_bits=0, *, loc=None, ip=None) -> Uint32:
+    """Eight `encode_e2m1_biased` (or magnitude) results -> one word of codes (code i in bits
+    4i..4i+3), with `sign_bits` (bit 3 of each nibble, from `sign_bits_of_codes`) set."""
+    word = Uint32(PACK_BIAS) | Uint32(sign_bits)
     for i, code in enumerate(biased_codes):
         word = _ptx("r", f"mad.lo.u32 $0, $1, {1 << (4 * i)}, $2;", "rr", code, word, loc=loc, ip=ip)
     return word

@@ -17,7 +17,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint8, Uint32, const_expr
 
 from fp4moe.kernels.sm90 import nvfp4_device as dev
-from fp4moe.nvfp4 import BLOCK_SIZE, SWIZZLE_COLS, SWIZZLE_ROWS, round_up
+from fp4moe.nvfp4 import BLOCK_SIZE, SWIZZLE_COLS, SWIZZLE_ROWS, ceil_div, round_up
 from fp4moe.validation import AUX_AMAX_ROW_GROUP
 
 SCALE_SOURCES = ("tensor", "rescan", "aux")
@@ -27,6 +27,8 @@ MAX_BLOCKS_PER_THREAD = 8
 """A row lives in registers while its amax is reduced: at most 8 blocks (128 values) per thread,
 i.e. K <= 16 * 8 * 256 = 32768."""
 MAX_K = BLOCK_SIZE * MAX_BLOCKS_PER_THREAD * MAX_CTA_THREADS
+PREFERRED_BLOCKS_PER_THREAD = 4
+"""Up to 128 bytes of 16-bit input in flight per lane; more only where a row needs it."""
 
 # The 128x4 swizzled scale layout: (r, c) -> (c % 4) + (c // 4) * 512 + (r % 32) * 16
 #                                            + ((r % 128) // 32) * 4 + (r // 128) * 128 * P
@@ -40,17 +42,25 @@ def row_tiling(k: int) -> tuple[int, int, int]:
     A row of `k / 16` blocks is spread over `threads_per_row` threads, each holding
     `blocks_per_thread` blocks in registers (block `c` belongs to lane `c % threads_per_row`, so a
     warp's loads of one step are contiguous). Short rows take a power-of-two share of a warp so the
-    row reduction stays inside aligned lane groups; long rows take whole warps.
+    row reduction stays inside aligned lane groups. Long rows take whole warps: the fewest idle
+    block slots, then up to `PREFERRED_BLOCKS_PER_THREAD` blocks per thread (more loads in flight
+    per lane, and rows of up to 4096 elements within one warp, without a CTA barrier).
     """
     if k % BLOCK_SIZE or not 0 < k <= MAX_K:
         raise NotImplementedError(f"the sm90 quantizers need K in [16, {MAX_K}] divisible by 16, got {k}")
     blocks = k // BLOCK_SIZE
     if blocks <= WARP_SIZE:
         threads_per_row = 1 << (blocks - 1).bit_length()
-        blocks_per_thread = 1
-    else:
-        blocks_per_thread = -(-blocks // MAX_CTA_THREADS)
-        threads_per_row = round_up(-(-blocks // blocks_per_thread), WARP_SIZE)
+        return threads_per_row, 1, MAX_CTA_THREADS // threads_per_row
+    candidates = []
+    for wanted in range(1, MAX_BLOCKS_PER_THREAD + 1):
+        threads_per_row = round_up(ceil_div(blocks, wanted), WARP_SIZE)
+        if threads_per_row <= MAX_CTA_THREADS:
+            per_thread = ceil_div(blocks, threads_per_row)
+            idle = threads_per_row * per_thread - blocks
+            rank = (idle, per_thread > PREFERRED_BLOCKS_PER_THREAD, -per_thread)
+            candidates.append((rank, threads_per_row, per_thread))
+    _, threads_per_row, blocks_per_thread = min(candidates)
     return threads_per_row, blocks_per_thread, max(1, MAX_CTA_THREADS // threads_per_row)
 
 
@@ -70,8 +80,9 @@ class QuantizeSm90:
        maximum magnitude comes from packed NaN-propagating maxima (a NaN block redoes it ignoring NaN).
     3. Every thread quantizes its blocks from registers and writes 8 bytes of codes and one scale
        byte per block. Blocks without NaN take the FMA-pipe E2M1 encoder
-       (`nvfp4_device.encode_e2m1_biased`); blocks with NaN, and 4-over-6 (both candidates and their
-       errors), take the exact general encoder.
+       (`nvfp4_device.encode_e2m1_biased`; for 16-bit inputs on magnitudes, the sign bits of eight
+       codes coming from the packed inputs in a few byte permutes); blocks with NaN, and 4-over-6
+       (both candidates and their errors), take the exact general encoder.
 
     Rows at or past `input_amax_valid_rows` (clamped into [0, M], rounded down to a multiple of 8)
     are neither read nor written. The swizzled layout's pad bytes (rows M..round_up(M, 128) and
@@ -147,6 +158,14 @@ class QuantizeSm90:
 
         # Stage 1: issue the loads of this thread's blocks (zeros where there is no block); their
         # values are first used after the aux-amax reduction, so that reduction overlaps the loads.
+        # The aux path first issues the load of its first tile maximum (a row has at most as many
+        # tiles as lanes unless tile_n < 16 * blocks_per_thread), so that it returns first.
+        if const_expr(self.scale_source == "aux"):
+            group = row // AUX_AMAX_ROW_GROUP
+            member = row % AUX_AMAX_ROW_GROUP
+            first_tile_amax = Float32(0.0)
+            if is_data_row and lane < mInputAmax.shape[1]:
+                first_tile_amax = mInputAmax[group, lane, member].to(Float32)
         frags = []
         for j in cutlass.range_constexpr(self.blocks_per_thread):
             col = lane + j * self.threads_per_row
@@ -159,11 +178,9 @@ class QuantizeSm90:
         # Stage 2: the row's encode-direction global scale, and the block maxima. The aux path reduces
         # the tile maxima before the row's values have arrived; the legacy path needs them first.
         if const_expr(self.scale_source == "aux"):
-            local_amax = Float32(0.0)
+            local_amax = dev.max_num(Float32(0.0), dev.magnitude(first_tile_amax))
             if is_data_row:
-                group = row // AUX_AMAX_ROW_GROUP
-                member = row % AUX_AMAX_ROW_GROUP
-                for tile in cutlass.range(lane, mInputAmax.shape[1], self.threads_per_row):
+                for tile in cutlass.range(lane + self.threads_per_row, mInputAmax.shape[1], self.threads_per_row):
                     tile_amax = mInputAmax[group, tile, member].to(Float32)
                     local_amax = dev.max_num(local_amax, dev.magnitude(tile_amax))
             global_scale = self._per_token_scale(
@@ -192,7 +209,7 @@ class QuantizeSm90:
             col = lane + j * self.threads_per_row
             if is_data_row and col < self.blocks:
                 word0, word1, scale_bits = self._quantize_block(
-                    self._block_values(frags[j]),
+                    frags[j],
                     block_maxima[j],
                     block_has_nan[j],
                     global_scale,
@@ -314,8 +331,9 @@ class QuantizeSm90:
         return total
 
     @cute.jit
-    def _quantize_block(self, values, block_max, has_nan, global_scale, sf_factor, inv_global_scale):
+    def _quantize_block(self, frag, block_max, has_nan, global_scale, sf_factor, inv_global_scale):
         """(two packed code words, E4M3 scale bits) of one block: SPEC §1 block math (+ 4-over-6)."""
+        values = self._block_values(frag)
         unrounded_sf6 = dev.mul_rn(block_max, sf_factor)
         scale_bits = dev.to_e4m3(unrounded_sf6)
         block_scale = dev.e4m3_to_f32(scale_bits)
@@ -330,8 +348,7 @@ class QuantizeSm90:
                 codes = [dev.encode_e2m1(dev.mul_rn(v, s)) for v in values]
                 words = [dev.pack_nibbles(codes[0:8]), dev.pack_nibbles(codes[8:16])]
             else:
-                biased = [dev.encode_e2m1_biased(dev.mul_rn(v, s)) for v in values]
-                words = [dev.pack_biased_nibbles(biased[0:8]), dev.pack_biased_nibbles(biased[8:16])]
+                words = self._encode_block_fast(frag, values, s)
             return cutlass.select_(is_zero, Uint32(0), words[0]), cutlass.select_(is_zero, Uint32(0), words[1]), scale_bits
         codes = self._encode_block(values, block_scale, inv_global_scale)
         scale4_bits = dev.to_e4m3(dev.mul_rn(unrounded_sf6, Float32(dev.FOUR_OVER_SIX_FACTOR)))
@@ -345,6 +362,23 @@ class QuantizeSm90:
         scale_bits = cutlass.select_(pick4, scale4_bits, scale_bits)
         codes = [cutlass.select_(pick4, c4, c6) for c4, c6 in zip(codes4, codes, strict=True)]
         return dev.pack_nibbles(codes[0:8]), dev.pack_nibbles(codes[8:16]), scale_bits
+
+    @cute.jit
+    def _encode_block_fast(self, frag, values, s: Float32):
+        """The two code words of a block without NaN for a finite nonzero s, on the FMA-pipe encoder.
+
+        With s > 0, RN(x_i * s) has the sign of x_i, so 16-bit inputs take their code sign bits from
+        the packed inputs, eight at a time (`nvfp4_device.sign_bits_of_codes`), and encode magnitudes."""
+        if const_expr(self.dtype.width == 32):
+            biased = [dev.encode_e2m1_biased(dev.mul_rn(v, s)) for v in values]
+            return [dev.pack_biased_nibbles(biased[0:8]), dev.pack_biased_nibbles(biased[8:16])]
+        pairs = cute.recast_tensor(frag, Uint32)
+        magnitudes = [dev.encode_e2m1_magnitude_biased(dev.mul_rn(v, s)) for v in values]
+        words = []
+        for w in cutlass.range_constexpr(2):
+            signs = dev.sign_bits_of_codes(pairs[4 * w], pairs[4 * w + 1], pairs[4 * w + 2], pairs[4 * w + 3])
+            words.append(dev.pack_biased_nibbles(magnitudes[8 * w : 8 * w + 8], signs))
+        return words
 
     @cute.jit
     def _scale_offset(self, row: Int32, col: Int32) -> Int32:
