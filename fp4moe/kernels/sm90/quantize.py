@@ -36,6 +36,11 @@ SWIZZLE_ROW_GROUP = 32
 SWIZZLE_COL_GROUP_BYTES = SWIZZLE_ROWS * SWIZZLE_COLS
 
 
+def _log2(power_of_two: int) -> int:
+    assert power_of_two & (power_of_two - 1) == 0
+    return power_of_two.bit_length() - 1
+
+
 def row_tiling(k: int) -> tuple[int, int, int]:
     """(threads per row, blocks per thread, rows per CTA) for rows of `k` elements.
 
@@ -150,8 +155,9 @@ class QuantizeSm90:
             valid_rows = count - count % AUX_AMAX_ROW_GROUP
         is_data_row = row < valid_rows
 
-        x_blocks = cute.zipped_divide(mX, (1, BLOCK_SIZE))  # ((1, 16), (M, K/16))
-        code_blocks = cute.zipped_divide(mCodes, (1, BLOCK_SIZE // 2))  # ((1, 8), (M, K/16))
+        # The row's blocks, addressed from one row pointer (a block is a constant offset from it).
+        x_blocks = cute.zipped_divide(mX[row, None], (BLOCK_SIZE,))  # ((16), (K/16))
+        code_blocks = cute.zipped_divide(mCodes[row, None], (BLOCK_SIZE // 2,))  # ((8), (K/16))
         scale_bytes = cute.make_tensor(
             cute.recast_ptr(mBlockScales.iterator, dtype=Uint8), cute.make_layout(cute.size(mBlockScales))
         )
@@ -161,18 +167,18 @@ class QuantizeSm90:
         # The aux path first issues the load of its first tile maximum (a row has at most as many
         # tiles as lanes unless tile_n < 16 * blocks_per_thread), so that it returns first.
         if const_expr(self.scale_source == "aux"):
-            group = row // AUX_AMAX_ROW_GROUP
-            member = row % AUX_AMAX_ROW_GROUP
+            # The row's tile maxima `input_amax[row // 8, :, row % 8]` (rows are never negative).
+            row_tile_amax = mInputAmax[row >> _log2(AUX_AMAX_ROW_GROUP), None, row & (AUX_AMAX_ROW_GROUP - 1)]
             first_tile_amax = Float32(0.0)
             if is_data_row and lane < mInputAmax.shape[1]:
-                first_tile_amax = mInputAmax[group, lane, member].to(Float32)
+                first_tile_amax = row_tile_amax[lane].to(Float32)
         frags = []
         for j in cutlass.range_constexpr(self.blocks_per_thread):
             col = lane + j * self.threads_per_row
             frag = cute.make_rmem_tensor((BLOCK_SIZE,), self.dtype)
             frag.fill(0)
             if is_data_row and col < self.blocks:
-                cute.autovec_copy(x_blocks[(0, None), (row, col)], frag)
+                cute.autovec_copy(x_blocks[None, col], frag)
             frags.append(frag)
 
         # Stage 2: the row's encode-direction global scale, and the block maxima. The aux path reduces
@@ -181,7 +187,7 @@ class QuantizeSm90:
             local_amax = dev.max_num(Float32(0.0), dev.magnitude(first_tile_amax))
             if is_data_row:
                 for tile in cutlass.range(lane + self.threads_per_row, mInputAmax.shape[1], self.threads_per_row):
-                    tile_amax = mInputAmax[group, tile, member].to(Float32)
+                    tile_amax = row_tile_amax[tile].to(Float32)
                     local_amax = dev.max_num(local_amax, dev.magnitude(tile_amax))
             global_scale = self._per_token_scale(
                 self._row_max(local_amax, tidx), numerator, mPerTokenScale, row, lane, is_data_row
@@ -205,6 +211,7 @@ class QuantizeSm90:
         inv_global_scale = dev.div_rn(Float32(1.0), global_scale)
 
         # Stage 3: quantize each block from registers and store codes and scale.
+        scale_row = self._scale_row_offset(row)
         for j in cutlass.range_constexpr(self.blocks_per_thread):
             col = lane + j * self.threads_per_row
             if is_data_row and col < self.blocks:
@@ -219,8 +226,8 @@ class QuantizeSm90:
                 code_frag = cute.make_rmem_tensor((2,), Uint32)
                 code_frag[0] = word0
                 code_frag[1] = word1
-                cute.autovec_copy(cute.recast_tensor(code_frag, Uint8), code_blocks[(0, None), (row, col)])
-                scale_bytes[self._scale_offset(row, col)] = Uint8(scale_bits)
+                cute.autovec_copy(cute.recast_tensor(code_frag, Uint8), code_blocks[None, col])
+                scale_bytes[scale_row + self._scale_col_offset(col)] = Uint8(scale_bits)
             if const_expr(self.sf_layout == "swizzled"):
                 self._zero_swizzle_padding(scale_bytes, row, col, num_rows, covered_rows, is_data_row)
 
@@ -382,16 +389,26 @@ class QuantizeSm90:
 
     @cute.jit
     def _scale_offset(self, row: Int32, col: Int32) -> Int32:
-        """Byte offset of scale (row, col) in the linear or the 128x4 swizzled layout."""
+        """Byte offset of scale (row, col) in the linear or the 128x4 swizzled layout (row, col >= 0)."""
+        return self._scale_row_offset(row) + self._scale_col_offset(col)
+
+    @cute.jit
+    def _scale_row_offset(self, row: Int32) -> Int32:
+        """The row's part of `_scale_offset`: rows are never negative, so the swizzle's divisions and
+        remainders by powers of two are shifts and masks."""
         if const_expr(self.sf_layout == "linear"):
-            return row * self.blocks + col
+            return row * self.blocks
         return (
-            col % SWIZZLE_COLS
-            + (col // SWIZZLE_COLS) * SWIZZLE_COL_GROUP_BYTES
-            + (row % SWIZZLE_ROW_GROUP) * (SWIZZLE_COLS * SWIZZLE_COLS)
-            + ((row % SWIZZLE_ROWS) // SWIZZLE_ROW_GROUP) * SWIZZLE_COLS
-            + (row // SWIZZLE_ROWS) * (SWIZZLE_ROWS * self.padded_blocks)
+            (row & (SWIZZLE_ROW_GROUP - 1)) * (SWIZZLE_COLS * SWIZZLE_COLS)
+            + ((row >> _log2(SWIZZLE_ROW_GROUP)) & (SWIZZLE_ROWS // SWIZZLE_ROW_GROUP - 1)) * SWIZZLE_COLS
+            + (row >> _log2(SWIZZLE_ROWS)) * (SWIZZLE_ROWS * self.padded_blocks)
         )
+
+    @cute.jit
+    def _scale_col_offset(self, col: Int32) -> Int32:
+        if const_expr(self.sf_layout == "linear"):
+            return col
+        return (col & (SWIZZLE_COLS - 1)) + (col >> _log2(SWIZZLE_COLS)) * SWIZZLE_COL_GROUP_BYTES
 
     @cute.jit
     def _zero_swizzle_padding(self, scale_bytes, row, col, num_rows, covered_rows, is_data_row):
