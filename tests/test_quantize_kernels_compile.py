@@ -52,7 +52,9 @@ _COMPILE_SCRIPT = textwrap.dedent(
     out = Path(sys.argv[1])
     spec = json.loads(sys.argv[2])
     for i, (dtype, k, layout, mode, source, valid) in enumerate(spec["quantize"]):
-        compiled = launch.compile_quantize(getattr(torch, dtype), k, layout, mode, source, valid, spec["arch"])
+        # aux: GEMM1 tiles of 128 columns, or of 48 for float16 (more tiles than a row has lanes at K=2048)
+        tiles = -(-k // (48 if dtype == "float16" else 128)) if source == "aux" else 0
+        compiled = launch.compile_quantize(getattr(torch, dtype), k, layout, mode, source, valid, spec["arch"], tiles)
         (out / f"quantize_{i}.ptx").write_text(compiled.__ptx__)
         (out / f"quantize_{i}.cubin").write_bytes(compiled.__cubin__)
     for i, (dtype, n, tile_n, vector) in enumerate(spec["tile_amax"]):

@@ -5,8 +5,8 @@ It exposes the functions of `fp4moe.reference.quantize` with the same signatures
 
 - allocates outputs with the shared `fp4moe.op_outputs` allocators (exactly what the fakes return);
 - compiles each kernel once per static configuration — dtype, K (or N and tile_n), scale layout,
-  4-over-6 mode, scale source (path), whether a valid-row count is given, load vector width and
-  target architecture — against fake tensors whose token dimension is symbolic (`cute.sym_int()`),
+  4-over-6 mode, scale source (path), the tile count of `input_amax` (aux path), whether a valid-row
+  count is given, load vector width and target architecture — against fake tensors whose token dimension is symbolic (`cute.sym_int()`),
   so one binary serves every M (`compile_quantize.cache_info()` shows the cache);
 - launches through TVM-FFI: torch tensors go straight to the compiled function, which takes the
   *current* torch stream of the tensors' device at every call (CUDA-graph capture included);
@@ -61,9 +61,17 @@ def _compile(kernel, *fake_args, arch: str):
 
 @functools.cache
 def compile_quantize(
-    dtype: torch.dtype, k: int, sf_layout: str, four_over_six: str, scale_source: str, has_valid_rows: bool, arch: str
+    dtype: torch.dtype,
+    k: int,
+    sf_layout: str,
+    four_over_six: str,
+    scale_source: str,
+    has_valid_rows: bool,
+    arch: str,
+    amax_tiles: int = 0,
 ):
-    """The compiled quantizer for one static configuration (`scale_source`: "tensor", "rescan", "aux")."""
+    """The compiled quantizer for one static configuration (`scale_source`: "tensor", "rescan", "aux";
+    `amax_tiles`: the tile count of `input_amax`, aux only)."""
     element = CUTE_DTYPES[dtype]
     rows = cute.sym_int()
     row_stride = cute.sym_int64(divisibility=VECTOR_BYTES * 8 // element.width)
@@ -81,10 +89,10 @@ def compile_quantize(
     numerator = None if per_tensor else cutlass.Float32(1.0)
     input_amax = None
     if scale_source == "aux":
-        amax_shape = (cute.sym_int(), cute.sym_int(), AUX_AMAX_ROW_GROUP)
+        amax_shape = (cute.sym_int(), amax_tiles, AUX_AMAX_ROW_GROUP)
         input_amax = make_fake_compact_tensor(element, amax_shape, stride_order=(2, 1, 0))
     valid_rows = make_fake_compact_tensor(cutlass.Int32, (1,)) if has_valid_rows else None
-    kernel = QuantizeSm90(element, k, sf_layout, four_over_six, scale_source)
+    kernel = QuantizeSm90(element, k, sf_layout, four_over_six, scale_source, amax_tiles)
     return _compile(
         kernel, x, global_scale, codes, block_scales, per_token_scale, numerator, input_amax, valid_rows, arch=arch
     )
@@ -180,6 +188,7 @@ def quantize_per_token_into(
         scale_source,
         input_amax_valid_rows is not None,
         arch_of(x.get_device()),
+        0 if input_amax is None else input_amax.shape[1],
     )
     kernel(
         _vector_rows(x),

@@ -95,13 +95,23 @@ class QuantizeSm90:
     covers the padded rows.
     """
 
-    def __init__(self, dtype: type[cutlass.Numeric], k: int, sf_layout: str, four_over_six: str, scale_source: str):
+    def __init__(
+        self,
+        dtype: type[cutlass.Numeric],
+        k: int,
+        sf_layout: str,
+        four_over_six: str,
+        scale_source: str,
+        amax_tiles: int = 0,
+    ):
         assert scale_source in SCALE_SOURCES
+        assert (amax_tiles > 0) == (scale_source == "aux"), "the aux path needs the tile count of input_amax"
         self.dtype = dtype
         self.k = k
         self.sf_layout = sf_layout
         self.four_over_six = four_over_six
         self.scale_source = scale_source
+        self.amax_tiles = amax_tiles
         self.blocks = k // BLOCK_SIZE
         self.padded_blocks = round_up(self.blocks, SWIZZLE_COLS)
         self.threads_per_row, self.blocks_per_thread, self.rows_per_cta = row_tiling(k)
@@ -117,7 +127,7 @@ class QuantizeSm90:
         mBlockScales: cute.Tensor,  # [M, K/16] or [round_up(M,128), round_up(K/16,4)] float8_e4m3fn
         mPerTokenScale: cute.Tensor | None,  # [M] FP32, per-token only
         numerator: Float32 | None,  # RN(1 / global_scale_inv), per-token only
-        mInputAmax: cute.Tensor | None,  # [ceil(M/8), tiles, 8], "aux" only
+        mInputAmax: cute.Tensor | None,  # [ceil(M/8), amax_tiles, 8], "aux" only
         mValidRows: cute.Tensor | None,  # [1] int32, optional with "aux"
         stream,
     ):
@@ -164,14 +174,19 @@ class QuantizeSm90:
 
         # Stage 1: issue the loads of this thread's blocks (zeros where there is no block); their
         # values are first used after the aux-amax reduction, so that reduction overlaps the loads.
-        # The aux path first issues the load of its first tile maximum (a row has at most as many
-        # tiles as lanes unless tile_n < 16 * blocks_per_thread), so that it returns first.
+        # The aux path first issues the loads of its tile maxima (tile t on lane t % threads_per_row;
+        # the tile count is static), so that they return first.
         if const_expr(self.scale_source == "aux"):
             # The row's tile maxima `input_amax[row // 8, :, row % 8]` (rows are never negative).
             row_tile_amax = mInputAmax[row >> _log2(AUX_AMAX_ROW_GROUP), None, row & (AUX_AMAX_ROW_GROUP - 1)]
-            first_tile_amax = Float32(0.0)
-            if is_data_row and lane < mInputAmax.shape[1]:
-                first_tile_amax = row_tile_amax[lane].to(Float32)
+            local_amax = Float32(0.0)
+            for t in cutlass.range_constexpr(ceil_div(self.amax_tiles, self.threads_per_row)):
+                tile = lane + t * self.threads_per_row
+                present = is_data_row
+                if const_expr((t + 1) * self.threads_per_row > self.amax_tiles):
+                    present = present & (tile < self.amax_tiles)
+                if present:
+                    local_amax = dev.max_num(local_amax, dev.magnitude(row_tile_amax[tile].to(Float32)))
         frags = []
         for j in cutlass.range_constexpr(self.blocks_per_thread):
             col = lane + j * self.threads_per_row
@@ -184,11 +199,6 @@ class QuantizeSm90:
         # Stage 2: the row's encode-direction global scale, and the block maxima. The aux path reduces
         # the tile maxima before the row's values have arrived; the legacy path needs them first.
         if const_expr(self.scale_source == "aux"):
-            local_amax = dev.max_num(Float32(0.0), dev.magnitude(first_tile_amax))
-            if is_data_row:
-                for tile in cutlass.range(lane + self.threads_per_row, mInputAmax.shape[1], self.threads_per_row):
-                    tile_amax = row_tile_amax[tile].to(Float32)
-                    local_amax = dev.max_num(local_amax, dev.magnitude(tile_amax))
             global_scale = self._per_token_scale(
                 self._row_max(local_amax, tidx), numerator, mPerTokenScale, row, lane, is_data_row
             )
