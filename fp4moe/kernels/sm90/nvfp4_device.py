@@ -230,25 +230,29 @@ def decode_e2m1(code, *, loc=None, ip=None) -> Float32:
     return f32_from_bits(_ptx("r", _DECODE_E2M1, "r", code, loc=loc, ip=ip), loc=loc, ip=ip)
 
 
-# Fast path of `encode_e2m1` for a value that is not NaN (the callers route blocks holding a NaN to the
-# exact path above). With w = |v|, the E2M1 magnitude code of w is the smallest of
+# Fast path of `encode_e2m1` for a value w = |v| < 7 (the callers route blocks holding a NaN, or a
+# scaled maximum of 7 or more, to the exact path above). The E2M1 magnitude code of w is the smallest of
 #   RN(2w)       (w < 2: grid 0.5, codes 0..4),
 #   RN(w) + 2    (2 <= w < 4: grid 1, codes 4..6),
-#   RN(w/2) + 4  (w >= 4: grid 2, codes 6, 7, ...), and 7 (saturation):
+#   RN(w/2) + 4  (4 <= w < 7: grid 2, codes 6, 7):
 # each line is the right code on its own range and lies above the others elsewhere (2w >= w + 2
 # for w >= 2, w + 2 >= w/2 + 4 for w >= 4, and the reverse below), and rounding keeps that order.
+# Below 7 the last line never passes 7 (w/2 + 4 < 7.5), so no saturation is needed.
 # Each RN is one FP32 add (or FMA with an exact product) onto 2^23, where the ulp is 1, so the
 # hardware rounds to the nearest integer with ties to even, which is E2M1's tie rule on these grids;
-# the minimum of the three sums is 2^23 + code. Besides the three `min`s and the sign shift, everything
+# the minimum of the three sums is 2^23 + code. Besides the two `min`s and the sign shift, everything
 # runs on the FMA pipe, which keeps the ALU pipe (the bottleneck of integer rounding) free.
 # The result is the FP32 bit pattern 0x4B000000 + code + 8 * sign: the caller packs eight of them
 # with multiply-adds and removes the constant part once per word (`PACK_BIAS`).
+FAST_ENCODE_LIMIT = 7.0
+"""The fast encoder is exact for |v| < 7 (not NaN); a block whose RN(max |x| * s) reaches it takes
+the exact encoder."""
 _E2M1_MAGNITUDE = (
     " abs.f32 w, $1;"
     " fma.rn.f32 fine, w, 0f40000000, 0f4B000000;"
     " add.rn.f32 mid, w, 0f4B000002;"
     " fma.rn.f32 coarse, w, 0f3F000000, 0f4B000004;"
-    " min.f32 fine, fine, mid; min.f32 coarse, coarse, 0f4B000007; min.f32 fine, fine, coarse;"
+    " min.f32 fine, fine, mid; min.f32 fine, fine, coarse;"
 )
 _ENCODE_E2M1_BIASED = (
     "{ .reg .f32 w, fine, mid, coarse; .reg .b32 sign;"
@@ -263,13 +267,13 @@ PACK_BIAS = 0x05000000
 
 @dsl_user_op
 def encode_e2m1_biased(value, *, loc=None, ip=None) -> Uint32:
-    """0x4B000000 + E2M1 code of a non-NaN FP32 value (see `_ENCODE_E2M1_BIASED`)."""
+    """0x4B000000 + E2M1 code of an FP32 value with |value| < 7 (see `_E2M1_MAGNITUDE`)."""
     return _ptx("r", _ENCODE_E2M1_BIASED, "f", value, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def encode_e2m1_magnitude_biased(value, *, loc=None, ip=None) -> Uint32:
-    """0x4B000000 + E2M1 code of |value| for a non-NaN FP32 value (sign bit of the code clear)."""
+    """0x4B000000 + E2M1 code of |value| for an FP32 value with |value| < 7 (sign bit of the code clear)."""
     return _ptx("r", _ENCODE_E2M1_MAGNITUDE_BIASED, "f", value, loc=loc, ip=ip)
 
 

@@ -84,10 +84,11 @@ class QuantizeSm90:
        `enc = min(RN(RN(1/global_scale_inv) / amax), FLT_MAX)` and `pts = RN(1/enc)`. Every block's
        maximum magnitude comes from packed NaN-propagating maxima (a NaN block redoes it ignoring NaN).
     3. Every thread quantizes its blocks from registers and writes 8 bytes of codes and one scale
-       byte per block. Blocks without NaN take the FMA-pipe E2M1 encoder
-       (`nvfp4_device.encode_e2m1_biased`; for 16-bit inputs on magnitudes, the sign bits of eight
-       codes coming from the packed inputs in a few byte permutes); blocks with NaN, and 4-over-6
-       (both candidates and their errors), take the exact general encoder.
+       byte per block. Blocks without NaN whose scaled maximum RN(max |x| * s) stays below 7 take the
+       FMA-pipe E2M1 encoder (`nvfp4_device.encode_e2m1_biased`, which needs no saturation; for
+       16-bit inputs on magnitudes, the sign bits of eight codes coming from the packed inputs in a
+       few byte permutes); other blocks, and 4-over-6 (both candidates and their errors), take the
+       exact general encoder.
 
     Rows at or past `input_amax_valid_rows` (clamped into [0, M], rounded down to a multiple of 8)
     are neither read nor written. The swizzled layout's pad bytes (rows M..round_up(M, 128) and
@@ -359,9 +360,12 @@ class QuantizeSm90:
             # A zero scale, or a NaN s (every RN(x_i * s) NaN), encodes the whole block as +0.
             is_zero = (block_scale == Float32(0.0)) | (dev.is_nan(s) != Uint32(0))
             words = [Uint32(0), Uint32(0)]
-            if has_nan != Uint32(0) or s == Float32(0.0):
+            # The fast encoder needs every |RN(x_i * s)| < 7: RN is monotone, so the block maximum's
+            # scaled value decides (it reaches 7 only for saturated or subnormal E4M3 scales, or inf).
+            scaled_max = dev.mul_rn(block_max, s)
+            if has_nan != Uint32(0) or s == Float32(0.0) or scaled_max >= Float32(dev.FAST_ENCODE_LIMIT):
                 # Rare: RN(x_i * s) may be NaN (a NaN input, or inf * 0), which only the exact
-                # encoder maps to +0.
+                # encoder maps to +0, or may reach 7, which the fast encoder does not saturate.
                 codes = [dev.encode_e2m1(dev.mul_rn(v, s)) for v in values]
                 words = [dev.pack_nibbles(codes[0:8]), dev.pack_nibbles(codes[8:16])]
             else:
@@ -382,7 +386,8 @@ class QuantizeSm90:
 
     @cute.jit
     def _encode_block_fast(self, frag, values, s: Float32):
-        """The two code words of a block without NaN for a finite nonzero s, on the FMA-pipe encoder.
+        """The two code words of a block without NaN whose scaled values stay below 7, for a finite
+        nonzero s, on the FMA-pipe encoder.
 
         With s > 0, RN(x_i * s) has the sign of x_i, so 16-bit inputs take their code sign bits from
         the packed inputs, eight at a time (`nvfp4_device.sign_bits_of_codes`), and encode magnitudes."""
