@@ -52,8 +52,10 @@ _COMPILE_SCRIPT = textwrap.dedent(
     out = Path(sys.argv[1])
     spec = json.loads(sys.argv[2])
     for i, (dtype, k, layout, mode, source, valid) in enumerate(spec["quantize"]):
-        # aux: GEMM1 tiles of 128 columns, or of 48 for float16 (more tiles than a row has lanes at K=2048)
-        tiles = -(-k // (48 if dtype == "float16" else 128)) if source == "aux" else 0
+        # aux: GEMM1 tiles of 128 columns; of 48 for float16 (more tiles than a row has lanes at K=2048);
+        # of 1 for bfloat16 rows with linear scales (more tiles than the kernel unrolls)
+        tile_n = 48 if dtype == "float16" else 1 if layout == "linear" else 128
+        tiles = -(-k // tile_n) if source == "aux" else 0
         compiled = launch.compile_quantize(getattr(torch, dtype), k, layout, mode, source, valid, spec["arch"], tiles)
         (out / f"quantize_{i}.ptx").write_text(compiled.__ptx__)
         (out / f"quantize_{i}.cubin").write_bytes(compiled.__cubin__)

@@ -12,6 +12,7 @@ import torch
 import fp4moe
 from fp4moe import dispatch, nvfp4
 from fp4moe.kernels import quantize_launch as launch
+from fp4moe.kernels.sm90.quantize import UNROLLED_TILES_PER_LANE, row_tiling
 from fp4moe.op_outputs import quantize_outputs, quantize_per_token_outputs, tile_amax_output
 from fp4moe.reference import quantize as reference
 from tests.compare import as_bits, assert_bitwise_equal
@@ -189,6 +190,16 @@ def test_per_token_aux_is_bitwise_equal_to_the_rescan(dtype, k, layout, mode):
         expected = reference.quantize_per_token(x, nvfp4.DEFAULT_GLOBAL_SCALE_INV, layout, mode, None, None)
         for got, want, what in zip(outputs, expected, ("codes", "scales", "per-token scales"), strict=True):
             assert_bitwise_equal(got, want, f"op {what}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k, tile_n", [(272, 1), (2048, 8), (7168, 4)])
+def test_per_token_aux_with_more_tiles_than_the_kernel_unrolls(dtype, k, tile_n):
+    """Tile counts above `UNROLLED_TILES_PER_LANE` per lane take the kernel's tile loop."""
+    x = activations(300, k, dtype, seed=k + tile_n)
+    amax = reference.tile_amax(x, tile_n)
+    assert amax.shape[1] > UNROLLED_TILES_PER_LANE * row_tiling(k)[0]
+    check_per_token(x, "swizzled", "off", input_amax=amax)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -6,8 +6,9 @@ It exposes the functions of `fp4moe.reference.quantize` with the same signatures
 - allocates outputs with the shared `fp4moe.op_outputs` allocators (exactly what the fakes return);
 - compiles each kernel once per static configuration — dtype, K (or N and tile_n), scale layout,
   4-over-6 mode, scale source (path), the tile count of `input_amax` (aux path), whether a valid-row
-  count is given, load vector width and target architecture — against fake tensors whose token dimension is symbolic (`cute.sym_int()`),
-  so one binary serves every M (`compile_quantize.cache_info()` shows the cache);
+  count is given, load vector width and target architecture — against fake tensors whose token
+  dimension is symbolic (`cute.sym_int()`), so one binary serves every M
+  (`compile_quantize.cache_info()` shows the cache);
 - launches through TVM-FFI: torch tensors go straight to the compiled function, which takes the
   *current* torch stream of the tensors' device at every call (CUDA-graph capture included);
 - never reads device data on the host (no synchronisation): `global_scale` and

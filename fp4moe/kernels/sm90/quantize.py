@@ -29,6 +29,9 @@ i.e. K <= 16 * 8 * 256 = 32768."""
 MAX_K = BLOCK_SIZE * MAX_BLOCKS_PER_THREAD * MAX_CTA_THREADS
 PREFERRED_BLOCKS_PER_THREAD = 4
 """Up to 128 bytes of 16-bit input in flight per lane; more only where a row needs it."""
+UNROLLED_TILES_PER_LANE = 4
+"""The aux path's tile-maximum loads issued ahead of the row's loads, per lane; a row with more tiles
+(tile_n under 4 * blocks_per_thread <= 32 columns, which no GEMM tiling uses) loops over the rest."""
 
 # The 128x4 swizzled scale layout: (r, c) -> (c % 4) + (c // 4) * 512 + (r % 32) * 16
 #                                            + ((r % 128) // 32) * 4 + (r // 128) * 128 * P
@@ -116,6 +119,7 @@ class QuantizeSm90:
         self.blocks = k // BLOCK_SIZE
         self.padded_blocks = round_up(self.blocks, SWIZZLE_COLS)
         self.threads_per_row, self.blocks_per_thread, self.rows_per_cta = row_tiling(k)
+        self.tiles_per_lane = ceil_div(amax_tiles, self.threads_per_row)
         self.cta_threads = self.threads_per_row * self.rows_per_cta
         self.warps_per_row = max(1, self.threads_per_row // WARP_SIZE)
 
@@ -176,12 +180,12 @@ class QuantizeSm90:
         # Stage 1: issue the loads of this thread's blocks (zeros where there is no block); their
         # values are first used after the aux-amax reduction, so that reduction overlaps the loads.
         # The aux path first issues the loads of its tile maxima (tile t on lane t % threads_per_row;
-        # the tile count is static), so that they return first.
+        # the tile count is static, so they are unrolled), so that they return first.
         if const_expr(self.scale_source == "aux"):
             # The row's tile maxima `input_amax[row // 8, :, row % 8]` (rows are never negative).
             row_tile_amax = mInputAmax[row >> _log2(AUX_AMAX_ROW_GROUP), None, row & (AUX_AMAX_ROW_GROUP - 1)]
             local_amax = Float32(0.0)
-            for t in cutlass.range_constexpr(ceil_div(self.amax_tiles, self.threads_per_row)):
+            for t in cutlass.range_constexpr(min(self.tiles_per_lane, UNROLLED_TILES_PER_LANE)):
                 tile = lane + t * self.threads_per_row
                 present = is_data_row
                 if const_expr((t + 1) * self.threads_per_row > self.amax_tiles):
@@ -200,6 +204,11 @@ class QuantizeSm90:
         # Stage 2: the row's encode-direction global scale, and the block maxima. The aux path reduces
         # the tile maxima before the row's values have arrived; the legacy path needs them first.
         if const_expr(self.scale_source == "aux"):
+            if const_expr(self.tiles_per_lane > UNROLLED_TILES_PER_LANE):
+                if is_data_row:
+                    first = lane + UNROLLED_TILES_PER_LANE * self.threads_per_row
+                    for tile in cutlass.range(first, self.amax_tiles, self.threads_per_row):
+                        local_amax = dev.max_num(local_amax, dev.magnitude(row_tile_amax[tile].to(Float32)))
             global_scale = self._per_token_scale(
                 self._row_max(local_amax, tidx), numerator, mPerTokenScale, row, lane, is_data_row
             )
