@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import fp4moe
-from fp4moe.kernels.sm90.quantize import row_tiling
+from fp4moe.kernels.sm90.quantize import UNROLLED_TILES_PER_LANE, row_tiling
 
 ARCH = "sm_90a"
 QUANTIZE_VARIANTS = sorted(
@@ -51,11 +51,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     from fp4moe.kernels import quantize_launch as launch
     out = Path(sys.argv[1])
     spec = json.loads(sys.argv[2])
-    for i, (dtype, k, layout, mode, source, valid) in enumerate(spec["quantize"]):
-        # aux: GEMM1 tiles of 128 columns; of 48 for float16 (more tiles than a row has lanes at K=2048);
-        # of 1 for bfloat16 rows with linear scales (more tiles than the kernel unrolls)
-        tile_n = 48 if dtype == "float16" else 1 if layout == "linear" else 128
-        tiles = -(-k // tile_n) if source == "aux" else 0
+    for i, (dtype, k, layout, mode, source, valid, tiles) in enumerate(spec["quantize"]):
         compiled = launch.compile_quantize(getattr(torch, dtype), k, layout, mode, source, valid, spec["arch"], tiles)
         (out / f"quantize_{i}.ptx").write_text(compiled.__ptx__)
         (out / f"quantize_{i}.cubin").write_bytes(compiled.__cubin__)
@@ -67,11 +63,22 @@ _COMPILE_SCRIPT = textwrap.dedent(
 )
 
 
+def _aux_tiles(dtype, k, layout, source):
+    """The `input_amax` tile count a variant is compiled for: GEMM1 tiles of 128 columns; of 48 for
+    float16 (more tiles than a row has lanes at K=2048); of 1 for bfloat16 rows with linear scales
+    (more tiles than the kernel unrolls). 0 without the aux path."""
+    if source != "aux":
+        return 0
+    tile_n = 48 if dtype == "float16" else 1 if layout == "linear" else 128
+    return -(-k // tile_n)
+
+
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     """Directory with the PTX and cubin of every variant, compiled for sm_90a in one subprocess."""
     out = tmp_path_factory.mktemp("sm90_kernels")
-    spec = {"arch": ARCH, "quantize": QUANTIZE_VARIANTS, "tile_amax": TILE_AMAX_VARIANTS}
+    quantize = [(*variant, _aux_tiles(*variant[:3], variant[4])) for variant in QUANTIZE_VARIANTS]
+    spec = {"arch": ARCH, "quantize": quantize, "tile_amax": TILE_AMAX_VARIANTS}
     env = dict(os.environ, CUTE_DSL_ARCH=ARCH, CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(out / "dump"))
     (out / "dump").mkdir()
     root = Path(fp4moe.__file__).resolve().parents[1]
@@ -135,6 +142,18 @@ def test_quantizers_use_the_exact_conversions_and_nan_ignoring_maxima(compiled):
 def test_rows_are_read_with_16_byte_loads(compiled):
     for i, variant in enumerate(QUANTIZE_VARIANTS):
         assert "ld.global.v4.b32" in _ptx(compiled, f"quantize_{i}"), variant
+
+
+def test_aux_tile_maxima_are_loaded_ahead_of_the_row(compiled):
+    """The aux path issues its tile-maximum loads (up to `UNROLLED_TILES_PER_LANE` per lane) before
+    the row's 16-byte loads, so the row amax is ready when the row arrives."""
+    for i, (dtype, k, layout, _mode, source, _valid) in enumerate(QUANTIZE_VARIANTS):
+        if source != "aux":
+            continue
+        ptx = _ptx(compiled, f"quantize_{i}")
+        ahead = ptx[: ptx.index("ld.global.v4")].count("ld.global.b16")
+        tiles_per_lane = -(-_aux_tiles(dtype, k, layout, source) // row_tiling(k)[0])
+        assert ahead == min(tiles_per_lane, UNROLLED_TILES_PER_LANE), QUANTIZE_VARIANTS[i]
 
 
 def test_only_rows_wider_than_a_warp_synchronize_the_cta(compiled):
