@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import torch
 
+from fp4moe.nvfp4 import ceil_div
+
 AUX_AMAX_MIN_TOKENS = 4
 """Per-token W4A4 MoE uses the aux-amax handoff when the host-known token count is at least this;
 below it the intermediate quantizer rescans rows (the legacy path)."""
@@ -72,7 +74,7 @@ class MoEDispatch(NamedTuple):
 
 def moe_tile_m(num_tokens: int, top_k: int, num_local_experts: int) -> int:
     """The smallest tile that holds the expected rows per expert (uniform routing), at most 128."""
-    expected_rows = -(-num_tokens * top_k // num_local_experts)
+    expected_rows = ceil_div(num_tokens * top_k, num_local_experts)
     return next((t for t in MOE_TILE_M_CHOICES if t >= expected_rows), MOE_TILE_M_CHOICES[-1])
 
 

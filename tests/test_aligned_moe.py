@@ -39,11 +39,11 @@ def loop_align(topk_ids, block_m, num_experts, offset):
             members[global_id - offset].append(pair)
     sorted_ids, expert_ids = [], []
     for expert, pairs in enumerate(members):
-        blocks = -(-len(pairs) // block_m)
+        blocks = nvfp4.ceil_div(len(pairs), block_m)
         sorted_ids += pairs + [sentinel] * (blocks * block_m - len(pairs))
         expert_ids += [expert] * blocks
     used = len(sorted_ids)
-    capacity = -(-(sentinel + num_experts * (block_m - 1)) // block_m) * block_m
+    capacity = nvfp4.round_up(sentinel + num_experts * (block_m - 1), block_m)
     sorted_ids += [sentinel] * (capacity - used)
     expert_ids += [-1] * (capacity // block_m - len(expert_ids))
     return sorted_ids, expert_ids, used

@@ -7,6 +7,7 @@ import torch
 
 import fp4moe
 from fp4moe import dispatch
+from fp4moe.nvfp4 import round_up
 from tests.compare import assert_bitwise_equal
 from tests.devices import DEVICES
 from tests.moe_problems import assert_moe_close, loop_reference, make_problem
@@ -102,7 +103,7 @@ def plan_loop(topk_ids, num_local_experts, offset, tile_m):
     rows, tile_expert, tile_valid = [], [], []
     for e in range(num_local_experts):
         members = [p for p, gid in enumerate(pairs) if gid - offset == e]
-        padded = -(-len(members) // tile_m) * tile_m
+        padded = round_up(len(members), tile_m)
         rows += members + [-1] * (padded - len(members))
         for t in range(padded // tile_m):
             tile_expert.append(e)

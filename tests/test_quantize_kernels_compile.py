@@ -21,6 +21,7 @@ import pytest
 
 import fp4moe
 from fp4moe.kernels.sm90.quantize import UNROLLED_TILES_PER_LANE, row_tiling
+from fp4moe.nvfp4 import ceil_div
 
 ARCH = "sm_90a"
 QUANTIZE_VARIANTS = sorted(
@@ -70,7 +71,7 @@ def _aux_tiles(dtype, k, layout, source):
     if source != "aux":
         return 0
     tile_n = 48 if dtype == "float16" else 1 if layout == "linear" else 128
-    return -(-k // tile_n)
+    return ceil_div(k, tile_n)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +153,7 @@ def test_aux_tile_maxima_are_loaded_ahead_of_the_row(compiled):
             continue
         ptx = _ptx(compiled, f"quantize_{i}")
         ahead = ptx[: ptx.index("ld.global.v4")].count("ld.global.b16")
-        tiles_per_lane = -(-_aux_tiles(dtype, k, layout, source) // row_tiling(k)[0])
+        tiles_per_lane = ceil_div(_aux_tiles(dtype, k, layout, source), row_tiling(k)[0])
         assert ahead == min(tiles_per_lane, UNROLLED_TILES_PER_LANE), QUANTIZE_VARIANTS[i]
 
 
