@@ -177,10 +177,11 @@ def quantize_per_token_into(
     if x.shape[0] == 0:
         return
     _check_size("x", x)
-    scale_source = "rescan" if input_amax is None else "aux"
+    scale_source, amax_tiles = "rescan", 0
     if input_amax is not None:
         _check_size("input_amax", input_amax)
         input_amax = input_amax.contiguous()
+        scale_source, amax_tiles = "aux", input_amax.shape[1]
     kernel = compile_quantize(
         x.dtype,
         x.shape[1],
@@ -189,7 +190,7 @@ def quantize_per_token_into(
         scale_source,
         input_amax_valid_rows is not None,
         arch_of(x.get_device()),
-        0 if input_amax is None else input_amax.shape[1],
+        amax_tiles,
     )
     kernel(
         _vector_rows(x),
