@@ -17,6 +17,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint8, Uint32, const_expr
 
 from fp4moe.kernels.sm90 import nvfp4_device as dev
+from fp4moe.kernels.sm90.pdl import USE_PDL, wait_for_predecessor_and_release_successor
 from fp4moe.nvfp4 import BLOCK_SIZE, SWIZZLE_COLS, SWIZZLE_ROWS, ceil_div, round_up
 from fp4moe.validation import AUX_AMAX_ROW_GROUP
 
@@ -143,6 +144,7 @@ class QuantizeSm90:
             grid=[cute.ceil_div(covered_rows, self.rows_per_cta), 1, 1],
             block=[self.cta_threads, 1, 1],
             stream=stream,
+            use_pdl=USE_PDL,
         )
 
     @cute.kernel
@@ -158,6 +160,7 @@ class QuantizeSm90:
         mValidRows: cute.Tensor | None,
         covered_rows: Int32,
     ):
+        wait_for_predecessor_and_release_successor()
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         lane = tidx % self.threads_per_row

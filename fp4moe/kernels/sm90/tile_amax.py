@@ -11,6 +11,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from fp4moe.kernels.sm90 import nvfp4_device as dev
+from fp4moe.kernels.sm90.pdl import USE_PDL, wait_for_predecessor_and_release_successor
 from fp4moe.nvfp4 import ceil_div
 from fp4moe.validation import AUX_AMAX_ROW_GROUP
 
@@ -40,11 +41,12 @@ class TileAmaxSm90:
     def __call__(self, mX: cute.Tensor, mOut: cute.Tensor, stream):
         outputs = mOut.shape[0] * self.tiles * AUX_AMAX_ROW_GROUP
         self.kernel(mX, mOut, outputs).launch(
-            grid=[cute.ceil_div(outputs, CTA_THREADS), 1, 1], block=[CTA_THREADS, 1, 1], stream=stream
+            grid=[cute.ceil_div(outputs, CTA_THREADS), 1, 1], block=[CTA_THREADS, 1, 1], stream=stream, use_pdl=USE_PDL
         )
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mOut: cute.Tensor, outputs: Int32):
+        wait_for_predecessor_and_release_successor()
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         flat = cta * CTA_THREADS + tidx
