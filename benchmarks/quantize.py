@@ -14,7 +14,8 @@ legacy path with 4-over-6 `mse`), bfloat16 input, swizzled scales, M in {1, 16, 
    same run (`benchmarks.ceilings`: `torch.sum` over a 4 GiB buffer).
 
 It also measures the host time of one eager call (op path and launch layer alone): the median over
-20 batches of 250 back-to-back calls. Prints a
+20 batches of 250 back-to-back calls, with the host launcher `FP4MOE_HOST_LAUNCHER` selects (C++ by
+default; `python` for the Python launch path, `fp4moe.kernels.host_launcher`). Prints a
 markdown table and writes it, with the JSON (environment, command, numbers), to `--out-dir`.
 """
 
@@ -35,6 +36,7 @@ from benchmarks.ceilings import measure_read_bandwidth
 from benchmarks.report import RESULTS_DIR, environment, markdown_table, result_stem, write_json
 from benchmarks.timing import PreparedCall, time_replays
 from fp4moe import nvfp4
+from fp4moe.kernels import host_launcher
 from fp4moe.kernels import quantize_launch as launch
 from fp4moe.op_outputs import quantize_per_token_outputs
 from fp4moe.reference import quantize as reference
@@ -49,6 +51,8 @@ MAX_ROTATION = 64
 READ_BUFFER_BYTES = 4 * 2**30
 WARMUP = 5
 SPOT_ROWS = 256
+HOST_WARMUP_CALLS = 1000
+"""Untimed eager calls before each host-time case (the first case timed after only 50 read 3-8 us high)."""
 HOST_CALLS = 250
 HOST_BATCHES = 20
 """Host time: the median over 20 batches of 250 back-to-back eager calls (the host is shared and noisy)."""
@@ -134,7 +138,7 @@ def host_overhead_us() -> dict:
     for mode, context in (("", contextlib.nullcontext), (", inference_mode", torch.inference_mode)):
         for name, call in cases.items():
             with context():
-                for _ in range(50):
+                for _ in range(HOST_WARMUP_CALLS):
                     call()
                 torch.cuda.synchronize()
                 batches = []
@@ -146,6 +150,10 @@ def host_overhead_us() -> dict:
                     torch.cuda.synchronize()
             result[name + mode] = statistics.median(batches)
     return result
+
+
+def _host_header(report: dict) -> list[str]:
+    return [f"host time per eager call (M=1, K=2048), {report['environment']['host_launcher']} host launcher", "us"]
 
 
 def _host_rows(report: dict) -> list[list[str]]:
@@ -174,7 +182,7 @@ def markdown(report: dict) -> str:
         for m in ROWS
     ]
     lines += ["", markdown_table(["M", "K", "aux / legacy time"], ratios), ""]
-    lines.append(markdown_table(["host time per eager call (M=1, K=2048)", "us"], _host_rows(report)))
+    lines.append(markdown_table(_host_header(report), _host_rows(report)))
     return "\n".join(lines)
 
 
@@ -190,9 +198,10 @@ def main(argv=None) -> None:
     env = environment(device, "benchmarks.quantize", argv)
     env["apache-tvm-ffi"] = importlib.metadata.version("apache-tvm-ffi")
     env["backend"] = launch.__name__
+    env["host_launcher"] = "cpp" if host_launcher.install() else "python"
     if args.host_only:
         report = {"environment": env, "host_overhead_us": host_overhead_us()}
-        table = markdown_table(["host time per eager call (M=1, K=2048)", "us"], _host_rows(report))
+        table = markdown_table(_host_header(report), _host_rows(report))
     else:
         read_bytes_per_s = measure_read_bandwidth(device, READ_BUFFER_BYTES, args.replays)
         results = [

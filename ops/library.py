@@ -6,6 +6,10 @@ argument list (defaults filled in) and pass it to the implementation and the fak
 
 Every op is inference-only: its Autograd kernel refuses inputs that require grad (with grad mode on)
 and otherwise re-dispatches below autograd, so no op ever records a graph.
+
+An op's CUDA and Autograd kernels are registered through a library object of its own, so that native
+code can take them over later (`hand_over_to_native`, used by the C++ host launcher of the sm90
+kernels).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import torch
 
 NAMESPACE = "fp4moe"
 LIBRARY = torch.library.Library(NAMESPACE, "DEF")
+_REPLACEABLE_KERNELS: dict[str, tuple[torch.library.Library, Callable, Callable]] = {}
+"""op name -> (the library object holding its Python CUDA and Autograd kernels, those two kernels)."""
 
 BFLOAT16_SCALAR_TYPE = 15
 """c10::ScalarType::BFloat16: schema strings spell dtype defaults by their enum value."""
@@ -80,8 +86,33 @@ def define_op(schema: str, implementation: Callable) -> None:
         return implementation(**bind(args, kwargs))
 
     LIBRARY.impl(name, kernel, "CPU")
-    LIBRARY.impl(name, kernel, "CUDA")
-    LIBRARY.impl(name, _inference_only(name), "Autograd")
+    _register_replaceable_kernels(name, kernel, _inference_only(name))
+
+
+def _register_replaceable_kernels(name: str, cuda_kernel: Callable, autograd_kernel: Callable) -> None:
+    library = torch.library.Library(NAMESPACE, "IMPL")
+    library.impl(name, cuda_kernel, "CUDA")
+    library.impl(name, autograd_kernel, "Autograd")
+    _REPLACEABLE_KERNELS[name] = (library, cuda_kernel, autograd_kernel)
+
+
+def hand_over_to_native(names: tuple[str, ...], install: Callable) -> None:
+    """Hand the CUDA and Autograd kernels of the ops `names` over to native code: unregister their
+    Python kernels, then call `install(*cuda_kernels, *autograd_kernels)` with the Python kernels,
+    which must register the replacements (native kernels that may call the Python ones for calls they
+    do not handle themselves). If `install` raises, the Python kernels are registered again and the
+    error propagates."""
+    taken = [_REPLACEABLE_KERNELS.pop(name) for name in names]
+    for library, _, _ in taken:
+        library._destroy()
+    cuda_kernels = [cuda_kernel for _, cuda_kernel, _ in taken]
+    autograd_kernels = [autograd_kernel for _, _, autograd_kernel in taken]
+    try:
+        install(*cuda_kernels, *autograd_kernels)
+    except BaseException:
+        for name, cuda_kernel, autograd_kernel in zip(names, cuda_kernels, autograd_kernels, strict=True):
+            _register_replaceable_kernels(name, cuda_kernel, autograd_kernel)
+        raise
 
 
 def register_fake_op(name: str, fake: Callable) -> None:

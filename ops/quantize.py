@@ -34,8 +34,9 @@ def _backend_module(device: torch.device):
     if backend == dispatch.REFERENCE_BACKEND:
         return reference
     if backend == dispatch.CUTE_SM90_BACKEND:
-        from fp4moe.kernels import quantize_launch  # imports the CuTe DSL: only where it runs
+        from fp4moe.kernels import host_launcher, quantize_launch  # imports the CuTe DSL: only where it runs
 
+        host_launcher.install()
         return quantize_launch
     raise NotImplementedError(f"no quantization backend named {backend!r}")
 

@@ -273,11 +273,13 @@ def test_hopper_runs_the_cute_backend():
 
 
 def test_a_new_token_count_reuses_the_compiled_kernel():
+    """Through the Python launch layer, every M hits the compile cache (the C++ host launcher serves
+    repeat configurations without reaching that cache: `test_host_launcher`)."""
     x = activations(1000, 2048, torch.bfloat16, seed=11)
-    ops.quantize_per_token(x[:37], sf_layout="swizzled")
+    launch.quantize_per_token(x[:37], nvfp4.DEFAULT_GLOBAL_SCALE_INV, "swizzled", "off", None, None)
     before = launch.compile_quantize.cache_info()
     for rows in (1, 5, 999, 1000):
-        ops.quantize_per_token(x[:rows], sf_layout="swizzled")
+        launch.quantize_per_token(x[:rows], nvfp4.DEFAULT_GLOBAL_SCALE_INV, "swizzled", "off", None, None)
     after = launch.compile_quantize.cache_info()
     assert after.misses == before.misses and after.hits == before.hits + 4
 

@@ -11,6 +11,8 @@ It exposes the functions of `fp4moe.reference.quantize` with the same signatures
   (`compile_quantize.cache_info()` shows the cache);
 - launches through TVM-FFI: torch tensors go straight to the compiled function, which takes the
   *current* torch stream of the tensors' device at every call (CUDA-graph capture included);
+- registers every kernel it launches with the C++ host launcher (`fp4moe.kernels.host_launcher`),
+  which serves later calls of the same configuration without entering Python;
 - never reads device data on the host (no synchronisation): `global_scale` and
   `input_amax_valid_rows` are read by the kernels.
 
@@ -28,6 +30,7 @@ import torch
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
 from fp4moe import nvfp4
+from fp4moe.kernels import host_launcher
 from fp4moe.kernels.sm90.quantize import QuantizeSm90
 from fp4moe.kernels.sm90.tile_amax import TileAmaxSm90
 from fp4moe.op_outputs import quantize_outputs, quantize_per_token_outputs, tile_amax_output
@@ -148,7 +151,9 @@ def quantize_into(x, global_scale, sf_layout, four_over_six, codes, block_scales
     if x.shape[0] == 0:
         return
     _check_size("x", x)
-    kernel = compile_quantize(x.dtype, x.shape[1], sf_layout, four_over_six, "tensor", False, arch_of(x.get_device()))
+    device = x.get_device()
+    kernel = compile_quantize(x.dtype, x.shape[1], sf_layout, four_over_six, "tensor", False, arch_of(device))
+    host_launcher.register(kernel, "quantize", x.dtype, x.shape[1], sf_layout, four_over_six, device)
     kernel(_vector_rows(x), global_scale.reshape(1), codes, block_scales, None, None, None, None)
 
 
@@ -182,16 +187,10 @@ def quantize_per_token_into(
         _check_size("input_amax", input_amax)
         input_amax = input_amax.contiguous()
         scale_source, amax_tiles = "aux", input_amax.shape[1]
-    kernel = compile_quantize(
-        x.dtype,
-        x.shape[1],
-        sf_layout,
-        four_over_six,
-        scale_source,
-        input_amax_valid_rows is not None,
-        arch_of(x.get_device()),
-        amax_tiles,
-    )
+    device, has_valid_rows = x.get_device(), input_amax_valid_rows is not None
+    static = (x.dtype, x.shape[1], sf_layout, four_over_six, scale_source, has_valid_rows)
+    kernel = compile_quantize(*static, arch_of(device), amax_tiles)
+    host_launcher.register(kernel, "quantize_per_token", *static, amax_tiles, device)
     kernel(
         _vector_rows(x),
         None,
@@ -229,5 +228,7 @@ def tile_amax_into(x: torch.Tensor, tile_n: int, out: torch.Tensor) -> None:
     _check_size("x", x)
     if x.stride(1) != 1:
         x = _compact_copy(x)
-    kernel = compile_tile_amax(x.dtype, x.shape[1], tile_n, _tile_vector(x, tile_n), arch_of(x.get_device()))
+    device, vector = x.get_device(), _tile_vector(x, tile_n)
+    kernel = compile_tile_amax(x.dtype, x.shape[1], tile_n, vector, arch_of(device))
+    host_launcher.register(kernel, "tile_amax", x.dtype, x.shape[1], tile_n, vector, device)
     kernel(x, out)

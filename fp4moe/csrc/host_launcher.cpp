@@ -1,0 +1,426 @@
+// fp4moe's C++ host launcher: the CUDA kernels of torch.ops.fp4moe.{quantize, quantize_per_token,
+// tile_amax} on devices served by the CuTe DSL kernels (fp4moe/kernels/host_launcher.py builds and
+// installs it).
+//
+// A call whose configuration the Python launch layer has already launched once takes the fast path,
+// all in C++: read the static configuration off the arguments, look up the compiled TVM-FFI function
+// the Python layer registered for it, allocate the outputs with at::empty and call the function with
+// DLTensor views, on the current stream. Everything else -- first calls (which compile), inputs that
+// need a copy, empty inputs, inputs the op rejects -- goes to the op's Python implementation, which
+// validates, raises, copies and compiles exactly as without this launcher. So the fast path accepts
+// only arguments that the Python implementation has already accepted in the same static
+// configuration, and checks here the per-call facts that configuration does not fix (devices, the
+// shapes tying input_amax and the row count to x, alignment, sizes).
+//
+// It also takes over the ops' Autograd kernels (the inference-only guard), so that a call in grad
+// mode does not enter Python either. The Python kernels are reached through the callables given to
+// `install`; the compiled functions through the handles given to `register_kernel` (one reference
+// held each).
+
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
+#include <tvm/ffi/c_api.h>
+#include <tvm/ffi/extra/c_env_api.h>
+
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+namespace fp4moe {
+namespace {
+
+constexpr int64_t kBlockSize = 16;         // NVFP4 block (nvfp4.BLOCK_SIZE)
+constexpr int64_t kSwizzleRows = 128;      // nvfp4.SWIZZLE_ROWS
+constexpr int64_t kSwizzleCols = 4;        // nvfp4.SWIZZLE_COLS
+constexpr int64_t kAmaxRowGroup = 8;       // validation.AUX_AMAX_ROW_GROUP
+constexpr int64_t kVectorBytes = 16;       // quantize_launch.VECTOR_BYTES
+constexpr int64_t kMaxElements = (int64_t{1} << 31) - 1;  // quantize_launch.MAX_ELEMENTS
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// ---------------------------------------------------------------------------------------------
+// Registry of compiled functions, keyed like `host_launcher.kernel_key` in Python.
+
+std::mutex registry_mutex;
+std::unordered_map<std::string, TVMFFIObjectHandle> registry;
+std::atomic<int64_t> slow_path_calls{0};
+
+TVMFFIObjectHandle find_kernel(const std::string& key) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry.find(key);
+  return it == registry.end() ? nullptr : it->second;
+}
+
+void register_kernel(const std::string& key, int64_t handle) {
+  auto function = reinterpret_cast<TVMFFIObjectHandle>(handle);
+  TORCH_CHECK(function != nullptr, "fp4moe host launcher: null function handle for ", key);
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto [it, inserted] = registry.emplace(key, function);
+  if (inserted) {
+    TVMFFIObjectIncRef(function);
+  } else if (it->second != function) {  // a recompiled function replaces the old one
+    TVMFFIObjectIncRef(function);
+    TVMFFIObjectDecRef(it->second);
+    it->second = function;
+  }
+}
+
+const char* dtype_name(c10::ScalarType type) {
+  switch (type) {
+    case c10::ScalarType::BFloat16: return "bfloat16";
+    case c10::ScalarType::Half: return "float16";
+    case c10::ScalarType::Float: return "float32";
+    default: return nullptr;
+  }
+}
+
+std::string join_key(std::initializer_list<std::string> parts) {
+  std::string key;
+  for (const auto& part : parts) {
+    if (!key.empty()) key += '|';
+    key += part;
+  }
+  return key;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Calling a compiled function.
+
+DLDataType dl_dtype(c10::ScalarType type) {
+  switch (type) {
+    case c10::ScalarType::BFloat16: return {kDLBfloat, 16, 1};
+    case c10::ScalarType::Half: return {kDLFloat, 16, 1};
+    case c10::ScalarType::Float: return {kDLFloat, 32, 1};
+    case c10::ScalarType::Byte: return {kDLUInt, 8, 1};
+    case c10::ScalarType::Int: return {kDLInt, 32, 1};
+    case c10::ScalarType::Float8_e4m3fn: return {kDLFloat8_e4m3fn, 8, 1};
+    default: TORCH_CHECK(false, "fp4moe host launcher: no DLPack dtype for ", type);
+  }
+}
+
+// The argument list of one call: DLTensor views of torch tensors (shape and strides point into the
+// tensors' own metadata), None and FP32 scalars.
+class Arguments {
+ public:
+  void tensor(const at::Tensor& t) {
+    view(t, static_cast<int32_t>(t.dim()), const_cast<int64_t*>(t.sizes().data()),
+         const_cast<int64_t*>(t.strides().data()));
+  }
+
+  // A one-element tensor of any shape, as the [1] tensor the kernels take.
+  void one_element(const at::Tensor& t) { view(t, 1, const_cast<int64_t*>(&kOne), const_cast<int64_t*>(&kOne)); }
+
+  void optional_tensor(const std::optional<at::Tensor>& t) {
+    if (t.has_value()) {
+      tensor(*t);
+    } else {
+      none();
+    }
+  }
+
+  void none() { next().type_index = kTVMFFINone; }
+
+  void float32(float value) {
+    TVMFFIAny& any = next();
+    any.type_index = kTVMFFIFloat;
+    any.v_float64 = value;
+  }
+
+  // Calls `function` on the current torch stream of `device`.
+  void call(TVMFFIObjectHandle function, const c10::Device& device) {
+    void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device).native_handle();
+    TVMFFIStreamHandle previous = nullptr;
+    TORCH_CHECK(TVMFFIEnvSetStream(kDLCUDA, device.index(), stream, &previous) == 0,
+                "fp4moe host launcher: could not set the TVM-FFI stream");
+    TVMFFIAny result{};
+    result.type_index = kTVMFFINone;
+    int status = TVMFFIFunctionCall(function, values_.data(), count_, &result);
+    TVMFFIEnvSetStream(kDLCUDA, device.index(), previous, nullptr);
+    if (status != 0) {
+      TVMFFIObjectHandle error = nullptr;
+      TVMFFIErrorMoveFromRaised(&error);
+      std::string message = "fp4moe kernel launch failed";
+      if (error != nullptr) {
+        const TVMFFIErrorCell* cell = TVMFFIErrorGetCellPtr(error);
+        message += ": " + std::string(cell->kind.data, cell->kind.size) + ": " +
+                   std::string(cell->message.data, cell->message.size);
+        TVMFFIObjectDecRef(error);
+      }
+      TORCH_CHECK(false, message);
+    }
+    if (result.type_index >= kTVMFFIStaticObjectBegin && result.v_obj != nullptr) {
+      TVMFFIObjectDecRef(result.v_obj);
+    }
+  }
+
+ private:
+  static constexpr int kMaxArguments = 8;
+  static constexpr int64_t kOne = 1;
+
+  TVMFFIAny& next() {
+    TORCH_CHECK(count_ < kMaxArguments, "fp4moe host launcher: too many arguments");
+    TVMFFIAny& any = values_[count_++];
+    any = TVMFFIAny{};
+    return any;
+  }
+
+  void view(const at::Tensor& t, int32_t ndim, int64_t* shape, int64_t* strides) {
+    DLTensor& dl = tensors_[count_];
+    dl.data = t.data_ptr();
+    dl.device = {kDLCUDA, static_cast<int32_t>(t.get_device())};
+    dl.ndim = ndim;
+    dl.dtype = dl_dtype(t.scalar_type());
+    dl.shape = shape;
+    dl.strides = strides;
+    dl.byte_offset = 0;
+    TVMFFIAny& any = next();
+    any.type_index = kTVMFFIDLTensorPtr;
+    any.v_ptr = &dl;
+  }
+
+  std::array<DLTensor, kMaxArguments> tensors_{};  // tensors_[i] backs argument i
+  std::array<TVMFFIAny, kMaxArguments> values_{};
+  int32_t count_ = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Per-call checks shared by the ops' fast paths.
+
+bool same_cuda_device(const at::Tensor& t, const at::Tensor& x) { return t.device() == x.device(); }
+
+// x is a CUDA [M, K] activation with M > 0 that the kernels index with 32-bit integers.
+bool launchable_activation(const at::Tensor& x) {
+  return x.is_cuda() && x.dim() == 2 && x.size(0) > 0 && x.numel() <= kMaxElements &&
+         dtype_name(x.scalar_type()) != nullptr;
+}
+
+// Rows readable 16 bytes at a time (quantize_launch._vector_rows returns x itself).
+bool vector_rows(const at::Tensor& x) {
+  return x.stride(1) == 1 && (x.stride(0) * x.element_size()) % kVectorBytes == 0 &&
+         reinterpret_cast<uintptr_t>(x.data_ptr()) % kVectorBytes == 0;
+}
+
+at::Tensor new_empty(const at::Tensor& like, std::vector<int64_t> shape, c10::ScalarType dtype) {
+  return at::empty(shape, like.options().dtype(dtype));
+}
+
+// op_outputs.quantize_outputs
+std::tuple<at::Tensor, at::Tensor> quantize_outputs(const at::Tensor& x, std::string_view sf_layout) {
+  const int64_t rows = x.size(0), k = x.size(1), scale_cols = k / kBlockSize;
+  auto codes = new_empty(x, {rows, k / 2}, c10::ScalarType::Byte);
+  std::vector<int64_t> scale_shape = sf_layout == "swizzled"
+                                         ? std::vector<int64_t>{round_up(rows, kSwizzleRows), round_up(scale_cols, kSwizzleCols)}
+                                         : std::vector<int64_t>{rows, scale_cols};
+  auto block_scales = new_empty(x, scale_shape, c10::ScalarType::Float8_e4m3fn);
+  return {codes, block_scales};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Slow paths: the ops' Python kernels (set by `install`; never destroyed).
+
+enum Op { kQuantize, kQuantizePerToken, kTileAmax, kNumOps };
+enum Role { kCuda, kAutograd, kNumRoles };
+py::object* python_kernels[kNumOps][kNumRoles] = {};
+
+template <typename Result, typename... Args>
+Result call_python(Op op, Role role, const Args&... args) {
+  slow_path_calls.fetch_add(1, std::memory_order_relaxed);
+  py::gil_scoped_acquire gil;
+  return (*python_kernels[op][role])(args...).template cast<Result>();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The ops.
+
+std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, const at::Tensor& global_scale,
+                                            c10::string_view sf_layout, c10::string_view four_over_six) {
+  if (launchable_activation(x) && vector_rows(x) && global_scale.scalar_type() == c10::ScalarType::Float &&
+      global_scale.numel() == 1 && same_cuda_device(global_scale, x)) {
+    const std::string key = join_key({"quantize", dtype_name(x.scalar_type()), std::to_string(x.size(1)),
+                                      std::string(sf_layout), std::string(four_over_six),
+                                      std::to_string(x.get_device())});
+    if (TVMFFIObjectHandle kernel = find_kernel(key)) {
+      auto [codes, block_scales] = quantize_outputs(x, sf_layout);
+      Arguments args;
+      args.tensor(x);
+      args.one_element(global_scale);
+      args.tensor(codes);
+      args.tensor(block_scales);
+      for (int i = 0; i < 4; ++i) args.none();
+      args.call(kernel, x.device());
+      return {codes, block_scales};
+    }
+  }
+  return call_python<std::tuple<at::Tensor, at::Tensor>>(kQuantize, kCuda, x, global_scale, std::string(sf_layout),
+                                                          std::string(four_over_six));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_per_token(
+    const at::Tensor& x, double global_scale_inv, c10::string_view sf_layout, c10::string_view four_over_six,
+    const std::optional<at::Tensor>& input_amax, const std::optional<at::Tensor>& input_amax_valid_rows) {
+  bool fast = launchable_activation(x) && vector_rows(x) && std::isfinite(global_scale_inv) && global_scale_inv > 0;
+  int64_t amax_tiles = 0;
+  if (fast && input_amax.has_value()) {
+    const at::Tensor& amax = *input_amax;
+    fast = amax.scalar_type() == x.scalar_type() && amax.dim() == 3 && same_cuda_device(amax, x) &&
+           amax.size(0) == ceil_div(x.size(0), kAmaxRowGroup) && amax.size(1) >= 1 && amax.size(2) == kAmaxRowGroup &&
+           amax.is_contiguous() && amax.numel() <= kMaxElements;
+    amax_tiles = amax.size(1);
+  }
+  if (fast && input_amax_valid_rows.has_value()) {
+    const at::Tensor& count = *input_amax_valid_rows;
+    fast = input_amax.has_value() && count.scalar_type() == c10::ScalarType::Int && count.dim() == 1 &&
+           count.size(0) == 1 && same_cuda_device(count, x);
+  }
+  if (fast) {
+    const std::string key = join_key({"quantize_per_token", dtype_name(x.scalar_type()), std::to_string(x.size(1)),
+                                      std::string(sf_layout), std::string(four_over_six),
+                                      input_amax.has_value() ? "aux" : "rescan",
+                                      input_amax_valid_rows.has_value() ? "1" : "0", std::to_string(amax_tiles),
+                                      std::to_string(x.get_device())});
+    if (TVMFFIObjectHandle kernel = find_kernel(key)) {
+      auto [codes, block_scales] = quantize_outputs(x, sf_layout);
+      auto per_token_scale = new_empty(x, {x.size(0)}, c10::ScalarType::Float);
+      Arguments args;
+      args.tensor(x);
+      args.none();
+      args.tensor(codes);
+      args.tensor(block_scales);
+      args.tensor(per_token_scale);
+      // RN(1 / global_scale_inv) in FP32, global_scale_inv first rounded to FP32 (SPEC §2).
+      args.float32(1.0f / static_cast<float>(global_scale_inv));
+      args.optional_tensor(input_amax);
+      args.optional_tensor(input_amax_valid_rows);
+      args.call(kernel, x.device());
+      return {codes, block_scales, per_token_scale};
+    }
+  }
+  return call_python<std::tuple<at::Tensor, at::Tensor, at::Tensor>>(
+      kQuantizePerToken, kCuda, x, global_scale_inv, std::string(sf_layout), std::string(four_over_six), input_amax,
+      input_amax_valid_rows);
+}
+
+at::Tensor tile_amax(const at::Tensor& x, int64_t tile_n) {
+  // Only the widest loads (16 bytes) are launched here; narrower ones go through Python.
+  if (launchable_activation(x) && tile_n >= 1) {
+    const int64_t vector = kVectorBytes / x.element_size();
+    const bool aligned = x.stride(1) == 1 && x.size(1) % vector == 0 && tile_n % vector == 0 &&
+                         x.stride(0) % vector == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % kVectorBytes == 0;
+    if (aligned) {
+      const std::string key = join_key({"tile_amax", dtype_name(x.scalar_type()), std::to_string(x.size(1)),
+                                        std::to_string(tile_n), std::to_string(vector),
+                                        std::to_string(x.get_device())});
+      if (TVMFFIObjectHandle kernel = find_kernel(key)) {
+        auto out = new_empty(x, {ceil_div(x.size(0), kAmaxRowGroup), ceil_div(x.size(1), tile_n), kAmaxRowGroup},
+                             x.scalar_type());
+        Arguments args;
+        args.tensor(x);
+        args.tensor(out);
+        args.call(kernel, x.device());
+        return out;
+      }
+    }
+  }
+  return call_python<at::Tensor>(kTileAmax, kCuda, x, tile_n);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Autograd kernels: every op is inference-only (ops/library.py). An input that requires grad, with
+// grad mode on, goes to the Python Autograd kernel, which raises; anything else is dispatched below
+// autograd.
+
+bool requires_grad(const at::Tensor& t) { return t.requires_grad(); }
+bool requires_grad(const std::optional<at::Tensor>& t) { return t.has_value() && t->requires_grad(); }
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_autograd(const at::Tensor& x, const at::Tensor& global_scale,
+                                                     c10::string_view sf_layout, c10::string_view four_over_six) {
+  if (at::GradMode::is_enabled() && (requires_grad(x) || requires_grad(global_scale))) {
+    return call_python<std::tuple<at::Tensor, at::Tensor>>(kQuantize, kAutograd, x, global_scale,
+                                                            std::string(sf_layout), std::string(four_over_six));
+  }
+  static const auto op = op_handle<decltype(quantize)>("fp4moe::quantize");
+  at::AutoDispatchBelowAutograd below_autograd;
+  return op.call(x, global_scale, sf_layout, four_over_six);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_per_token_autograd(
+    const at::Tensor& x, double global_scale_inv, c10::string_view sf_layout, c10::string_view four_over_six,
+    const std::optional<at::Tensor>& input_amax, const std::optional<at::Tensor>& input_amax_valid_rows) {
+  if (at::GradMode::is_enabled() &&
+      (requires_grad(x) || requires_grad(input_amax) || requires_grad(input_amax_valid_rows))) {
+    return call_python<std::tuple<at::Tensor, at::Tensor, at::Tensor>>(
+        kQuantizePerToken, kAutograd, x, global_scale_inv, std::string(sf_layout), std::string(four_over_six),
+        input_amax, input_amax_valid_rows);
+  }
+  static const auto op = op_handle<decltype(quantize_per_token)>("fp4moe::quantize_per_token");
+  at::AutoDispatchBelowAutograd below_autograd;
+  return op.call(x, global_scale_inv, sf_layout, four_over_six, input_amax, input_amax_valid_rows);
+}
+
+at::Tensor tile_amax_autograd(const at::Tensor& x, int64_t tile_n) {
+  if (at::GradMode::is_enabled() && requires_grad(x)) {
+    return call_python<at::Tensor>(kTileAmax, kAutograd, x, tile_n);
+  }
+  static const auto op = op_handle<decltype(tile_amax)>("fp4moe::tile_amax");
+  at::AutoDispatchBelowAutograd below_autograd;
+  return op.call(x, tile_n);
+}
+
+std::unique_ptr<torch::Library> cuda_library, autograd_library;
+
+// Takes over the CUDA and Autograd kernels of the ops (ops.library.hand_over_to_native), keeping the
+// Python kernels it is given for the calls it hands back.
+void install(py::object quantize_cuda, py::object quantize_per_token_cuda, py::object tile_amax_cuda,
+             py::object quantize_autograd_python, py::object quantize_per_token_autograd_python,
+             py::object tile_amax_autograd_python) {
+  TORCH_CHECK(cuda_library == nullptr, "fp4moe host launcher: already installed");
+  py::object given[kNumOps][kNumRoles] = {{quantize_cuda, quantize_autograd_python},
+                                          {quantize_per_token_cuda, quantize_per_token_autograd_python},
+                                          {tile_amax_cuda, tile_amax_autograd_python}};
+  for (int op = 0; op < kNumOps; ++op) {
+    for (int role = 0; role < kNumRoles; ++role) python_kernels[op][role] = new py::object(given[op][role]);
+  }
+  cuda_library = std::make_unique<torch::Library>(torch::Library::IMPL, "fp4moe", c10::DispatchKey::CUDA, __FILE__,
+                                                  __LINE__);
+  cuda_library->impl("quantize", TORCH_FN(quantize));
+  cuda_library->impl("quantize_per_token", TORCH_FN(quantize_per_token));
+  cuda_library->impl("tile_amax", TORCH_FN(tile_amax));
+  autograd_library = std::make_unique<torch::Library>(torch::Library::IMPL, "fp4moe", c10::DispatchKey::Autograd,
+                                                      __FILE__, __LINE__);
+  autograd_library->impl("quantize", TORCH_FN(quantize_autograd));
+  autograd_library->impl("quantize_per_token", TORCH_FN(quantize_per_token_autograd));
+  autograd_library->impl("tile_amax", TORCH_FN(tile_amax_autograd));
+}
+
+}  // namespace
+}  // namespace fp4moe
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fp4moe's C++ host launcher for the CuTe DSL kernels (see fp4moe/kernels/host_launcher.py)";
+  m.def("install", &fp4moe::install,
+        "Register the C++ CUDA and Autograd kernels of quantize, quantize_per_token, tile_amax");
+  m.def("register_kernel", &fp4moe::register_kernel, "Register a compiled TVM-FFI function under its key");
+  m.def("slow_path_calls", [] { return fp4moe::slow_path_calls.load(); },
+        "How many calls have gone to the Python implementations");
+}

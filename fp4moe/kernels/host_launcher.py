@@ -1,0 +1,114 @@
+"""The C++ host launcher of the sm90 kernels (`fp4moe/csrc/host_launcher.cpp`).
+
+Through Python, an eager call of a quantization op spends most of its host time outside the kernel:
+the dispatcher's trip into a Python kernel, three Python-level allocations and the TVM-FFI call's
+conversion of torch tensors. The launcher takes over the CUDA kernels of `quantize`,
+`quantize_per_token` and `tile_amax`: a call whose static configuration the Python launch layer
+(`quantize_launch`) has launched before is served in C++ (outputs from `at::empty`, the compiled
+TVM-FFI function called with DLTensor views on the current stream); any other call — the first one of
+a configuration, which compiles, inputs that need a copy, invalid inputs — runs the op's Python
+kernel unchanged. Both paths launch the same compiled kernels, so results are identical.
+
+The launcher is built with `torch.utils.cpp_extension` (a C++ compiler and ninja; no CUDA toolkit) on
+first use and cached under `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`). Set
+`FP4MOE_HOST_LAUNCHER=python` to keep the Python launch path. If the build fails, a warning says why
+and the ops launch from Python.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import sysconfig
+import warnings
+from pathlib import Path
+
+import torch
+
+from fp4moe.ops.library import hand_over_to_native
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "host_launcher.cpp"
+NAME = "fp4moe_host_launcher"
+OPS = ("quantize", "quantize_per_token", "tile_amax")
+"""The ops whose CUDA kernels the launcher takes over (the argument order of its `install`)."""
+MODE_VARIABLE = "FP4MOE_HOST_LAUNCHER"
+MODES = ("cpp", "python")
+
+
+def build_directory() -> Path:
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    return root / f"{NAME}-torch{torch.__version__}-{sysconfig.get_config_var('SOABI')}"
+
+
+@functools.cache
+def module():
+    """The compiled extension (built here on first use; ninja rebuilds it when the source changes)."""
+    import tvm_ffi.libinfo
+    from torch.utils import cpp_extension
+
+    directory = build_directory()
+    if not (directory / f"{NAME}.so").exists():
+        print(f"fp4moe: building the C++ host launcher in {directory} (first use; about a minute)", file=sys.stderr)
+    directory.mkdir(parents=True, exist_ok=True)
+    library_dir = str(Path(tvm_ffi.libinfo.find_libtvm_ffi()).parent)
+    return cpp_extension.load(
+        name=NAME,
+        sources=[str(SOURCE)],
+        extra_include_paths=tvm_ffi.libinfo.include_paths(),
+        extra_cflags=["-O2"],
+        extra_ldflags=[f"-L{library_dir}", "-ltvm_ffi", f"-Wl,-rpath,{library_dir}"],
+        build_directory=str(directory),
+        verbose=False,
+    )
+
+
+def mode() -> str:
+    value = os.environ.get(MODE_VARIABLE, "cpp")
+    if value not in MODES:
+        raise ValueError(f"{MODE_VARIABLE} must be one of {MODES}, got {value!r}")
+    return value
+
+
+@functools.cache
+def install() -> bool:
+    """Put the C++ CUDA kernels in place (once per process); whether they are in place."""
+    if mode() == "python":
+        return False
+    try:
+        launcher = module()
+    except Exception as error:  # a missing compiler or ninja, a failed build
+        warnings.warn(
+            f"fp4moe: the C++ host launcher is unavailable ({type(error).__name__}: {error}); the CUDA "
+            f"quantization ops launch from Python, with more host time per call (set {MODE_VARIABLE}=python "
+            "to choose this and silence the warning)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    hand_over_to_native(OPS, launcher.install)
+    return True
+
+
+def kernel_key(op: str, *parts) -> str:
+    """The registry key of a compiled kernel, spelled as the C++ side spells it for a call."""
+    spelled = [op]
+    for part in parts:
+        if isinstance(part, torch.dtype):
+            spelled.append(str(part).removeprefix("torch."))
+        elif isinstance(part, bool):
+            spelled.append(str(int(part)))
+        else:
+            spelled.append(str(part))
+    return "|".join(spelled)
+
+
+def register(compiled, op: str, *parts) -> None:
+    """Let the launcher call `compiled` (a CuTe DSL TVM-FFI function) for calls keyed by (op, *parts)."""
+    if install():
+        module().register_kernel(kernel_key(op, *parts), compiled.__tvm_ffi_object__().__chandle__())
+
+
+def slow_path_calls() -> int:
+    """Calls the launcher has handed to the Python kernels so far."""
+    return module().slow_path_calls()
