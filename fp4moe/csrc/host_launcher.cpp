@@ -39,7 +39,6 @@
 #include <string_view>
 #include <tuple>
 #include <unordered_map>
-#include <vector>
 
 namespace fp4moe {
 namespace {
@@ -61,10 +60,30 @@ std::mutex registry_mutex;
 std::unordered_map<std::string, TVMFFIObjectHandle> registry;
 std::atomic<int64_t> slow_path_calls{0};
 
-TVMFFIObjectHandle find_kernel(const std::string& key) {
+// A registered function, with a reference held for one call (a re-registration may drop the
+// registry's reference meanwhile).
+class Kernel {
+ public:
+  explicit Kernel(TVMFFIObjectHandle handle) : handle_(handle) {}
+  Kernel(const Kernel&) = delete;
+  Kernel& operator=(const Kernel&) = delete;
+  ~Kernel() {
+    if (handle_ != nullptr) TVMFFIObjectDecRef(handle_);
+  }
+  explicit operator bool() const { return handle_ != nullptr; }
+  TVMFFIObjectHandle handle() const { return handle_; }
+
+ private:
+  TVMFFIObjectHandle handle_;
+};
+
+// The function registered under `key`, or an empty Kernel.
+Kernel find_kernel(const std::string& key) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   auto it = registry.find(key);
-  return it == registry.end() ? nullptr : it->second;
+  if (it == registry.end()) return Kernel(nullptr);
+  TVMFFIObjectIncRef(it->second);
+  return Kernel(it->second);
 }
 
 void register_kernel(const std::string& key, int64_t handle) {
@@ -216,7 +235,7 @@ bool vector_rows(const at::Tensor& x) {
          reinterpret_cast<uintptr_t>(x.data_ptr()) % kVectorBytes == 0;
 }
 
-at::Tensor new_empty(const at::Tensor& like, std::vector<int64_t> shape, c10::ScalarType dtype) {
+at::Tensor new_empty(const at::Tensor& like, c10::IntArrayRef shape, c10::ScalarType dtype) {
   return at::empty(shape, like.options().dtype(dtype));
 }
 
@@ -224,10 +243,10 @@ at::Tensor new_empty(const at::Tensor& like, std::vector<int64_t> shape, c10::Sc
 std::tuple<at::Tensor, at::Tensor> quantize_outputs(const at::Tensor& x, std::string_view sf_layout) {
   const int64_t rows = x.size(0), k = x.size(1), scale_cols = k / kBlockSize;
   auto codes = new_empty(x, {rows, k / 2}, c10::ScalarType::Byte);
-  std::vector<int64_t> scale_shape = sf_layout == "swizzled"
-                                         ? std::vector<int64_t>{round_up(rows, kSwizzleRows), round_up(scale_cols, kSwizzleCols)}
-                                         : std::vector<int64_t>{rows, scale_cols};
-  auto block_scales = new_empty(x, scale_shape, c10::ScalarType::Float8_e4m3fn);
+  auto block_scales =
+      sf_layout == "swizzled"
+          ? new_empty(x, {round_up(rows, kSwizzleRows), round_up(scale_cols, kSwizzleCols)}, c10::ScalarType::Float8_e4m3fn)
+          : new_empty(x, {rows, scale_cols}, c10::ScalarType::Float8_e4m3fn);
   return {codes, block_scales};
 }
 
@@ -255,7 +274,7 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, const at::Tenso
     const std::string key = join_key({"quantize", dtype_name(x.scalar_type()), std::to_string(x.size(1)),
                                       std::string(sf_layout), std::string(four_over_six),
                                       std::to_string(x.get_device())});
-    if (TVMFFIObjectHandle kernel = find_kernel(key)) {
+    if (Kernel kernel = find_kernel(key)) {
       auto [codes, block_scales] = quantize_outputs(x, sf_layout);
       Arguments args;
       args.tensor(x);
@@ -263,7 +282,7 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, const at::Tenso
       args.tensor(codes);
       args.tensor(block_scales);
       for (int i = 0; i < 4; ++i) args.none();
-      args.call(kernel, x.device());
+      args.call(kernel.handle(), x.device());
       return {codes, block_scales};
     }
   }
@@ -294,7 +313,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_per_token(
                                       input_amax.has_value() ? "aux" : "rescan",
                                       input_amax_valid_rows.has_value() ? "1" : "0", std::to_string(amax_tiles),
                                       std::to_string(x.get_device())});
-    if (TVMFFIObjectHandle kernel = find_kernel(key)) {
+    if (Kernel kernel = find_kernel(key)) {
       auto [codes, block_scales] = quantize_outputs(x, sf_layout);
       auto per_token_scale = new_empty(x, {x.size(0)}, c10::ScalarType::Float);
       Arguments args;
@@ -307,7 +326,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_per_token(
       args.float32(1.0f / static_cast<float>(global_scale_inv));
       args.optional_tensor(input_amax);
       args.optional_tensor(input_amax_valid_rows);
-      args.call(kernel, x.device());
+      args.call(kernel.handle(), x.device());
       return {codes, block_scales, per_token_scale};
     }
   }
@@ -326,13 +345,13 @@ at::Tensor tile_amax(const at::Tensor& x, int64_t tile_n) {
       const std::string key = join_key({"tile_amax", dtype_name(x.scalar_type()), std::to_string(x.size(1)),
                                         std::to_string(tile_n), std::to_string(vector),
                                         std::to_string(x.get_device())});
-      if (TVMFFIObjectHandle kernel = find_kernel(key)) {
+      if (Kernel kernel = find_kernel(key)) {
         auto out = new_empty(x, {ceil_div(x.size(0), kAmaxRowGroup), ceil_div(x.size(1), tile_n), kAmaxRowGroup},
                              x.scalar_type());
         Arguments args;
         args.tensor(x);
         args.tensor(out);
-        args.call(kernel, x.device());
+        args.call(kernel.handle(), x.device());
         return out;
       }
     }
