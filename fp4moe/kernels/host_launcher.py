@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import sys
 import sysconfig
 import warnings
@@ -47,6 +48,7 @@ def module():
     import tvm_ffi.libinfo
     from torch.utils import cpp_extension
 
+    _put_ninja_on_path()
     directory = build_directory()
     if not (directory / f"{NAME}.so").exists():
         print(f"fp4moe: building the C++ host launcher in {directory} (first use; about a minute)", file=sys.stderr)
@@ -61,6 +63,17 @@ def module():
         build_directory=str(directory),
         verbose=False,
     )
+
+
+def _put_ninja_on_path() -> None:
+    """torch.utils.cpp_extension runs `ninja` from PATH; the `ninja` package may have put it in a
+    scripts directory that is not on PATH (e.g. `python -m pip install` under pyenv)."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def mode() -> str:
