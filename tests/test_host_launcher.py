@@ -126,8 +126,11 @@ CASES = {
     "per-token rescan fp16 linear mae": (per_token_call("linear", "mae", 0, False), torch.float16, 272),
     "per-token aux bf16 swizzled": (per_token_call("swizzled", "off", 128, False), torch.bfloat16, 7168),
     "per-token aux + valid rows fp16 swizzled": (per_token_call("swizzled", "off", 64, True), torch.float16, 2048),
+    "quantize fp32 linear": (quantize_call("linear"), torch.float32, 272),
+    "per-token rescan fp32 swizzled mse": (per_token_call("swizzled", "mse", 0, False), torch.float32, 7168),
     "tile_amax bf16": (tile_amax_call(128), torch.bfloat16, 2048),
     "tile_amax fp16 ragged tile": (tile_amax_call(200), torch.float16, 4096),
+    "tile_amax fp32": (tile_amax_call(64), torch.float32, 272),
 }
 
 
@@ -198,3 +201,25 @@ def test_the_fast_path_launches_on_the_current_stream(hopper):
     side.synchronize()
     for g, w in zip(got, reference.quantize_per_token(fresh, nvfp4.DEFAULT_GLOBAL_SCALE_INV, "swizzled", "off", None, None), strict=True):
         assert_bitwise_equal(g, w, "outputs of a side-stream call")
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_capture_the_fast_path(hopper):
+    rows, k = 96, 2048
+    x = activations(rows, k, torch.bfloat16, seed=8)
+    amax = ops.tile_amax(x, 128)
+    ops.quantize_per_token(x, input_amax=amax)  # registers both configurations outside the capture
+    slow = host_launcher.slow_path_calls()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured_amax = ops.tile_amax(x, 128)
+        captured = ops.quantize_per_token(x, input_amax=captured_amax)
+    assert host_launcher.slow_path_calls() == slow, "the capture went through Python"
+    for seed in (9, 10):
+        x.copy_(activations(rows, k, torch.bfloat16, seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise_equal(captured_amax, reference.tile_amax(x, 128), "replayed tile maxima")
+        expected = reference.quantize_per_token(x, nvfp4.DEFAULT_GLOBAL_SCALE_INV, "swizzled", "off", None, None)
+        for got, want in zip(captured, expected, strict=True):
+            assert_bitwise_equal(got, want, "replayed per-token outputs")
