@@ -3,7 +3,8 @@
 Through Python, an eager call of a quantization op spends most of its host time outside the kernel:
 the dispatcher's trip into a Python kernel, three Python-level allocations and the TVM-FFI call's
 conversion of torch tensors. The launcher takes over the CUDA kernels of `quantize`,
-`quantize_per_token` and `tile_amax`: a call whose static configuration the Python launch layer
+`quantize_per_token` and `tile_amax`, and their Autograd kernels (the inference-only guard, so that
+grad mode costs no trip into Python either): a call whose static configuration the Python launch layer
 (`quantize_launch`) has launched before is served in C++ (outputs from `at::empty`, the compiled
 TVM-FFI function called with DLTensor views on the current stream); any other call — the first one of
 a configuration, which compiles, inputs that need a copy, invalid inputs — runs the op's Python
@@ -32,7 +33,7 @@ from fp4moe.ops.library import hand_over_to_native
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "host_launcher.cpp"
 NAME = "fp4moe_host_launcher"
 OPS = ("quantize", "quantize_per_token", "tile_amax")
-"""The ops whose CUDA kernels the launcher takes over (the argument order of its `install`)."""
+"""The ops whose CUDA and Autograd kernels the launcher takes over (the argument order of its `install`)."""
 MODE_VARIABLE = "FP4MOE_HOST_LAUNCHER"
 MODES = ("cpp", "python")
 
@@ -51,7 +52,7 @@ def module():
     _put_ninja_on_path()
     directory = build_directory()
     if not (directory / f"{NAME}.so").exists():
-        print(f"fp4moe: building the C++ host launcher in {directory} (first use; about a minute)", file=sys.stderr)
+        print(f"fp4moe: building the C++ host launcher in {directory} (first use; 10-30 s)", file=sys.stderr)
     directory.mkdir(parents=True, exist_ok=True)
     library_dir = str(Path(tvm_ffi.libinfo.find_libtvm_ffi()).parent)
     return cpp_extension.load(
@@ -85,7 +86,7 @@ def mode() -> str:
 
 @functools.cache
 def install() -> bool:
-    """Put the C++ CUDA kernels in place (once per process); whether they are in place."""
+    """Put the C++ CUDA and Autograd kernels in place (once per process); whether they are in place."""
     if mode() == "python":
         return False
     try:
