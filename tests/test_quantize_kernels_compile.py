@@ -157,6 +157,16 @@ def test_aux_tile_maxima_are_loaded_ahead_of_the_row(compiled):
         assert ahead == min(tiles_per_lane, UNROLLED_TILES_PER_LANE), QUANTIZE_VARIANTS[i]
 
 
+def test_kernels_wait_for_their_predecessor_before_touching_global_memory(compiled):
+    """Launched with programmatic dependent launch, a kernel may start before its predecessor ends:
+    `griddepcontrol.wait` must come before every global load and store (`kernels.sm90.pdl`)."""
+    for name, ptx in _all_ptx(compiled).items():
+        wait = ptx.index("griddepcontrol.wait")
+        first_access = min(m.start() for m in re.finditer(r"\b(ld|st)\.global\b", ptx))
+        assert wait < first_access, name
+        assert wait < ptx.index("griddepcontrol.launch_dependents"), name
+
+
 def test_only_rows_wider_than_a_warp_synchronize_the_cta(compiled):
     for i, (_dtype, k, _layout, _mode, source, _valid) in enumerate(QUANTIZE_VARIANTS):
         has_barrier = "bar.sync" in _ptx(compiled, f"quantize_{i}")
