@@ -5,15 +5,18 @@ the Python kernels, with results bitwise equal to the reference either way."""
 import pytest
 import torch
 
-import fp4moe
-from fp4moe import dispatch, nvfp4
+from fp4moe import nvfp4
 from fp4moe.kernels import host_launcher
-from fp4moe.op_outputs import quantize_per_token_outputs
+from fp4moe.op_outputs import (
+    quantize_outputs,
+    quantize_per_token_outputs,
+    tile_amax_output,
+)
 from fp4moe.reference import quantize as reference
 from tests.compare import assert_bitwise_equal
+from tests.hopper import activations, poisoned, runs_the_sm90_kernels
 
 ops = torch.ops.fp4moe
-POISON = 0xAB
 
 
 def test_the_launcher_builds_and_owns_the_cuda_kernels():
@@ -61,23 +64,16 @@ def test_kernel_keys_spell_every_static_parameter():
 # ---------------------------------------------------------------------------------------------------
 @pytest.fixture
 def hopper():
-    if not torch.cuda.is_available() or fp4moe.quantize_backend(torch.device("cuda")) != dispatch.CUTE_SM90_BACKEND:
+    if not runs_the_sm90_kernels():
         pytest.skip("needs a Hopper (compute capability 9.x) GPU")
     if not host_launcher.install():
         pytest.skip("the C++ host launcher is not in use")
 
 
-def activations(rows, k, dtype, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    row_scale = 10.0 ** torch.empty(rows, 1, device="cuda").uniform_(-2, 2, generator=g)
-    return (torch.randn(rows, k, device="cuda", generator=g) * row_scale).to(dtype)
-
-
-def poison_the_allocator(shapes_and_dtypes):
-    """Leave blocks of the outputs' sizes, full of poison, in the caching allocator, so that outputs the
-    launcher allocates next most likely start out poisoned."""
-    blocks = [torch.empty(shape, dtype=dtype, device="cuda").view(torch.uint8).fill_(POISON) for shape, dtype in shapes_and_dtypes]
-    del blocks
+def poison_the_allocator(outputs):
+    """Poison `outputs` (allocated like the op's outputs) and let them go: blocks of their sizes stay in
+    the caching allocator, so that outputs the launcher allocates next most likely start out poisoned."""
+    poisoned(outputs)
 
 
 def per_token_call(layout, mode, tile_n, with_valid_rows):
@@ -93,7 +89,7 @@ def per_token_call(layout, mode, tile_n, with_valid_rows):
         return reference.quantize_per_token(x, nvfp4.DEFAULT_GLOBAL_SCALE_INV, layout, mode, None, None)
 
     def outputs(x):
-        return [(t.shape, t.dtype) for t in quantize_per_token_outputs(x, layout)]
+        return quantize_per_token_outputs(x, layout)
 
     return call, expected, outputs
 
@@ -109,14 +105,14 @@ def quantize_call(layout):
         return reference.quantize(x, global_scale(x), layout, "off")
 
     def outputs(x):
-        return [(t.shape, t.dtype) for t in quantize_per_token_outputs(x, layout)[:2]]
+        return quantize_outputs(x, layout)
 
     return call, expected, outputs
 
 
 def tile_amax_call(tile_n):
     def outputs(x):
-        return [((nvfp4.ceil_div(x.shape[0], 8), nvfp4.ceil_div(x.shape[1], tile_n), 8), x.dtype)]
+        return [tile_amax_output(x, tile_n)]
 
     return (lambda x: (ops.tile_amax(x, tile_n),)), (lambda x: (reference.tile_amax(x, tile_n),)), outputs
 

@@ -13,9 +13,14 @@ import fp4moe
 from fp4moe import dispatch, nvfp4
 from fp4moe.kernels import quantize_launch as launch
 from fp4moe.kernels.sm90.quantize import UNROLLED_TILES_PER_LANE, row_tiling
-from fp4moe.op_outputs import quantize_outputs, quantize_per_token_outputs, tile_amax_output
+from fp4moe.op_outputs import (
+    quantize_outputs,
+    quantize_per_token_outputs,
+    tile_amax_output,
+)
 from fp4moe.reference import quantize as reference
 from tests.compare import as_bits, assert_bitwise_equal
+from tests.hopper import POISON, activations, poisoned, runs_the_sm90_kernels
 
 pytestmark = pytest.mark.gpu
 ops = torch.ops.fp4moe
@@ -26,24 +31,13 @@ KS = (16, 272, 2048, 4112, 7168)
 RAGGED_ROWS = (1, 37, 300)
 LAYOUTS = nvfp4.SF_LAYOUTS
 MODES = ("off", "mae", "mse")
-POISON = 0xAB
 TILE_N = 128
 
 
 @pytest.fixture(autouse=True)
 def _hopper_only():
-    if not torch.cuda.is_available() or fp4moe.quantize_backend(torch.device("cuda")) != dispatch.CUTE_SM90_BACKEND:
+    if not runs_the_sm90_kernels():
         pytest.skip("needs a Hopper (compute capability 9.x) GPU")
-
-
-def activations(rows, k, dtype, seed):
-    """Random rows whose magnitudes span several decades per row and per 16-element block."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    decades = 2.0 if dtype == torch.float16 else 6.0  # float16 overflows beyond ~6e4
-    row_scale = 10.0 ** torch.empty(rows, 1, device="cuda").uniform_(-decades, decades, generator=g)
-    block_scale = 2.0 ** torch.randint(-5, 6, (rows, k // 16, 1), device="cuda", generator=g).float()
-    x = torch.randn(rows, k // 16, 16, device="cuda", generator=g) * block_scale
-    return (x.reshape(rows, k) * row_scale).to(dtype)
 
 
 def special_rows(k, dtype):
@@ -64,12 +58,6 @@ def special_rows(k, dtype):
     rows[9][1::16] = info.max
     rows[10][::7] = -float("inf")
     return torch.stack(rows)
-
-
-def poisoned(tensors):
-    for t in tensors:
-        t.view(torch.uint8).fill_(POISON)
-    return tensors
 
 
 def assert_same_rows(actual_linear, expected_linear, rows, what):
