@@ -60,8 +60,17 @@ def environment(device: torch.device, module: str, argv: list[str]) -> dict:
         "torch_cuda": torch.version.cuda,
         "nvidia-cutlass-dsl": _package_version("nvidia-cutlass-dsl"),
         "fp4moe": fp4moe.__version__,
-        "git_commit": _command_output("git", "rev-parse", "HEAD"),
+        "git_commit": _source_revision(),
     }
+
+
+def _source_revision() -> str | None:
+    """HEAD, with `-dirty` when tracked files differ from it (the numbers then come from other code)."""
+    head = _command_output("git", "rev-parse", "HEAD")
+    if head is None:
+        return None
+    changes = _command_output("git", "status", "--porcelain", "--untracked-files=no")
+    return f"{head}-dirty" if changes else head
 
 
 def result_stem(out_dir: Path, benchmark: str, env: dict) -> Path:
