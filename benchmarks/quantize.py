@@ -7,13 +7,16 @@ legacy path with 4-over-6 `mse`), bfloat16 input, swizzled scales, M in {1, 16, 
 65536} and K in {2048, 7168}:
 
 1. spot-check the op against `fp4moe.reference` (first and last rows, bitwise);
-2. capture one CUDA graph that calls the op C times, cycling through R rotating inputs (R * input
-   bytes > 2 x L2, so large shapes stream from device memory; C = the least multiple of R that is
-   at least 8, so that a replay's own ~3 us of launch cost is spread thin), replay it `--replays`
-   times after warm-up, each replay timed with CUDA events (`benchmarks.timing`), and take the
-   median / C as the time per call;
+2. capture, per quantizer, one CUDA graph that calls the op C times, cycling through R rotating
+   inputs shared by the quantizers (R * input bytes > 2 x L2, so large shapes stream from device
+   memory; C = the least multiple of R that is at least 8, so that a replay's own ~3 us of launch
+   cost is spread thin); replay the quantizers' graphs in `--replays` interleaved rounds after
+   warm-up (`benchmarks.timing.time_interleaved`: every quantizer of a shape meets the same SM clock,
+   which drops when the GPU reaches its power limit), each replay timed with CUDA events, and take
+   the median / C as the time per call;
 3. report (bytes read + bytes written) / time, also as % of the read bandwidth measured in the
-   same run (`benchmarks.ceilings`: `torch.sum` over a 4 GiB buffer).
+   same run (`benchmarks.ceilings`: `torch.sum` over a 4 GiB buffer), with the SM clock sampled
+   through NVML while the shape was timed (`benchmarks.gpu_state`).
 
 It also measures the host time of one eager call (op path and launch layer alone): the median over
 20 batches of 250 back-to-back calls, with the host launcher `FP4MOE_HOST_LAUNCHER` selects (C++ by
@@ -36,7 +39,9 @@ import torch
 
 from benchmarks.ceilings import measure_read_bandwidth
 from benchmarks.report import RESULTS_DIR, environment, markdown_table, result_stem, write_json
-from benchmarks.timing import PreparedCall, time_replays
+from benchmarks.gpu_state import GpuStateSampler
+from benchmarks.progress import Progress
+from benchmarks.timing import PreparedCall, time_interleaved
 from fp4moe import nvfp4
 from fp4moe.kernels import host_launcher
 from fp4moe.kernels import quantize_launch as launch
@@ -100,39 +105,56 @@ def spot_check(quantizer: str, x: torch.Tensor, call) -> None:
         raise AssertionError(f"{quantizer} {tuple(x.shape)}: block scales differ from the reference")
 
 
-def bench_one(quantizer: str, rows: int, k: int, replays: int, read_bytes_per_s: float) -> dict:
+def bench_shape(rows: int, k: int, replays: int, read_bytes_per_s: float) -> list[dict]:
+    """Every quantizer at one shape, timed in interleaved rounds (`benchmarks.timing.time_interleaved`)
+    on the same rotating inputs, with the GPU's SM clock and power sampled meanwhile."""
     device = torch.device("cuda")
     x_bytes = rows * k * DTYPE.itemsize
     rotation = max(1, min(MAX_ROTATION, math.ceil(2 * L2_BYTES / x_bytes)))
     inputs = [torch.randn(rows, k, device=device).mul_(1.0 + i).to(DTYPE) for i in range(rotation)]
-    calls, extra = zip(*(make_call(quantizer, x) for x in inputs), strict=True)
-    spot_check(quantizer, inputs[0], calls[0])
     calls_per_replay = rotation * math.ceil(MIN_CALLS_PER_REPLAY / rotation)
+    with contextlib.ExitStack() as stack:
+        prepared, moved = [], []
+        for quantizer in QUANTIZERS:
+            calls, extra = zip(*(make_call(quantizer, x) for x in inputs), strict=True)
+            spot_check(quantizer, inputs[0], calls[0])
+            prepared.append(stack.enter_context(PreparedCall(_replay(calls, calls_per_replay), device)))
+            outputs = prepared[-1]()
+            moved.append(x_bytes + extra[0] + sum(t.numel() * t.element_size() for t in outputs))
+        with GpuStateSampler(device) as gpu_state:
+            timings = time_interleaved(prepared, device, replays, warmup=WARMUP)
+    results = []
+    for quantizer, timing, bytes_moved in zip(QUANTIZERS, timings, moved, strict=True):
+        seconds = timing.median_s / calls_per_replay
+        results.append(
+            {
+                "quantizer": quantizer,
+                "rows": rows,
+                "k": k,
+                "rotation": rotation,
+                "calls_per_replay": calls_per_replay,
+                "us_per_call": seconds * 1e6,
+                "bytes_moved": bytes_moved,
+                "effective_GBps": bytes_moved / seconds / 1e9,
+                "percent_of_read_bw": 100 * bytes_moved / seconds / read_bytes_per_s,
+                "gpu_state": gpu_state.summary(),
+            }
+        )
+    return results
+
+
+def _replay(calls, calls_per_replay: int):
+    """One replay: `calls_per_replay` calls cycling through `calls`. Each call's outputs die when the next
+    call returns, so the graph reuses their memory, as a layer reuses its buffers; holding all of them
+    would touch several GB per replay at 65536 rows."""
 
     def replay():
-        # Each call's outputs die when the next call returns, so the graph reuses their memory, as a
-        # layer reuses its buffers; holding all of them would touch several GB per replay at 65536 rows.
         outputs = None
         for i in range(calls_per_replay):
-            outputs = calls[i % rotation]()
+            outputs = calls[i % len(calls)]()
         return outputs
 
-    with PreparedCall(replay, device) as prepared:
-        outputs = prepared()
-        timing = time_replays(prepared, device, replays, warmup=WARMUP)
-    seconds = timing.median_s / calls_per_replay
-    moved = x_bytes + extra[0] + sum(t.numel() * t.element_size() for t in outputs)
-    return {
-        "quantizer": quantizer,
-        "rows": rows,
-        "k": k,
-        "rotation": rotation,
-        "calls_per_replay": calls_per_replay,
-        "us_per_call": seconds * 1e6,
-        "bytes_moved": moved,
-        "effective_GBps": moved / seconds / 1e9,
-        "percent_of_read_bw": 100 * moved / seconds / read_bytes_per_s,
-    }
+    return replay
 
 
 def host_overhead_us() -> dict:
@@ -177,6 +199,12 @@ def _host_rows(report: dict) -> list[list[str]]:
     return [[name, f"{us:.1f}"] for name, us in report["host_overhead_us"].items()]
 
 
+def _clock(gpu_state: dict | None) -> str:
+    if gpu_state is None:
+        return "n/a"
+    return f"{gpu_state['sm_clock_mhz_median']:.0f} ({gpu_state['sm_clock_mhz_min']})"
+
+
 def markdown(report: dict) -> str:
     env = report["environment"]
     lines = [
@@ -188,10 +216,11 @@ def markdown(report: dict) -> str:
     ]
     rows = [
         [r["quantizer"], str(r["rows"]), str(r["k"]), f"{r['us_per_call']:.2f}", f"{r['effective_GBps']:.0f}",
-         f"{r['percent_of_read_bw']:.1f}"]
+         f"{r['percent_of_read_bw']:.1f}", _clock(r["gpu_state"])]
         for r in report["results"]
     ]
-    lines.append(markdown_table(["quantizer", "M", "K", "us/call", "GB/s (read+write)", "% of read BW"], rows))
+    header = ["quantizer", "M", "K", "us/call", "GB/s (read+write)", "% of read BW", "SM MHz median (min)"]
+    lines.append(markdown_table(header, rows))
     by_key = {(r["quantizer"], r["rows"], r["k"]): r for r in report["results"]}
     ratios = [
         [str(m), str(k), f"{by_key[('per_token_aux', m, k)]['us_per_call'] / by_key[('per_token_legacy', m, k)]['us_per_call']:.3f}"]
@@ -220,13 +249,15 @@ def main(argv=None) -> None:
         report = {"environment": env, "host_overhead_us": host_overhead_us()}
         table = markdown_table(_host_header(report), _host_rows(report))
     else:
+        shapes = [(rows, k) for k in KS for rows in ROWS]
+        progress = Progress(len(shapes) + 1)
+        progress.step("read bandwidth")
         read_bytes_per_s = measure_read_bandwidth(device, READ_BUFFER_BYTES, args.replays)
-        results = [
-            bench_one(quantizer, rows, k, args.replays, read_bytes_per_s)
-            for k in KS
-            for rows in ROWS
-            for quantizer in QUANTIZERS
-        ]
+        results = []
+        for rows, k in shapes:
+            progress.step(f"M={rows} K={k}")
+            results += bench_shape(rows, k, args.replays, read_bytes_per_s)
+        progress.close()
         report = {
             "environment": env,
             "read_bytes_per_s": read_bytes_per_s,

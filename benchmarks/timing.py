@@ -2,7 +2,8 @@
 
 On CUDA a call is warmed up eagerly, captured once into a CUDA graph and replayed, and each replay is
 timed on its own with a pair of CUDA events, so that an optional L2 flush between replays stays out
-of the numbers. On the CPU the call itself runs and `time.perf_counter` times it, with the same median.
+of the numbers. Calls to be compared with each other are timed in interleaved rounds
+(`time_interleaved`). On the CPU the call itself runs and `time.perf_counter` times it, with the same median.
 Nothing here knows what is being timed: any callable that launches device work and returns its
 outputs will do.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -100,27 +101,51 @@ def time_replays(
     L2's size before every replay, outside the events, so that each replay reads its inputs from device
     memory, as a layer of a real model does after the other layers have run.
     """
+    return time_interleaved([call], device, replays, warmup, cold_l2)[0]
+
+
+def time_interleaved(
+    calls: Sequence[Callable[[], object]],
+    device: torch.device | str,
+    replays: int,
+    warmup: int = 0,
+    cold_l2: bool = False,
+) -> list[Timing]:
+    """`time_replays` for several calls compared with each other: `replays` rounds, each timing every
+    call once, round r starting from call r % len(calls). The calls thus meet the same GPU state: under
+    sustained load a GPU reaches its power limit and lowers its SM clock (an H200 streaming 65536x7168
+    quantizations went from 1980 to 1335-1740 MHz within a second, 2026-11-30), so calls timed one
+    after another would be compared at different clocks."""
     device = torch.device(device)
+    order = [[(first + i) % len(calls) for i in range(len(calls))] for first in range(replays)]
     for _ in range(warmup):
-        call()
-    if device.type != "cuda":
-        seconds = []
-        for _ in range(replays):
-            start = time.perf_counter()
+        for call in calls:
             call()
-            seconds.append(time.perf_counter() - start)
-        return Timing.of(seconds)
+    seconds: list[list[float]] = [[] for _ in calls]
+    if device.type != "cuda":
+        for round_order in order:
+            for i in round_order:
+                start = time.perf_counter()
+                calls[i]()
+                seconds[i].append(time.perf_counter() - start)
+        return [Timing.of(s) for s in seconds]
 
     flush = torch.empty(l2_flush_bytes(device), dtype=torch.uint8, device=device) if cold_l2 else None
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    events = [
+        [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in round_order]
+        for round_order in order
+    ]
     torch.cuda.synchronize(device)
-    torch.cuda._sleep(HOST_LEAD_CYCLES_PER_REPLAY * replays)
-    for start, end in zip(starts, ends):
-        if flush is not None:
-            flush.zero_()
-        start.record()
-        call()
-        end.record()
+    torch.cuda._sleep(HOST_LEAD_CYCLES_PER_REPLAY * replays * len(calls))
+    for round_order, round_events in zip(order, events, strict=True):
+        for i, (start, end) in zip(round_order, round_events, strict=True):
+            if flush is not None:
+                flush.zero_()
+            start.record()
+            calls[i]()
+            end.record()
     torch.cuda.synchronize(device)
-    return Timing.of([start.elapsed_time(end) * 1e-3 for start, end in zip(starts, ends)])
+    for round_order, round_events in zip(order, events, strict=True):
+        for i, (start, end) in zip(round_order, round_events, strict=True):
+            seconds[i].append(start.elapsed_time(end) * 1e-3)
+    return [Timing.of(s) for s in seconds]

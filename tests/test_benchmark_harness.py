@@ -1,14 +1,16 @@
-"""The MoE benchmark harness end to end on the CPU: its smoke preset into a temporary directory, with a
-deliberately wrong and a broken implementation registered beside the real ones."""
+"""The benchmark harness on the CPU: the MoE benchmark end to end (its smoke preset into a temporary
+directory, with a deliberately wrong and a broken implementation registered beside the real ones), and
+the interleaved timing the quantizer benchmark uses."""
 
 import contextlib
 import io
 import json
+import time
 
 import pytest
 import torch
 
-from benchmarks import moe, moe_implementations, report
+from benchmarks import moe, moe_implementations, report, timing
 from benchmarks.moe_cases import W4A16
 from benchmarks.moe_implementations import FUSED_MOE_TOLERANCE, REGISTRY, Implementation
 
@@ -95,3 +97,20 @@ def test_smoke_run_writes_the_tables(smoke_run):
     (md_path,) = out_dir.glob("moe_*.md")
     assert md_path.read_text().strip() == stdout.strip()
     assert len(list(out_dir.glob("moe_*.png"))) == (report.pyplot() is not None)  # the plot needs matplotlib
+
+
+def test_interleaved_timing_rotates_the_calls_and_times_each_once_per_round():
+    log = []
+
+    def call(name, seconds):
+        def run():
+            log.append(name)
+            time.sleep(seconds)
+
+        return run
+
+    replays, warmup = 5, 1
+    fast, slow = timing.time_interleaved([call("a", 0.0), call("b", 0.004)], "cpu", replays, warmup)
+    assert log == ["a", "b"] * warmup + ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
+    assert fast.replays == slow.replays == replays
+    assert slow.median_s >= 0.004 > fast.median_s

@@ -1,0 +1,75 @@
+"""The GPU's SM clock and power draw while benchmarked work runs, sampled through NVML
+(`torch.cuda.clock_rate` and `torch.cuda.power_draw`, which need the `nvidia-ml-py` package).
+
+Under sustained load a GPU that reaches its power limit lowers its SM clock, and kernels near their
+instruction-issue limit (the quantizers are, besides streaming memory) slow down with it. Benchmarks
+record the clock next to each time, so that two numbers taken at different clocks are not mistaken for
+a difference between kernels.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import threading
+
+import torch
+
+SAMPLE_PERIOD_S = 0.002
+
+
+def nvml_available() -> bool:
+    try:
+        import pynvml  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class GpuStateSampler:
+    """Context manager sampling the SM clock (MHz) and power draw (W) of `device` every
+    `SAMPLE_PERIOD_S` on a background thread while its body runs; `summary()` gives the median and
+    lowest clock and the highest power, or None without NVML (said once on stderr)."""
+
+    _warned = False
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.clocks_mhz: list[int] = []
+        self.power_w: list[float] = []
+        self._stop = threading.Event()
+        self._thread = None
+
+    def __enter__(self) -> GpuStateSampler:
+        if not nvml_available():
+            if not GpuStateSampler._warned:
+                print("note: nvidia-ml-py is not installed; SM clocks and power are not recorded", file=sys.stderr)
+                GpuStateSampler._warned = True
+            return self
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._sample()
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_PERIOD_S):
+            self._sample()
+
+    def _sample(self) -> None:
+        self.clocks_mhz.append(torch.cuda.clock_rate(self.device))
+        self.power_w.append(torch.cuda.power_draw(self.device) / 1000)
+
+    def summary(self) -> dict | None:
+        if not self.clocks_mhz:
+            return None
+        return {
+            "sm_clock_mhz_median": statistics.median(self.clocks_mhz),
+            "sm_clock_mhz_min": min(self.clocks_mhz),
+            "power_w_max": max(self.power_w),
+            "samples": len(self.clocks_mhz),
+        }
