@@ -7,6 +7,7 @@ import torch
 
 from fp4moe import nvfp4
 from fp4moe.kernels import host_launcher
+from fp4moe.kernels.sm90.quantize import MANY_ROWS
 from fp4moe.op_outputs import (
     quantize_outputs,
     quantize_per_token_outputs,
@@ -55,8 +56,10 @@ def test_the_native_autograd_kernels_refuse_grad_and_pass_the_rest_down():
 
 
 def test_kernel_keys_spell_every_static_parameter():
-    key = host_launcher.kernel_key("quantize_per_token", torch.float16, 7168, "swizzled", "mse", "aux", True, 56, 3)
-    assert key == "quantize_per_token|float16|7168|swizzled|mse|aux|1|56|3"
+    key = host_launcher.kernel_key(
+        "quantize_per_token", torch.float16, 7168, "swizzled", "mse", "aux", True, False, 56, 3
+    )
+    assert key == "quantize_per_token|float16|7168|swizzled|mse|aux|1|0|56|3"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -151,6 +154,25 @@ def test_repeat_configurations_stay_in_cpp_and_match_the_reference(hopper, case)
             for i, (g, w) in enumerate(zip(got, want, strict=True)):
                 assert_bitwise_equal(g, w, f"{case} output {i}, M={rows}")
     assert host_launcher.slow_path_calls() == slow, "a registered configuration went through Python"
+
+
+@pytest.mark.gpu
+def test_each_row_tiling_has_its_own_fast_path(hopper):
+    """The kernels of launches of fewer than `MANY_ROWS` rows and of the rest are registered apart:
+    the first call of the other class goes to Python (which compiles and registers its kernel), and
+    from then on both stay in C++. (No other test launches this configuration with many rows.)"""
+    (call, expected, outputs), dtype, k = per_token_call("linear", "mse", 0, False), torch.float16, 4112
+    call(activations(37, k, dtype, seed=0))
+    slow = host_launcher.slow_path_calls()
+    for rows, goes_to_python in ((MANY_ROWS - 1, False), (MANY_ROWS, True), (MANY_ROWS + 13, False), (5, False)):
+        x = activations(rows, k, dtype, seed=rows)
+        want = expected(x)
+        poison_the_allocator(outputs(x))
+        got = call(x)
+        slow += goes_to_python
+        assert host_launcher.slow_path_calls() == slow, f"M={rows}"
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_bitwise_equal(g, w, f"output {i}, M={rows}")
 
 
 @pytest.mark.gpu

@@ -4,7 +4,9 @@ the bitwise-exactness argument rests on (see `fp4moe.kernels.sm90.nvfp4_device`)
 Runs in CI on a CPU machine. Compiling every variant (~250) takes about a minute, so this compiles a
 representative subset: every (scale layout x 4-over-6 mode x scale source) combination for one
 dtype at a ragged K, every dtype at every tested K for one combination, the widest row with the
-heaviest mode, and the tile_amax producer per dtype and load width. The compilation runs in a
+heaviest mode, the many-rows tiling (`MANY_ROWS`) at every tested K, and the tile_amax producer per
+dtype and load width. A variant is (dtype, K, scale layout, 4-over-6 mode, scale source, valid-row
+count given, many rows). The compilation runs in a
 subprocess because `CUTE_DSL_KEEP` (which keeps the PTX) is read when the DSL is imported.
 """
 
@@ -27,19 +29,21 @@ ARCH = "sm_90a"
 QUANTIZE_VARIANTS = sorted(
     {
         *(
-            ("bfloat16", 272, layout, mode, source, valid)
+            ("bfloat16", 272, layout, mode, source, valid, False)
             for layout in ("linear", "swizzled")
             for mode in ("off", "mae", "mse")
             for source, valid in (("tensor", False), ("rescan", False), ("aux", False), ("aux", True))
         ),
         *(
-            (dtype, k, "swizzled", "off", "rescan", False)
+            (dtype, k, "swizzled", "off", "rescan", False, many)
             for dtype in ("bfloat16", "float16", "float32")
             for k in (16, 272, 2048, 7168)
+            for many in (False, True)
         ),
-        ("bfloat16", 7168, "swizzled", "mse", "aux", True),
-        ("float16", 2048, "linear", "mae", "aux", False),
-        ("float32", 2048, "linear", "mse", "tensor", False),
+        *(("bfloat16", k, "linear", "off", "aux", True, True) for k in (16, 272, 2048, 7168)),
+        ("bfloat16", 7168, "swizzled", "mse", "aux", True, False),
+        ("float16", 2048, "linear", "mae", "aux", False, True),
+        ("float32", 2048, "linear", "mse", "tensor", False, True),
     }
 )
 TILE_AMAX_VARIANTS = [("bfloat16", 7168, 128, 8), ("float16", 272, 100, 4), ("float32", 33, 7, 1), ("bfloat16", 2048, 128, 1)]
@@ -52,8 +56,10 @@ _COMPILE_SCRIPT = textwrap.dedent(
     from fp4moe.kernels import quantize_launch as launch
     out = Path(sys.argv[1])
     spec = json.loads(sys.argv[2])
-    for i, (dtype, k, layout, mode, source, valid, tiles) in enumerate(spec["quantize"]):
-        compiled = launch.compile_quantize(getattr(torch, dtype), k, layout, mode, source, valid, spec["arch"], tiles)
+    for i, (dtype, k, layout, mode, source, valid, many, tiles) in enumerate(spec["quantize"]):
+        compiled = launch.compile_quantize(
+            getattr(torch, dtype), k, layout, mode, source, valid, many, spec["arch"], tiles
+        )
         (out / f"quantize_{i}.ptx").write_text(compiled.__ptx__)
         (out / f"quantize_{i}.cubin").write_bytes(compiled.__cubin__)
     for i, (dtype, n, tile_n, vector) in enumerate(spec["tile_amax"]):
@@ -148,12 +154,12 @@ def test_rows_are_read_with_16_byte_loads(compiled):
 def test_aux_tile_maxima_are_loaded_ahead_of_the_row(compiled):
     """The aux path issues its tile-maximum loads (up to `UNROLLED_TILES_PER_LANE` per lane) before
     the row's 16-byte loads, so the row amax is ready when the row arrives."""
-    for i, (dtype, k, layout, _mode, source, _valid) in enumerate(QUANTIZE_VARIANTS):
+    for i, (dtype, k, layout, _mode, source, _valid, many) in enumerate(QUANTIZE_VARIANTS):
         if source != "aux":
             continue
         ptx = _ptx(compiled, f"quantize_{i}")
         ahead = ptx[: ptx.index("ld.global.v4")].count("ld.global.b16")
-        tiles_per_lane = ceil_div(_aux_tiles(dtype, k, layout, source), row_tiling(k)[0])
+        tiles_per_lane = ceil_div(_aux_tiles(dtype, k, layout, source), row_tiling(k, many)[0])
         assert ahead == min(tiles_per_lane, UNROLLED_TILES_PER_LANE), QUANTIZE_VARIANTS[i]
 
 
@@ -168,16 +174,16 @@ def test_kernels_wait_for_their_predecessor_before_touching_global_memory(compil
 
 
 def test_only_rows_wider_than_a_warp_synchronize_the_cta(compiled):
-    for i, (_dtype, k, _layout, _mode, source, _valid) in enumerate(QUANTIZE_VARIANTS):
+    for i, (_dtype, k, _layout, _mode, source, _valid, many) in enumerate(QUANTIZE_VARIANTS):
         has_barrier = "bar.sync" in _ptx(compiled, f"quantize_{i}")
-        threads_per_row, _, _ = row_tiling(k)
+        threads_per_row, _, _ = row_tiling(k, many)
         assert has_barrier == (source != "tensor" and threads_per_row > 32), QUANTIZE_VARIANTS[i]
 
 
 def test_16_bit_codes_take_their_sign_bits_from_the_packed_inputs(compiled):
     """The fast encoder (without 4-over-6) places eight sign bits per code word with byte permutes
     (16-bit inputs only)."""
-    for i, (dtype, _k, _layout, mode, _source, _valid) in enumerate(QUANTIZE_VARIANTS):
+    for i, (dtype, _k, _layout, mode, _source, _valid, _many) in enumerate(QUANTIZE_VARIANTS):
         has_permutes = "prmt.b32" in _ptx(compiled, f"quantize_{i}")
         assert has_permutes == (dtype != "float32" and mode == "off"), QUANTIZE_VARIANTS[i]
 

@@ -12,7 +12,7 @@ import torch
 import fp4moe
 from fp4moe import dispatch, nvfp4
 from fp4moe.kernels import quantize_launch as launch
-from fp4moe.kernels.sm90.quantize import UNROLLED_TILES_PER_LANE, row_tiling
+from fp4moe.kernels.sm90.quantize import MANY_ROWS, UNROLLED_TILES_PER_LANE, row_tiling
 from fp4moe.op_outputs import (
     quantize_outputs,
     quantize_per_token_outputs,
@@ -181,12 +181,12 @@ def test_per_token_aux_is_bitwise_equal_to_the_rescan(dtype, k, layout, mode):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k, tile_n", [(272, 1), (2048, 8), (7168, 4)])
+@pytest.mark.parametrize("k, tile_n", [(272, 1), (2048, 4), (7168, 4)])
 def test_per_token_aux_with_more_tiles_than_the_kernel_unrolls(dtype, k, tile_n):
     """Tile counts above `UNROLLED_TILES_PER_LANE` per lane take the kernel's tile loop."""
     x = activations(300, k, dtype, seed=k + tile_n)
     amax = reference.tile_amax(x, tile_n)
-    assert amax.shape[1] > UNROLLED_TILES_PER_LANE * row_tiling(k)[0]
+    assert amax.shape[1] > UNROLLED_TILES_PER_LANE * row_tiling(k, many_rows=False)[0]
     check_per_token(x, "swizzled", "off", input_amax=amax)
 
 
@@ -226,6 +226,18 @@ def test_many_rows(rows, k, mode):
     check_per_token(x, "swizzled", mode)
     check_per_token(x, "linear", mode, input_amax=reference.tile_amax(x, TILE_N))
     check_quantize(x, nvfp4.global_scale_from_amax(x.float().abs().amax()), "swizzled", mode)
+
+
+@pytest.mark.parametrize("k", KS)
+def test_the_many_rows_tiling_at_every_k(k):
+    """From `MANY_ROWS` rows on the kernels take their other tiling (`row_tiling`); special rows
+    lead, so that the exact encoder runs in it too."""
+    x = activations(MANY_ROWS + 37, k, torch.bfloat16, seed=k)
+    special = special_rows(k, torch.bfloat16)
+    x[: len(special)] = special
+    check_quantize(x, nvfp4.global_scale_from_amax(torch.tensor(1e4, device="cuda")), "swizzled", "off")
+    check_per_token(x, "linear", "mae")
+    check_per_token(x, "swizzled", "off", input_amax=reference.tile_amax(x, TILE_N))
 
 
 def test_strided_and_misaligned_rows():

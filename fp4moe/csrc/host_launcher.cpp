@@ -60,6 +60,11 @@ std::mutex registry_mutex;
 std::unordered_map<std::string, TVMFFIObjectHandle> registry;
 std::atomic<int64_t> slow_path_calls{0};
 
+// The quantizers have one tiling for launches of fewer rows than this and one for the rest
+// (quantize.MANY_ROWS, given to `install`); the key spells which.
+int64_t many_rows = 0;
+const char* rows_class(const at::Tensor& x) { return x.size(0) >= many_rows ? "1" : "0"; }
+
 // A registered function, with a reference held for one call (a re-registration may drop the
 // registry's reference meanwhile).
 class Kernel {
@@ -272,7 +277,7 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, const at::Tenso
   if (launchable_activation(x) && vector_rows(x) && global_scale.scalar_type() == c10::ScalarType::Float &&
       global_scale.numel() == 1 && same_cuda_device(global_scale, x)) {
     const std::string key = join_key({"quantize", dtype_name(x.scalar_type()), std::to_string(x.size(1)),
-                                      std::string(sf_layout), std::string(four_over_six),
+                                      std::string(sf_layout), std::string(four_over_six), rows_class(x),
                                       std::to_string(x.get_device())});
     if (Kernel kernel = find_kernel(key)) {
       auto [codes, block_scales] = quantize_outputs(x, sf_layout);
@@ -311,7 +316,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_per_token(
     const std::string key = join_key({"quantize_per_token", dtype_name(x.scalar_type()), std::to_string(x.size(1)),
                                       std::string(sf_layout), std::string(four_over_six),
                                       input_amax.has_value() ? "aux" : "rescan",
-                                      input_amax_valid_rows.has_value() ? "1" : "0", std::to_string(amax_tiles),
+                                      input_amax_valid_rows.has_value() ? "1" : "0", rows_class(x),
+                                      std::to_string(amax_tiles),
                                       std::to_string(x.get_device())});
     if (Kernel kernel = find_kernel(key)) {
       auto [codes, block_scales] = quantize_outputs(x, sf_layout);
@@ -409,11 +415,13 @@ at::Tensor tile_amax_autograd(const at::Tensor& x, int64_t tile_n) {
 std::unique_ptr<torch::Library> cuda_library, autograd_library;
 
 // Takes over the CUDA and Autograd kernels of the ops (ops.library.hand_over_to_native), keeping the
-// Python kernels it is given for the calls it hands back.
-void install(py::object quantize_cuda, py::object quantize_per_token_cuda, py::object tile_amax_cuda,
-             py::object quantize_autograd_python, py::object quantize_per_token_autograd_python,
-             py::object tile_amax_autograd_python) {
+// Python kernels it is given for the calls it hands back; `many_rows_from` is quantize.MANY_ROWS.
+void install(int64_t many_rows_from, py::object quantize_cuda, py::object quantize_per_token_cuda,
+             py::object tile_amax_cuda, py::object quantize_autograd_python,
+             py::object quantize_per_token_autograd_python, py::object tile_amax_autograd_python) {
   TORCH_CHECK(cuda_library == nullptr, "fp4moe host launcher: already installed");
+  TORCH_CHECK(many_rows_from > 0, "fp4moe host launcher: many_rows_from must be positive");
+  many_rows = many_rows_from;
   py::object given[kNumOps][kNumRoles] = {{quantize_cuda, quantize_autograd_python},
                                           {quantize_per_token_cuda, quantize_per_token_autograd_python},
                                           {tile_amax_cuda, tile_amax_autograd_python}};

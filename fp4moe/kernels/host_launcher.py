@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from fp4moe.kernels.sm90.quantize import MANY_ROWS
 from fp4moe.ops.library import hand_over_to_native
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "host_launcher.cpp"
@@ -100,7 +101,7 @@ def install() -> bool:
             stacklevel=2,
         )
         return False
-    hand_over_to_native(OPS, launcher.install)
+    hand_over_to_native(OPS, functools.partial(launcher.install, MANY_ROWS))
     return True
 
 

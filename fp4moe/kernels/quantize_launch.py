@@ -6,8 +6,9 @@ It exposes the functions of `fp4moe.reference.quantize` with the same signatures
 - allocates outputs with the shared `fp4moe.op_outputs` allocators (exactly what the fakes return);
 - compiles each kernel once per static configuration — dtype, K (or N and tile_n), scale layout,
   4-over-6 mode, scale source (path), the tile count of `input_amax` (aux path), whether a valid-row
-  count is given, load vector width and target architecture — against fake tensors whose token
-  dimension is symbolic (`cute.sym_int()`), so one binary serves every M
+  count is given, the quantizers' row tiling (`many_rows`: M at least `MANY_ROWS`, read off the
+  host-static shape), load vector width and target architecture — against fake tensors whose token
+  dimension is symbolic (`cute.sym_int()`), so one binary serves every M of its tiling
   (`compile_quantize.cache_info()` shows the cache);
 - launches through TVM-FFI: torch tensors go straight to the compiled function, which takes the
   *current* torch stream of the tensors' device at every call (CUDA-graph capture included);
@@ -31,7 +32,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 
 from fp4moe import nvfp4
 from fp4moe.kernels import host_launcher
-from fp4moe.kernels.sm90.quantize import QuantizeSm90
+from fp4moe.kernels.sm90.quantize import MANY_ROWS, QuantizeSm90
 from fp4moe.kernels.sm90.tile_amax import TileAmaxSm90
 from fp4moe.op_outputs import quantize_outputs, quantize_per_token_outputs, tile_amax_output
 from fp4moe.reference import quantize as reference
@@ -71,11 +72,13 @@ def compile_quantize(
     four_over_six: str,
     scale_source: str,
     has_valid_rows: bool,
+    many_rows: bool,
     arch: str,
     amax_tiles: int = 0,
 ):
     """The compiled quantizer for one static configuration (`scale_source`: "tensor", "rescan", "aux";
-    `amax_tiles`: the tile count of `input_amax`, aux only)."""
+    `many_rows`: the tiling for launches of at least `MANY_ROWS` rows; `amax_tiles`: the tile count of
+    `input_amax`, aux only)."""
     element = CUTE_DTYPES[dtype]
     rows = cute.sym_int()
     row_stride = cute.sym_int64(divisibility=VECTOR_BYTES * 8 // element.width)
@@ -96,7 +99,7 @@ def compile_quantize(
         amax_shape = (cute.sym_int(), amax_tiles, AUX_AMAX_ROW_GROUP)
         input_amax = make_fake_compact_tensor(element, amax_shape, stride_order=(2, 1, 0))
     valid_rows = make_fake_compact_tensor(cutlass.Int32, (1,)) if has_valid_rows else None
-    kernel = QuantizeSm90(element, k, sf_layout, four_over_six, scale_source, amax_tiles)
+    kernel = QuantizeSm90(element, k, sf_layout, four_over_six, scale_source, many_rows, amax_tiles)
     return _compile(
         kernel, x, global_scale, codes, block_scales, per_token_scale, numerator, input_amax, valid_rows, arch=arch
     )
@@ -151,9 +154,10 @@ def quantize_into(x, global_scale, sf_layout, four_over_six, codes, block_scales
     if x.shape[0] == 0:
         return
     _check_size("x", x)
-    device = x.get_device()
-    kernel = compile_quantize(x.dtype, x.shape[1], sf_layout, four_over_six, "tensor", False, arch_of(device))
-    host_launcher.register(kernel, "quantize", x.dtype, x.shape[1], sf_layout, four_over_six, device)
+    device, many_rows = x.get_device(), x.shape[0] >= MANY_ROWS
+    static = (x.dtype, x.shape[1], sf_layout, four_over_six)
+    kernel = compile_quantize(*static, "tensor", False, many_rows, arch_of(device))
+    host_launcher.register(kernel, "quantize", *static, many_rows, device)
     kernel(_vector_rows(x), global_scale.reshape(1), codes, block_scales, None, None, None, None)
 
 
@@ -188,7 +192,7 @@ def quantize_per_token_into(
         input_amax = input_amax.contiguous()
         scale_source, amax_tiles = "aux", input_amax.shape[1]
     device, has_valid_rows = x.get_device(), input_amax_valid_rows is not None
-    static = (x.dtype, x.shape[1], sf_layout, four_over_six, scale_source, has_valid_rows)
+    static = (x.dtype, x.shape[1], sf_layout, four_over_six, scale_source, has_valid_rows, x.shape[0] >= MANY_ROWS)
     kernel = compile_quantize(*static, arch_of(device), amax_tiles)
     host_launcher.register(kernel, "quantize_per_token", *static, amax_tiles, device)
     kernel(

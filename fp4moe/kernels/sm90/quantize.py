@@ -28,8 +28,17 @@ MAX_BLOCKS_PER_THREAD = 8
 """A row lives in registers while its amax is reduced: at most 8 blocks (128 values) per thread,
 i.e. K <= 16 * 8 * 256 = 32768."""
 MAX_K = BLOCK_SIZE * MAX_BLOCKS_PER_THREAD * MAX_CTA_THREADS
-PREFERRED_BLOCKS_PER_THREAD = 4
-"""Up to 128 bytes of 16-bit input in flight per lane; more only where a row needs it."""
+MANY_ROWS = 32768
+"""Token counts from which the kernel takes its many-rows tiling (`row_tiling`). The dispatch reads it
+off the host-static shape; each tiling is a separately compiled kernel."""
+PREFERRED_BLOCKS_PER_THREAD = {False: 2, True: 4}
+"""Blocks per thread preferred below / from `MANY_ROWS` rows: more in flight per lane pays once the grid
+has CTAs to spare. H200, K=2048, 2026-11-30 (`benchmarks/results/h200_runs_20261130.md`): 4 blocks
+per thread in 256-thread CTAs is 1-3% faster at 32768-65536 rows; 2 blocks per thread in 128-thread
+CTAs is 2-39% faster at 64, 256 and 2048-16384 rows, but 4-10% slower at 1024."""
+CTA_THREADS = {False: 128, True: MAX_CTA_THREADS}
+"""Threads per CTA below / from `MANY_ROWS` rows (a row wider than that gets a CTA of its own): few rows
+need small CTAs to spread over the SMs."""
 UNROLLED_TILES_PER_LANE = 4
 """The aux path's tile-maximum loads issued ahead of the row's loads, per lane; a row with more tiles
 (tile_n under 4 * blocks_per_thread <= 32 columns, which no GEMM tiling uses) loops over the rest."""
@@ -45,32 +54,35 @@ def _log2(power_of_two: int) -> int:
     return power_of_two.bit_length() - 1
 
 
-def row_tiling(k: int) -> tuple[int, int, int]:
-    """(threads per row, blocks per thread, rows per CTA) for rows of `k` elements.
+def row_tiling(k: int, many_rows: bool) -> tuple[int, int, int]:
+    """(threads per row, blocks per thread, rows per CTA) for rows of `k` elements, in a launch of at
+    least (`many_rows`) or fewer than `MANY_ROWS` rows.
 
     A row of `k / 16` blocks is spread over `threads_per_row` threads, each holding
     `blocks_per_thread` blocks in registers (block `c` belongs to lane `c % threads_per_row`, so a
     warp's loads of one step are contiguous). Short rows take a power-of-two share of a warp so the
     row reduction stays inside aligned lane groups. Long rows take whole warps: the fewest idle
     block slots, then up to `PREFERRED_BLOCKS_PER_THREAD` blocks per thread (more loads in flight
-    per lane, and rows of up to 4096 elements within one warp, without a CTA barrier).
+    per lane; rows of up to 1024 (few rows) or 2048 elements within one warp, without a CTA barrier). A CTA holds
+    as many rows as fit in `CTA_THREADS` threads, at least one.
     """
     if k % BLOCK_SIZE or not 0 < k <= MAX_K:
         raise NotImplementedError(f"the sm90 quantizers need K in [16, {MAX_K}] divisible by 16, got {k}")
     blocks = k // BLOCK_SIZE
+    cta_threads = CTA_THREADS[many_rows]
     if blocks <= WARP_SIZE:
         threads_per_row = 1 << (blocks - 1).bit_length()
-        return threads_per_row, 1, MAX_CTA_THREADS // threads_per_row
+        return threads_per_row, 1, cta_threads // threads_per_row
     candidates = []
     for wanted in range(1, MAX_BLOCKS_PER_THREAD + 1):
         threads_per_row = round_up(ceil_div(blocks, wanted), WARP_SIZE)
         if threads_per_row <= MAX_CTA_THREADS:
             per_thread = ceil_div(blocks, threads_per_row)
             idle = threads_per_row * per_thread - blocks
-            rank = (idle, per_thread > PREFERRED_BLOCKS_PER_THREAD, -per_thread)
+            rank = (idle, per_thread > PREFERRED_BLOCKS_PER_THREAD[many_rows], -per_thread)
             candidates.append((rank, threads_per_row, per_thread))
     _, threads_per_row, blocks_per_thread = min(candidates)
-    return threads_per_row, blocks_per_thread, max(1, MAX_CTA_THREADS // threads_per_row)
+    return threads_per_row, blocks_per_thread, max(1, cta_threads // threads_per_row)
 
 
 class QuantizeSm90:
@@ -107,6 +119,7 @@ class QuantizeSm90:
         sf_layout: str,
         four_over_six: str,
         scale_source: str,
+        many_rows: bool,
         amax_tiles: int = 0,
     ):
         assert scale_source in SCALE_SOURCES
@@ -119,7 +132,7 @@ class QuantizeSm90:
         self.amax_tiles = amax_tiles
         self.blocks = k // BLOCK_SIZE
         self.padded_blocks = round_up(self.blocks, SWIZZLE_COLS)
-        self.threads_per_row, self.blocks_per_thread, self.rows_per_cta = row_tiling(k)
+        self.threads_per_row, self.blocks_per_thread, self.rows_per_cta = row_tiling(k, many_rows)
         self.tiles_per_lane = ceil_div(amax_tiles, self.threads_per_row)
         self.cta_threads = self.threads_per_row * self.rows_per_cta
         self.warps_per_row = max(1, self.threads_per_row // WARP_SIZE)
