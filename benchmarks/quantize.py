@@ -19,9 +19,10 @@ legacy path with 4-over-6 `mse`), bfloat16 input, swizzled scales, M in {1, 16, 
    through NVML while the shape was timed (`benchmarks.gpu_state`).
 
 It also measures the host time of one eager call (op path and launch layer alone): the median over
-20 batches of 250 back-to-back calls, with the host launcher `FP4MOE_HOST_LAUNCHER` selects (C++ by
-default; `python` for the Python launch path, `fp4moe.kernels.host_launcher`). Prints a
-markdown table and writes it, with the JSON (environment, command, numbers), to `--out-dir`.
+20 batches of 250 back-to-back calls, the cases' batches interleaved, with the host launcher
+`FP4MOE_HOST_LAUNCHER` selects (C++ by default; `python` for the Python launch path,
+`fp4moe.kernels.host_launcher`). Prints a markdown table and writes it, with the JSON (environment,
+command, numbers), to `--out-dir`.
 """
 
 from __future__ import annotations
@@ -30,9 +31,7 @@ import argparse
 import contextlib
 import importlib.metadata
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -62,11 +61,13 @@ eight, H200 2026-11-30), which one call per replay would book to the quantizer."
 READ_BUFFER_BYTES = 4 * 2**30
 WARMUP = 5
 SPOT_ROWS = 256
-HOST_WARMUP_CALLS = 1000
-"""Untimed eager calls before each host-time case (the first case timed after only 50 read 3-8 us high)."""
 HOST_CALLS = 250
 HOST_BATCHES = 20
-"""Host time: the median over 20 batches of 250 back-to-back eager calls (the host is shared and noisy)."""
+"""Host time: the median over 20 batches of 250 back-to-back eager calls (the host is shared and noisy),
+the cases' batches interleaved in rounds (`benchmarks.timing.time_interleaved`), so that a stretch of
+a busy host slows every case alike instead of the cases timed during it."""
+HOST_WARMUP_BATCHES = 4
+"""Untimed rounds of batches first (the first case timed after only 50 calls read 3-8 us high)."""
 QUANTIZERS = ("quantize", "per_token_legacy", "per_token_aux", "per_token_legacy_mse")
 
 
@@ -173,22 +174,26 @@ def host_overhead_us() -> dict:
             x, nvfp4.DEFAULT_GLOBAL_SCALE_INV, SF_LAYOUT, "off", None, None, *outputs
         ),
     }
-    result = {}
-    for mode, context in (("", contextlib.nullcontext), (", inference_mode", torch.inference_mode)):
-        for name, call in cases.items():
-            with context():
-                for _ in range(HOST_WARMUP_CALLS):
-                    call()
-                torch.cuda.synchronize()
-                batches = []
-                for _ in range(HOST_BATCHES):
-                    start = time.perf_counter()
-                    for _ in range(HOST_CALLS):
-                        call()
-                    batches.append((time.perf_counter() - start) / HOST_CALLS * 1e6)
-                    torch.cuda.synchronize()
-            result[name + mode] = statistics.median(batches)
-    return result
+    batches = {
+        name + mode: _host_batch(call, context)
+        for mode, context in (("", contextlib.nullcontext), (", inference_mode", torch.inference_mode))
+        for name, call in cases.items()
+    }
+    # Host time: "cpu" times each batch with perf_counter (the GPU work it launches is not waited for).
+    timings = time_interleaved(list(batches.values()), "cpu", HOST_BATCHES, warmup=HOST_WARMUP_BATCHES)
+    return {name: timing.median_s / HOST_CALLS * 1e6 for name, timing in zip(batches, timings, strict=True)}
+
+
+def _host_batch(call, context):
+    """`HOST_CALLS` back-to-back eager calls of `call` in `context` (each call's GPU work, ~2 us, is
+    shorter than its host time, so the launch queue never fills and the host sets the pace)."""
+
+    def batch():
+        with context():
+            for _ in range(HOST_CALLS):
+                call()
+
+    return batch
 
 
 def _host_header(report: dict) -> list[str]:
