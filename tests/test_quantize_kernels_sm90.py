@@ -273,15 +273,18 @@ def test_hopper_runs_the_cute_backend():
 
 
 def test_a_new_token_count_reuses_the_compiled_kernel():
-    """Through the Python launch layer, every M hits the compile cache (the C++ host launcher serves
-    repeat configurations without reaching that cache: `test_host_launcher`)."""
-    x = activations(1000, 2048, torch.bfloat16, seed=11)
-    launch.quantize_per_token(x[:37], nvfp4.DEFAULT_GLOBAL_SCALE_INV, "swizzled", "off", None, None)
+    """Through the Python launch layer, every M hits the compile cache once each row tiling has been
+    compiled (the C++ host launcher serves repeat configurations without reaching that cache:
+    `test_host_launcher`)."""
+    x = activations(MANY_ROWS + 8, 2048, torch.bfloat16, seed=11)
+    for rows in (37, MANY_ROWS + 3):
+        launch.quantize_per_token(x[:rows], nvfp4.DEFAULT_GLOBAL_SCALE_INV, "swizzled", "off", None, None)
     before = launch.compile_quantize.cache_info()
-    for rows in (1, 5, 999, 1000):
+    sizes = (1, 5, 999, MANY_ROWS - 1, MANY_ROWS, MANY_ROWS + 8)
+    for rows in sizes:
         launch.quantize_per_token(x[:rows], nvfp4.DEFAULT_GLOBAL_SCALE_INV, "swizzled", "off", None, None)
     after = launch.compile_quantize.cache_info()
-    assert after.misses == before.misses and after.hits == before.hits + 4
+    assert after.misses == before.misses and after.hits == before.hits + len(sizes)
 
 
 def test_cuda_graph_capture_and_replay_with_fresh_inputs():
