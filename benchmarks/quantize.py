@@ -16,7 +16,15 @@ legacy path with 4-over-6 `mse`), bfloat16 input, swizzled scales, M in {1, 16, 
    the median / C as the time per call;
 3. report (bytes read + bytes written) / time, also as % of the read bandwidth measured in the
    same run (`benchmarks.ceilings`: `torch.sum` over a 4 GiB buffer), with the SM clock sampled
-   through NVML while the shape was timed (`benchmarks.gpu_state`).
+   through NVML while the shape was timed (`benchmarks.gpu_state`);
+4. from M = 1024 (`YARDSTICK_MIN_ROWS`), time the yardstick itself at the shape's size: `torch.sum`
+   over as many bytes as `quantize` moves, on rotating buffers captured the same way, after the
+   quantizers' rounds (timed among them, its buffers would evict the small shapes' shared inputs
+   from the L2 between quantizers). Its % of the read bandwidth is what PyTorch's reduction, the
+   kernel behind the read-bandwidth figure, reaches at that size in a chain of dependent calls, each
+   paying its launch, ramp-up and tail, which the 4 GiB figure amortises: a reference point for the
+   smaller shapes, not a ceiling (it is not launched with PDL, and a kernel tuned for the size can
+   beat it).
 
 It also measures the host time of one eager call (op path and launch layer alone): the median over
 20 batches of 250 back-to-back calls, the cases' batches interleaved, with the host launcher
@@ -40,7 +48,7 @@ from benchmarks.ceilings import measure_read_bandwidth
 from benchmarks.report import RESULTS_DIR, environment, markdown_table, result_stem, write_json
 from benchmarks.gpu_state import GpuStateSampler
 from benchmarks.progress import Progress
-from benchmarks.timing import PreparedCall, time_interleaved
+from benchmarks.timing import PreparedCall, time_interleaved, time_replays
 from fp4moe import nvfp4
 from fp4moe.kernels import host_launcher
 from fp4moe.kernels import quantize_launch as launch
@@ -61,6 +69,8 @@ eight, H200 2026-11-30), which one call per replay would book to the quantizer."
 READ_BUFFER_BYTES = 4 * 2**30
 WARMUP = 5
 SPOT_ROWS = 256
+YARDSTICK_MIN_ROWS = 1024
+"""Smallest M at which the yardstick is timed: below it the shapes are far from bandwidth-bound."""
 HOST_CALLS = 250
 HOST_BATCHES = 20
 """Host time: the median over 20 batches of 250 back-to-back eager calls (the host is shared and noisy),
@@ -106,9 +116,11 @@ def spot_check(quantizer: str, x: torch.Tensor, call) -> None:
         raise AssertionError(f"{quantizer} {tuple(x.shape)}: block scales differ from the reference")
 
 
-def bench_shape(rows: int, k: int, replays: int, read_bytes_per_s: float) -> list[dict]:
+def bench_shape(rows: int, k: int, replays: int, read_bytes_per_s: float) -> tuple[list[dict], dict | None]:
     """Every quantizer at one shape, timed in interleaved rounds (`benchmarks.timing.time_interleaved`)
-    on the same rotating inputs, with the GPU's SM clock and power sampled meanwhile."""
+    on the same rotating inputs, with the GPU's SM clock and power sampled meanwhile; then, from
+    `YARDSTICK_MIN_ROWS`, the read-bandwidth yardstick at the same size: (one result per quantizer,
+    the yardstick's result or None)."""
     device = torch.device("cuda")
     x_bytes = rows * k * DTYPE.itemsize
     rotation = max(1, min(MAX_ROTATION, math.ceil(2 * L2_BYTES / x_bytes)))
@@ -124,6 +136,10 @@ def bench_shape(rows: int, k: int, replays: int, read_bytes_per_s: float) -> lis
             moved.append(x_bytes + extra[0] + sum(t.numel() * t.element_size() for t in outputs))
         with GpuStateSampler(device) as gpu_state:
             timings = time_interleaved(prepared, device, replays, warmup=WARMUP)
+    yardstick = None
+    if rows >= YARDSTICK_MIN_ROWS:
+        quantize_bytes = moved[QUANTIZERS.index("quantize")]
+        yardstick = _time_yardstick(rows, k, quantize_bytes, rotation, calls_per_replay, replays, read_bytes_per_s)
     results = []
     for quantizer, timing, bytes_moved in zip(QUANTIZERS, timings, moved, strict=True):
         seconds = timing.median_s / calls_per_replay
@@ -141,7 +157,27 @@ def bench_shape(rows: int, k: int, replays: int, read_bytes_per_s: float) -> lis
                 "gpu_state": gpu_state.summary(),
             }
         )
-    return results
+    return results, yardstick
+
+
+def _time_yardstick(
+    rows: int, k: int, nbytes: int, rotation: int, calls_per_replay: int, replays: int, read_bytes_per_s: float
+) -> dict:
+    """`torch.sum` over `nbytes` (rounded down to FP32 elements) of random data, on `rotation` rotating
+    buffers, `calls_per_replay` calls per CUDA-graph replay, like the quantizers of the shape."""
+    device = torch.device("cuda")
+    elements = nbytes // 4
+    sums = [torch.randn(elements, device=device).sum for _ in range(rotation)]
+    with PreparedCall(_replay(sums, calls_per_replay), device) as call:
+        timing = time_replays(call, device, replays, warmup=WARMUP)
+    seconds = timing.median_s / calls_per_replay
+    return {
+        "rows": rows,
+        "k": k,
+        "bytes_read": elements * 4,
+        "us_per_call": seconds * 1e6,
+        "percent_of_read_bw": 100 * elements * 4 / seconds / read_bytes_per_s,
+    }
 
 
 def _replay(calls, calls_per_replay: int):
@@ -233,6 +269,13 @@ def markdown(report: dict) -> str:
         for m in ROWS
     ]
     lines += ["", markdown_table(["M", "K", "aux / legacy time"], ratios), ""]
+    yardstick_rows = [
+        [str(y["rows"]), str(y["k"]), f"{y['us_per_call']:.2f}", f"{y['percent_of_read_bw']:.1f}",
+         f"{by_key[('quantize', y['rows'], y['k'])]['percent_of_read_bw']:.1f}"]
+        for y in report["yardstick_at_size"]
+    ]
+    header = ["M", "K", "torch.sum over the bytes quantize moves, us", "% of read BW", "quantize, % of read BW"]
+    lines += [markdown_table(header, yardstick_rows), ""]
     lines.append(markdown_table(_host_header(report), _host_rows(report)))
     return "\n".join(lines)
 
@@ -258,15 +301,19 @@ def main(argv=None) -> None:
         progress = Progress(len(shapes) + 1)
         progress.step("read bandwidth")
         read_bytes_per_s = measure_read_bandwidth(device, READ_BUFFER_BYTES, args.replays)
-        results = []
+        results, yardsticks = [], []
         for rows, k in shapes:
             progress.step(f"M={rows} K={k}")
-            results += bench_shape(rows, k, args.replays, read_bytes_per_s)
+            shape_results, yardstick = bench_shape(rows, k, args.replays, read_bytes_per_s)
+            results += shape_results
+            if yardstick is not None:
+                yardsticks.append(yardstick)
         progress.close()
         report = {
             "environment": env,
             "read_bytes_per_s": read_bytes_per_s,
             "results": results,
+            "yardstick_at_size": yardsticks,
             "host_overhead_us": host_overhead_us(),
         }
         table = markdown(report)

@@ -1,6 +1,6 @@
 """The benchmark harness on the CPU: the MoE benchmark end to end (its smoke preset into a temporary
-directory, with a deliberately wrong and a broken implementation registered beside the real ones), and
-the interleaved timing the quantizer benchmark uses."""
+directory, with a deliberately wrong and a broken implementation registered beside the real ones), the
+interleaved timing the quantizer benchmark uses, and the quantizer benchmark's report."""
 
 import contextlib
 import io
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from benchmarks import moe, moe_implementations, report, timing
+from benchmarks import quantize as quantize_benchmark
 from benchmarks.moe_cases import W4A16
 from benchmarks.moe_implementations import FUSED_MOE_TOLERANCE, REGISTRY, Implementation
 
@@ -114,3 +115,33 @@ def test_interleaved_timing_rotates_the_calls_and_times_each_once_per_round():
     assert log == ["a", "b"] * warmup + ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
     assert fast.replays == slow.replays == replays
     assert slow.median_s >= 0.004 > fast.median_s
+
+
+def test_quantizer_report_sets_each_shape_beside_the_yardstick_at_its_size():
+    """The markdown of a made-up quantizer run: one table row per cell, the aux / legacy ratios, and per
+    shape the yardstick (`torch.sum` over the bytes `quantize` moves) next to `quantize`."""
+    env = {key: "x" for key in ("device", "driver", "torch", "nvidia-cutlass-dsl", "apache-tvm-ffi", "date", "command")}
+    env["host_launcher"] = "cpp"
+    shapes = [(rows, k) for k in quantize_benchmark.KS for rows in quantize_benchmark.ROWS]
+    results = [
+        {"quantizer": q, "rows": rows, "k": k, "us_per_call": 10.0 + i, "effective_GBps": 100.0,
+         "percent_of_read_bw": 50.0 + i, "gpu_state": None}
+        for rows, k in shapes
+        for i, q in enumerate(quantize_benchmark.QUANTIZERS)
+    ]
+    yardsticks = [
+        {"rows": rows, "k": k, "bytes_read": 4 * rows * k, "us_per_call": 2.5, "percent_of_read_bw": 77.7}
+        for rows, k in shapes
+        if rows >= quantize_benchmark.YARDSTICK_MIN_ROWS
+    ]
+    text = quantize_benchmark.markdown(
+        {"environment": env, "read_bytes_per_s": 4.4e12, "results": results, "yardstick_at_size": yardsticks,
+         "host_overhead_us": {"op quantize": 9.5}}
+    )
+    lines = text.splitlines()
+    assert "| quantize | 8192 | 2048 | 10.00 | 100 | 50.0 | n/a |" in lines
+    assert "| per_token_aux | 65536 | 7168 | 12.00 | 100 | 52.0 | n/a |" in lines
+    assert "| 8192 | 2048 | 1.091 |" in lines  # aux 12 us / legacy 11 us
+    assert "| 65536 | 7168 | 2.50 | 77.7 | 50.0 |" in lines
+    assert sum(line.endswith("| 77.7 | 50.0 |") for line in lines) == len(yardsticks) == 2 * 3  # M >= 1024
+    assert "| op quantize | 9.5 |" in lines
