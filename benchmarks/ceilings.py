@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from benchmarks.timing import PreparedCall, time_replays
+from benchmarks.timing import PreparedCall, cycled, time_replays
 
 
 @dataclass(frozen=True)
@@ -26,14 +26,20 @@ class Ceilings:
         return asdict(self)
 
 
-def measure_read_bandwidth(device: torch.device, buffer_bytes: int, replays: int) -> float:
-    """Bytes per second of `torch.sum` over a buffer far larger than the L2, so every replay streams it
-    from device memory; the sum reads each byte once and writes one scalar. Random data, because zeros
-    can run faster than real data."""
-    buffer = torch.randn(buffer_bytes // 4, device=device)
-    with PreparedCall(buffer.sum, device) as call:
-        timing = time_replays(call, device, replays, warmup=2)
-    return buffer.numel() * buffer.element_size() / timing.median_s
+def measure_read_bandwidth(
+    device: torch.device, buffer_bytes: int, replays: int, buffers: int = 1, calls_per_replay: int = 1, warmup: int = 2
+) -> float:
+    """Bytes per second of `torch.sum` over FP32 buffers of `buffer_bytes` (rounded down to whole
+    elements); the sum reads each byte once and writes one scalar. Random data, because zeros can run
+    faster than real data. The ceiling sums one buffer far larger than the L2, so every replay streams
+    it from device memory; smaller sizes take `buffers` rotating buffers (together larger than the L2)
+    and `calls_per_replay` sums per replay (`benchmarks.timing.cycled`), as the benchmarks time their
+    kernels."""
+    elements = buffer_bytes // 4
+    sums = [torch.randn(elements, device=device).sum for _ in range(buffers)]
+    with PreparedCall(cycled(sums, calls_per_replay), device) as call:
+        timing = time_replays(call, device, replays, warmup=warmup)
+    return elements * 4 * calls_per_replay / timing.median_s
 
 
 def measure_gemm_rate(device: torch.device, size: int, dtype: torch.dtype, replays: int) -> float:

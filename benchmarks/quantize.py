@@ -48,7 +48,7 @@ from benchmarks.ceilings import measure_read_bandwidth
 from benchmarks.report import RESULTS_DIR, environment, markdown_table, result_stem, write_json
 from benchmarks.gpu_state import GpuStateSampler
 from benchmarks.progress import Progress
-from benchmarks.timing import PreparedCall, time_interleaved, time_replays
+from benchmarks.timing import PreparedCall, cycled, time_interleaved
 from fp4moe import nvfp4
 from fp4moe.kernels import host_launcher
 from fp4moe.kernels import quantize_launch as launch
@@ -131,15 +131,25 @@ def bench_shape(rows: int, k: int, replays: int, read_bytes_per_s: float) -> tup
         for quantizer in QUANTIZERS:
             calls, extra = zip(*(make_call(quantizer, x) for x in inputs), strict=True)
             spot_check(quantizer, inputs[0], calls[0])
-            prepared.append(stack.enter_context(PreparedCall(_replay(calls, calls_per_replay), device)))
+            prepared.append(stack.enter_context(PreparedCall(cycled(calls, calls_per_replay), device)))
             outputs = prepared[-1]()
             moved.append(x_bytes + extra[0] + sum(t.numel() * t.element_size() for t in outputs))
         with GpuStateSampler(device) as gpu_state:
             timings = time_interleaved(prepared, device, replays, warmup=WARMUP)
     yardstick = None
     if rows >= YARDSTICK_MIN_ROWS:
-        quantize_bytes = moved[QUANTIZERS.index("quantize")]
-        yardstick = _time_yardstick(rows, k, quantize_bytes, rotation, calls_per_replay, replays, read_bytes_per_s)
+        # The read-bandwidth measurement at this size: as many bytes as `quantize` moves.
+        sum_bytes = moved[QUANTIZERS.index("quantize")] // 4 * 4
+        sum_bytes_per_s = measure_read_bandwidth(
+            device, sum_bytes, replays, buffers=rotation, calls_per_replay=calls_per_replay, warmup=WARMUP
+        )
+        yardstick = {
+            "rows": rows,
+            "k": k,
+            "bytes_read": sum_bytes,
+            "us_per_call": sum_bytes / sum_bytes_per_s * 1e6,
+            "percent_of_read_bw": 100 * sum_bytes_per_s / read_bytes_per_s,
+        }
     results = []
     for quantizer, timing, bytes_moved in zip(QUANTIZERS, timings, moved, strict=True):
         seconds = timing.median_s / calls_per_replay
@@ -158,40 +168,6 @@ def bench_shape(rows: int, k: int, replays: int, read_bytes_per_s: float) -> tup
             }
         )
     return results, yardstick
-
-
-def _time_yardstick(
-    rows: int, k: int, nbytes: int, rotation: int, calls_per_replay: int, replays: int, read_bytes_per_s: float
-) -> dict:
-    """`torch.sum` over `nbytes` (rounded down to FP32 elements) of random data, on `rotation` rotating
-    buffers, `calls_per_replay` calls per CUDA-graph replay, like the quantizers of the shape."""
-    device = torch.device("cuda")
-    elements = nbytes // 4
-    sums = [torch.randn(elements, device=device).sum for _ in range(rotation)]
-    with PreparedCall(_replay(sums, calls_per_replay), device) as call:
-        timing = time_replays(call, device, replays, warmup=WARMUP)
-    seconds = timing.median_s / calls_per_replay
-    return {
-        "rows": rows,
-        "k": k,
-        "bytes_read": elements * 4,
-        "us_per_call": seconds * 1e6,
-        "percent_of_read_bw": 100 * elements * 4 / seconds / read_bytes_per_s,
-    }
-
-
-def _replay(calls, calls_per_replay: int):
-    """One replay: `calls_per_replay` calls cycling through `calls`. Each call's outputs die when the next
-    call returns, so the graph reuses their memory, as a layer reuses its buffers; holding all of them
-    would touch several GB per replay at 65536 rows."""
-
-    def replay():
-        outputs = None
-        for i in range(calls_per_replay):
-            outputs = calls[i % len(calls)]()
-        return outputs
-
-    return replay
 
 
 def host_overhead_us() -> dict:

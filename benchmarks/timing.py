@@ -87,6 +87,20 @@ class PreparedCall:
             torch.cuda.empty_cache()
 
 
+def cycled(calls: Sequence[Callable[[], object]], count: int) -> Callable[[], object]:
+    """One call making `count` calls that cycle through `calls` (rotating inputs), returning the last
+    one's outputs. Each call's outputs die when the next call returns, so a graph captured from it
+    reuses their memory, as a layer reuses its buffers."""
+
+    def run():
+        outputs = None
+        for i in range(count):
+            outputs = calls[i % len(calls)]()
+        return outputs
+
+    return run
+
+
 def l2_flush_bytes(device: torch.device) -> int:
     l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
     return max(4 * l2_bytes, L2_FLUSH_MIN_BYTES)
