@@ -119,8 +119,13 @@ def test_every_variant_compiles_for_sm90a(compiled):
         assert ".target sm_90a" in _ptx(compiled, f"tile_amax_{i}"), variant
 
 
-EXACT_PRODUCT_FMA = re.compile(r"fma\.rn\.f32\s+\w+,\s*\w+,\s*0f(40000000|3F000000),\s*0f4B00000[04];")
-"""The fast E2M1 encoder's FMAs: a product by 2 or 1/2 (exact) plus 2^23 (+4), rounded once."""
+EXACT_PRODUCT_FMA = re.compile(
+    r"fma\.rn\.f32\s+%?\w+,\s*(\w+,\s*0f(40000000|3F000000),\s*0f(4B00000[04]|CA800000|CB800004)"
+    r"|e2m1_value,\s*%\w+,\s*%\w+);"
+)
+"""The FMAs with exact products: the fast E2M1 encoder's and decoder's (a product by 2 or 1/2 plus
+2^23 (+4), or minus 2^22 or 2^24 + 8), and the 4-over-6 error's, whose first factor is the decoder's
+E2M1 value (`nvfp4_device.e2m1_scaled_error`), times an E4M3 scale. Each rounds once."""
 
 
 def test_fp32_arithmetic_is_correctly_rounded_and_never_fused(compiled):
@@ -181,11 +186,18 @@ def test_only_rows_wider_than_a_warp_synchronize_the_cta(compiled):
 
 
 def test_16_bit_codes_take_their_sign_bits_from_the_packed_inputs(compiled):
-    """The fast encoder (without 4-over-6) places eight sign bits per code word with byte permutes
-    (16-bit inputs only)."""
-    for i, (dtype, _k, _layout, mode, _source, _valid, _many) in enumerate(QUANTIZE_VARIANTS):
+    """The fast encoder places eight sign bits per code word with byte permutes (16-bit inputs only)."""
+    for i, (dtype, *_rest) in enumerate(QUANTIZE_VARIANTS):
         has_permutes = "prmt.b32" in _ptx(compiled, f"quantize_{i}")
-        assert has_permutes == (dtype != "float32" and mode == "off"), QUANTIZE_VARIANTS[i]
+        assert has_permutes == (dtype != "float32"), QUANTIZE_VARIANTS[i]
+
+
+def test_four_over_six_scores_the_fast_encoders_codes(compiled):
+    """4-over-6 variants decode the FMA-pipe encoder's codes for both candidates' errors
+    (`nvfp4_device.e2m1_scaled_error`) besides the exact path; without 4-over-6 there is no error."""
+    for i, (_dtype, _k, _layout, mode, *_rest) in enumerate(QUANTIZE_VARIANTS):
+        ptx = _ptx(compiled, f"quantize_{i}")
+        assert ("e2m1_value" in ptx) == (mode != "off"), QUANTIZE_VARIANTS[i]
 
 
 def test_no_variant_spills_to_local_memory(compiled):

@@ -218,6 +218,45 @@ def test_per_token_special_values(dtype, mode):
             check_per_token(x, layout, mode, input_amax=reference.tile_amax(x, TILE_N))
 
 
+def grid_rows(rows, k, dtype, seed):
+    """Blocks built to make 4-over-6 decisions close: values on the E2M1 grid or on its midpoints
+    (times a power of two per block), constant blocks, and the same nudged by one unit in the last
+    place, so that candidates tie, encode without error or round at a tie."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device="cuda")
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device="cuda")
+    shape = (rows, k // 16, 16)
+    on_grid = grid[torch.randint(0, 8, shape, device="cuda", generator=g)]
+    on_midpoints = midpoints[torch.randint(0, 7, shape, device="cuda", generator=g)]
+    constant = grid[torch.randint(1, 8, (rows, k // 16, 1), device="cuda", generator=g)].expand(shape)
+    kind = torch.randint(0, 3, (rows, k // 16, 1), device="cuda", generator=g)
+    blocks = torch.where(kind == 0, on_grid, torch.where(kind == 1, on_midpoints, constant))
+    signs = torch.randint(0, 2, shape, device="cuda", generator=g) * 2 - 1.0
+    powers = 2.0 ** torch.randint(-4, 5, (rows, k // 16, 1), device="cuda", generator=g).float()
+    x = (blocks * signs * powers).reshape(rows, k).to(dtype)
+    nudged = torch.rand(rows, k, device="cuda", generator=g) < 0.1
+    integer = torch.int16 if dtype.itemsize == 2 else torch.int32
+    bits = x.view(integer)
+    x.view(integer).copy_(torch.where(nudged & (x != 0), bits + 1, bits))
+    return x
+
+
+@pytest.mark.parametrize("dtype", (*DTYPES, torch.float32))
+@pytest.mark.parametrize("mode", ("mae", "mse"))
+def test_four_over_six_on_grid_values_and_ties(dtype, mode):
+    """4-over-6 where its choices are closest: ties between the candidates (which keep sf6), exact
+    candidates and rounding ties. The inputs must make both choices somewhere."""
+    for k in (2048, 7168):
+        x = grid_rows(64, k, dtype, seed=k)
+        gs = nvfp4.global_scale_from_amax(x.float().abs().amax())
+        check_quantize(x, gs, "linear", mode)
+        check_per_token(x, "swizzled", mode)
+        _, scales_six = reference.quantize(x, gs, "linear", "off")
+        _, scales = reference.quantize(x, gs, "linear", mode)
+        picked_four = scales.view(torch.uint8) != scales_six.view(torch.uint8)
+        assert picked_four.any() and not picked_four.all(), "the inputs must make both 4-over-6 choices"
+
+
 @pytest.mark.parametrize(
     "rows, k, mode", [(100_003, 2048, "off"), (65_541, 2048, "mse"), (16_411, 7168, "off"), (4_099, 7168, "mae")]
 )

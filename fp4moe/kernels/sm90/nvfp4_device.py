@@ -14,7 +14,9 @@ inline PTX on purpose:
   clearing sign bits, so -0 counts as +0. Block maxima are first formed with the NaN-propagating
   `max.NaN.xorsign.abs` (one instruction per packed pair), which also tells whether the block holds a
   NaN; only such blocks redo the maximum with `max.f32`.
-- The only `fma` multiplies by 2 or 1/2 (exact) before its single rounding (`encode_e2m1_biased`).
+- An `fma` appears only where its product is exact, so its single rounding is the reference's: the
+  E2M1 encoder and decoder multiply by 2 or 1/2 (`encode_e2m1_biased`, `e2m1_scaled_error`), and the
+  4-over-6 error multiplies an E2M1 value by an E4M3 scale (`e2m1_scaled_error`).
 - FP32 -> E4M3 is `cvt.rn.satfinite.e4m3x2.f32`: round to nearest even, saturating at ±448, NaN
   stays NaN — exactly `clamp(-448, 448).to(float8_e4m3fn)`.
 
@@ -275,6 +277,30 @@ def encode_e2m1_biased(value, *, loc=None, ip=None) -> Uint32:
 def encode_e2m1_magnitude_biased(value, *, loc=None, ip=None) -> Uint32:
     """0x4B000000 + E2M1 code of |value| for an FP32 value with |value| < 7 (sign bit of the code clear)."""
     return _ptx("r", _ENCODE_E2M1_MAGNITUDE_BIASED, "f", value, loc=loc, ip=ip)
+
+
+# 4-over-6 error term of one value from its biased magnitude code (`_E2M1_MAGNITUDE`): first the E2M1
+# magnitude, exactly: with t = code = f - 2^23 it is max(t/2, t - 2, 2t - 8) (codes 0..4: t/2; 4..6:
+# t - 2; 6, 7: 2t - 8; each line lies at or below the right one elsewhere), and f/2 - 2^22,
+# f - (2^23 + 2), 2f - (2^24 + 8) are exact small integers or halves. Then RN(y - e2m1_value * scale)
+# in one FMA: an E2M1 value (2 significant bits, at most 6) times an E4M3 scale (4 significant bits) is
+# exact in FP32, so this single rounding is the reference's RN(y - RN(e2m1_value * scale)).
+_E2M1_SCALED_ERROR = (
+    "{ .reg .f32 f, half, mid, twice, e2m1_value;"
+    " mov.b32 f, $1;"
+    " fma.rn.f32 half, f, 0f3F000000, 0fCA800000;"
+    " add.rn.f32 mid, f, 0fCB000002;"
+    " fma.rn.f32 twice, f, 0f40000000, 0fCB800004;"
+    " max.f32 half, half, mid; max.f32 e2m1_value, half, twice;"
+    " fma.rn.f32 $0, e2m1_value, $2, $3; }"
+)
+
+
+@dsl_user_op
+def e2m1_scaled_error(biased_code, negated_scale, scaled_magnitude, *, loc=None, ip=None) -> Float32:
+    """RN(scaled_magnitude - |e2m1(code)| * scale) for an `encode_e2m1_magnitude_biased` result, given
+    -scale (an E4M3 value): the 4-over-6 difference of SPEC §2, on magnitudes."""
+    return _ptx("f", _E2M1_SCALED_ERROR, "rff", biased_code, negated_scale, scaled_magnitude, loc=loc, ip=ip)
 
 
 # Sign bits of eight 16-bit values, given as four packed pairs (element 2p in the low half of pair

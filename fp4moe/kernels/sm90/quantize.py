@@ -103,8 +103,10 @@ class QuantizeSm90:
        byte per block. Blocks without NaN whose scaled maximum RN(max |x| * s) stays below 7 take the
        FMA-pipe E2M1 encoder (`nvfp4_device.encode_e2m1_biased`, which needs no saturation; for
        16-bit inputs on magnitudes, the sign bits of eight codes coming from the packed inputs in a
-       few byte permutes); other blocks, and 4-over-6 (both candidates and their errors), take the
-       exact general encoder.
+       few byte permutes); other blocks take the exact general encoder. 4-over-6 does the same with
+       both candidates: where the FMA-pipe encoder covers both, their errors are formed from its
+       codes, decoded exactly (`nvfp4_device.e2m1_scaled_error`), on magnitudes; otherwise both
+       candidates and their errors come from the exact encoder.
 
     Rows at or past `input_amax_valid_rows` (clamped into [0, M], rounded down to a multiple of 8)
     are neither read nor written. The swizzled layout's pad bytes (rows M..round_up(M, 128) and
@@ -351,19 +353,29 @@ class QuantizeSm90:
         return row_amax
 
     @cute.jit
-    def _encode_block(self, values, block_scale: Float32, inv_global_scale: Float32):
-        """Codes of one block for a given E4M3 scale: `q_i = e2m1(RN(x_i * s))`, all +0 if the scale is 0."""
-        s = dev.clamp_flt_max(dev.div_rn(Float32(1.0), dev.mul_rn(block_scale, inv_global_scale)))
+    def _element_scale(self, block_scale: Float32, inv_global_scale: Float32) -> Float32:
+        """`s = min(RN(1 / RN(sf * RN(1/gs))), FLT_MAX)`: the factor a block's values take before encoding."""
+        return dev.clamp_flt_max(dev.div_rn(Float32(1.0), dev.mul_rn(block_scale, inv_global_scale)))
+
+    @cute.jit
+    def _encode_block(self, values, block_scale: Float32, s: Float32):
+        """Codes of one block on the exact encoder: `q_i = e2m1(RN(x_i * s))`, all +0 if the scale is 0."""
         codes = [dev.encode_e2m1(dev.mul_rn(v, s)) for v in values]
         is_zero = block_scale == Float32(0.0)
         return [cutlass.select_(is_zero, Uint32(0), c) for c in codes]
 
     @cute.jit
     def _block_error(self, scaled, codes, block_scale: Float32) -> Float32:
-        """4-over-6 error: sum over i ascending of |d_i| (mae) or RN(d_i^2) (mse), each step rounded."""
+        """4-over-6 error of exact-encoder codes, from d_i = RN(RN(x_i * gs) - RN(e2m1(q_i) * sf))."""
+        return self._error_sum(
+            [dev.sub_rn(scaled[i], dev.mul_rn(dev.decode_e2m1(codes[i]), block_scale)) for i in range(BLOCK_SIZE)]
+        )
+
+    @cute.jit
+    def _error_sum(self, differences) -> Float32:
+        """Sum over i ascending of |d_i| (mae) or RN(d_i^2) (mse), each addition rounded."""
         terms = []
-        for i in cutlass.range_constexpr(BLOCK_SIZE):
-            diff = dev.sub_rn(scaled[i], dev.mul_rn(dev.decode_e2m1(codes[i]), block_scale))
+        for diff in differences:
             if const_expr(self.four_over_six == "mae"):
                 terms.append(dev.magnitude(diff))
             else:
@@ -380,15 +392,16 @@ class QuantizeSm90:
         unrounded_sf6 = dev.mul_rn(block_max, sf_factor)
         scale_bits = dev.to_e4m3(unrounded_sf6)
         block_scale = dev.e4m3_to_f32(scale_bits)
+        fast_limit = Float32(dev.FAST_ENCODE_LIMIT)
         if const_expr(self.four_over_six == "off"):
-            s = dev.clamp_flt_max(dev.div_rn(Float32(1.0), dev.mul_rn(block_scale, inv_global_scale)))
+            s = self._element_scale(block_scale, inv_global_scale)
             # A zero scale, or a NaN s (every RN(x_i * s) NaN), encodes the whole block as +0.
             is_zero = (block_scale == Float32(0.0)) | (dev.is_nan(s) != Uint32(0))
             words = [Uint32(0), Uint32(0)]
             # The fast encoder needs every |RN(x_i * s)| < 7: RN is monotone, so the block maximum's
             # scaled value decides (it reaches 7 only for saturated or subnormal E4M3 scales, or inf).
             scaled_max = dev.mul_rn(block_max, s)
-            if has_nan != Uint32(0) or s == Float32(0.0) or scaled_max >= Float32(dev.FAST_ENCODE_LIMIT):
+            if has_nan != Uint32(0) or s == Float32(0.0) or scaled_max >= fast_limit:
                 # Rare: RN(x_i * s) may be NaN (a NaN input, or inf * 0), which only the exact
                 # encoder maps to +0, or may reach 7, which the fast encoder does not saturate.
                 codes = [dev.encode_e2m1(dev.mul_rn(v, s)) for v in values]
@@ -396,18 +409,76 @@ class QuantizeSm90:
             else:
                 words = self._encode_block_fast(frag, values, s)
             return cutlass.select_(is_zero, Uint32(0), words[0]), cutlass.select_(is_zero, Uint32(0), words[1]), scale_bits
-        codes = self._encode_block(values, block_scale, inv_global_scale)
         scale4_bits = dev.to_e4m3(dev.mul_rn(unrounded_sf6, Float32(dev.FOUR_OVER_SIX_FACTOR)))
         block_scale4 = dev.e4m3_to_f32(scale4_bits)
-        codes4 = self._encode_block(values, block_scale4, inv_global_scale)
-        scaled = [dev.mul_rn(v, global_scale) for v in values]
-        error6 = self._block_error(scaled, codes, block_scale)
-        error4 = self._block_error(scaled, codes4, block_scale4)
-        # Ties (and NaN errors) keep sf6; a zero block keeps sf6 as well.
-        pick4 = (error4 < error6) & (block_max != Float32(0.0))
-        scale_bits = cutlass.select_(pick4, scale4_bits, scale_bits)
-        codes = [cutlass.select_(pick4, c4, c6) for c4, c6 in zip(codes4, codes, strict=True)]
-        return dev.pack_nibbles(codes[0:8]), dev.pack_nibbles(codes[8:16]), scale_bits
+        s6 = self._element_scale(block_scale, inv_global_scale)
+        s4 = self._element_scale(block_scale4, inv_global_scale)
+        words = [Uint32(0), Uint32(0)]
+        pick4 = Uint32(0)
+        # Common: the FMA-pipe encoder covers both candidates (no NaN input, nonzero scales and s, both
+        # scaled maxima below 7; a NaN s fails the comparisons).
+        both_fast = (has_nan == Uint32(0)) & (block_scale != Float32(0.0)) & (block_scale4 != Float32(0.0))
+        both_fast = both_fast & (s6 != Float32(0.0)) & (s4 != Float32(0.0))
+        both_fast = both_fast & (dev.mul_rn(block_max, s6) < fast_limit) & (dev.mul_rn(block_max, s4) < fast_limit)
+        if both_fast:
+            words, pick4 = self._four_over_six_fast(frag, values, global_scale, block_scale, block_scale4, s6, s4)
+        else:
+            codes = self._encode_block(values, block_scale, s6)
+            codes4 = self._encode_block(values, block_scale4, s4)
+            scaled = [dev.mul_rn(v, global_scale) for v in values]
+            error6 = self._block_error(scaled, codes, block_scale)
+            error4 = self._block_error(scaled, codes4, block_scale4)
+            # Ties (and NaN errors) keep sf6; a zero block keeps sf6 as well.
+            choose4 = (error4 < error6) & (block_max != Float32(0.0))
+            codes = [cutlass.select_(choose4, c4, c6) for c4, c6 in zip(codes4, codes, strict=True)]
+            words = [dev.pack_nibbles(codes[0:8]), dev.pack_nibbles(codes[8:16])]
+            pick4 = Uint32(cutlass.select_(choose4, Uint32(1), Uint32(0)))
+        return words[0], words[1], cutlass.select_(pick4 != Uint32(0), scale4_bits, scale_bits)
+
+    @cute.jit
+    def _four_over_six_fast(self, frag, values, global_scale, block_scale, block_scale4, s6, s4):
+        """(two code words, 1 if sf4 wins else 0) of a block whose two candidates the FMA-pipe encoder
+        covers (see `_quantize_block`); nonzero scales, so its maximum is not 0.
+
+        Everything runs on magnitudes: with s > 0 a code has its value's sign, and e2m1(q_i) * sf has
+        the sign of RN(x_i * gs) (sf and gs share theirs), so dropping every sign leaves |d_i| as it
+        is (RN is symmetric; a zero code gives d_i = RN(x_i * gs) either way)."""
+        scale_magnitude = dev.magnitude(global_scale)
+        scaled = [dev.mul_rn(dev.magnitude(v), scale_magnitude) for v in values]
+        candidates = []
+        errors = []
+        for s, candidate_scale in ((s6, block_scale), (s4, block_scale4)):
+            codes = [dev.encode_e2m1_magnitude_biased(dev.mul_rn(v, s)) for v in values]
+            negated_scale = dev.f32_from_bits(dev.bits_from_f32(candidate_scale) | Uint32(0x80000000))  # -|sf|
+            errors.append(
+                self._error_sum([dev.e2m1_scaled_error(c, negated_scale, y) for c, y in zip(codes, scaled, strict=True)])
+            )
+            candidates.append(codes)
+        pick4 = errors[1] < errors[0]
+        signs = self._code_sign_words(frag, values)
+        words = []
+        for w in cutlass.range_constexpr(2):
+            word6 = dev.pack_biased_nibbles(candidates[0][8 * w : 8 * w + 8], signs[w])
+            word4 = dev.pack_biased_nibbles(candidates[1][8 * w : 8 * w + 8], signs[w])
+            words.append(cutlass.select_(pick4, word4, word6))
+        return words, Uint32(cutlass.select_(pick4, Uint32(1), Uint32(0)))
+
+    @cute.jit
+    def _code_sign_words(self, frag, values):
+        """The sign bits (bit 3 of each nibble) of a block's two code words: those of its values."""
+        if const_expr(self.dtype.width == 32):
+            words = []
+            for w in cutlass.range_constexpr(2):
+                word = Uint32(0)
+                for i in cutlass.range_constexpr(8):
+                    word = word | ((dev.bits_from_f32(values[8 * w + i]) >> Uint32(31)) << Uint32(4 * i + 3))
+                words.append(word)
+            return words
+        pairs = cute.recast_tensor(frag, Uint32)
+        return [
+            dev.sign_bits_of_codes(pairs[4 * w], pairs[4 * w + 1], pairs[4 * w + 2], pairs[4 * w + 3])
+            for w in range(2)
+        ]
 
     @cute.jit
     def _encode_block_fast(self, frag, values, s: Float32):
@@ -419,13 +490,9 @@ class QuantizeSm90:
         if const_expr(self.dtype.width == 32):
             biased = [dev.encode_e2m1_biased(dev.mul_rn(v, s)) for v in values]
             return [dev.pack_biased_nibbles(biased[0:8]), dev.pack_biased_nibbles(biased[8:16])]
-        pairs = cute.recast_tensor(frag, Uint32)
         magnitudes = [dev.encode_e2m1_magnitude_biased(dev.mul_rn(v, s)) for v in values]
-        words = []
-        for w in cutlass.range_constexpr(2):
-            signs = dev.sign_bits_of_codes(pairs[4 * w], pairs[4 * w + 1], pairs[4 * w + 2], pairs[4 * w + 3])
-            words.append(dev.pack_biased_nibbles(magnitudes[8 * w : 8 * w + 8], signs))
-        return words
+        signs = self._code_sign_words(frag, values)
+        return [dev.pack_biased_nibbles(magnitudes[8 * w : 8 * w + 8], signs[w]) for w in range(2)]
 
     @cute.jit
     def _scale_offset(self, row: Int32, col: Int32) -> Int32:
