@@ -237,7 +237,7 @@ def grid_rows(rows, k, dtype, seed):
     nudged = torch.rand(rows, k, device="cuda", generator=g) < 0.1
     integer = torch.int16 if dtype.itemsize == 2 else torch.int32
     bits = x.view(integer)
-    x.view(integer).copy_(torch.where(nudged & (x != 0), bits + 1, bits))
+    bits.copy_(torch.where(nudged & (x != 0), bits + 1, bits))
     return x
 
 
