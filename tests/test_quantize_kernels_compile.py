@@ -120,12 +120,11 @@ def test_every_variant_compiles_for_sm90a(compiled):
 
 
 EXACT_PRODUCT_FMA = re.compile(
-    r"fma\.rn\.f32\s+%?\w+,\s*(\w+,\s*0f(40000000|3F000000),\s*0f(4B00000[04]|CA800000|CB800004)"
-    r"|e2m1_value,\s*%\w+,\s*%\w+);"
+    r"fma\.rn\.f32\s+%?\w+,\s*(\w+,\s*0f(40000000|3F000000),\s*0f4B00000[04]|tiny_e2m1_value,\s*%\w+,\s*%\w+);"
 )
-"""The FMAs with exact products: the fast E2M1 encoder's and decoder's (a product by 2 or 1/2 plus
-2^23 (+4), or minus 2^22 or 2^24 + 8), and the 4-over-6 error's, whose first factor is the decoder's
-E2M1 value (`nvfp4_device.e2m1_scaled_error`), times an E4M3 scale. Each rounds once."""
+"""The FMAs with exact products: the fast E2M1 encoder's (a product by 2 or 1/2 plus 2^23 (+4)), and
+the 4-over-6 error's, whose first factor is a decoded E2M1 value times 2^-14
+(`nvfp4_device.e2m1_scaled_error`), the second an E4M3 scale times 2^14. Each rounds once."""
 
 
 def test_fp32_arithmetic_is_correctly_rounded_and_never_fused(compiled):
@@ -197,7 +196,18 @@ def test_four_over_six_scores_the_fast_encoders_codes(compiled):
     (`nvfp4_device.e2m1_scaled_error`) besides the exact path; without 4-over-6 there is no error."""
     for i, (_dtype, _k, _layout, mode, *_rest) in enumerate(QUANTIZE_VARIANTS):
         ptx = _ptx(compiled, f"quantize_{i}")
-        assert ("e2m1_value" in ptx) == (mode != "off"), QUANTIZE_VARIANTS[i]
+        assert ("tiny_e2m1_value" in ptx) == (mode != "off"), QUANTIZE_VARIANTS[i]
+
+
+def test_row_maxima_take_one_reduction_per_warp(compiled):
+    """Per-token rows of a warp or wider reduce each warp's maximum in one `redux.sync` instead of
+    five shuffles; narrower rows of more than one thread shuffle inside their lane group."""
+    for i, (_dtype, k, _layout, _mode, source, _valid, many) in enumerate(QUANTIZE_VARIANTS):
+        ptx = _ptx(compiled, f"quantize_{i}")
+        threads_per_row = row_tiling(k, many)[0]
+        per_token = source != "tensor"
+        assert ("redux.sync.max.u32" in ptx) == (per_token and threads_per_row >= 32), QUANTIZE_VARIANTS[i]
+        assert ("shfl.sync.bfly" in ptx) == (per_token and 1 < threads_per_row < 32), QUANTIZE_VARIANTS[i]
 
 
 def test_no_variant_spills_to_local_memory(compiled):

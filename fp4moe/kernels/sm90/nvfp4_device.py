@@ -15,8 +15,8 @@ inline PTX on purpose:
   `max.NaN.xorsign.abs` (one instruction per packed pair), which also tells whether the block holds a
   NaN; only such blocks redo the maximum with `max.f32`.
 - An `fma` appears only where its product is exact, so its single rounding is the reference's: the
-  E2M1 encoder and decoder multiply by 2 or 1/2 (`encode_e2m1_biased`, `e2m1_scaled_error`), and the
-  4-over-6 error multiplies an E2M1 value by an E4M3 scale (`e2m1_scaled_error`).
+  E2M1 encoder multiplies by 2 or 1/2 (`encode_e2m1_biased`), and the 4-over-6 error multiplies an
+  E2M1 value (times 2^-14) by an E4M3 scale (times 2^14) (`e2m1_scaled_error`).
 - FP32 -> E4M3 is `cvt.rn.satfinite.e4m3x2.f32`: round to nearest even, saturating at ±448, NaN
   stays NaN — exactly `clamp(-448, 448).to(float8_e4m3fn)`.
 
@@ -88,6 +88,14 @@ def max_num(a, b, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def warp_max_of_magnitudes(value, *, loc=None, ip=None) -> Float32:
+    """The maximum of a non-negative, non-NaN FP32 value over the 32 lanes of a (converged) warp, in one
+    `redux.sync`: such values order as their bit patterns do, as unsigned integers."""
+    ptx = "redux.sync.max.u32 $0, $1, 0xFFFFFFFF;"
+    return f32_from_bits(_ptx("r", ptx, "r", bits_from_f32(value, loc=loc, ip=ip), loc=loc, ip=ip), loc=loc, ip=ip)
+
+
+@dsl_user_op
 def clamp_flt_max(value, *, loc=None, ip=None) -> Float32:
     """`torch.clamp(value, max=FLT_MAX)`: +inf -> FLT_MAX, NaN stays NaN (unlike `min.f32`)."""
     ptx = (
@@ -152,6 +160,13 @@ def f16_high_to_f32(pair, *, loc=None, ip=None) -> Float32:
 def magnitude(value, *, loc=None, ip=None) -> Float32:
     """|value| by clearing the sign bit (so -0 -> +0; a NaN stays NaN for `max_num` to drop)."""
     return f32_from_bits(bits_from_f32(value, loc=loc, ip=ip) & Uint32(0x7FFFFFFF), loc=loc, ip=ip)
+
+
+@dsl_user_op
+def abs_finite(value, *, loc=None, ip=None) -> Float32:
+    """|value| for a value known not to be NaN: `abs.f32`, which ptxas folds into the operand of the
+    instruction that uses it (`magnitude` is an integer AND, which it does not)."""
+    return _ptx("f", "abs.f32 $0, $1;", "f", value, loc=loc, ip=ip)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -242,8 +257,8 @@ def decode_e2m1(code, *, loc=None, ip=None) -> Float32:
 # Below 7 the last line never passes 7 (w/2 + 4 < 7.5), so no saturation is needed.
 # Each RN is one FP32 add (or FMA with an exact product) onto 2^23, where the ulp is 1, so the
 # hardware rounds to the nearest integer with ties to even, which is E2M1's tie rule on these grids;
-# the minimum of the three sums is 2^23 + code. Besides the two `min`s and the sign shift, everything
-# runs on the FMA pipe, which keeps the ALU pipe (the bottleneck of integer rounding) free.
+# the minimum of the sums is 2^23 + code. Besides the `min`s and the sign shift, everything runs on
+# the FMA pipe, which keeps the ALU pipe (the bottleneck of integer rounding) free.
 # The result is the FP32 bit pattern 0x4B000000 + code + 8 * sign: the caller packs eight of them
 # with multiply-adds and removes the constant part once per word (`PACK_BIAS`).
 FAST_ENCODE_LIMIT = 7.0
@@ -261,8 +276,6 @@ _ENCODE_E2M1_BIASED = (
     + _E2M1_MAGNITUDE
     + " mov.b32 $0, fine; mov.b32 sign, $1; shr.u32 sign, sign, 31; mad.lo.u32 $0, sign, 8, $0; }"
 )
-_ENCODE_E2M1_MAGNITUDE_BIASED = "{ .reg .f32 w, fine, mid, coarse;" + _E2M1_MAGNITUDE + " mov.b32 $0, fine; }"
-"""The same without the sign: the code of |v|, for callers that place sign bits themselves."""
 PACK_BIAS = 0x05000000
 """Added to a word of eight biased codes: sum_i 0x4B000000 * 16^i = 0xFB000000 (mod 2^32) cancels."""
 
@@ -275,32 +288,36 @@ def encode_e2m1_biased(value, *, loc=None, ip=None) -> Uint32:
 
 @dsl_user_op
 def encode_e2m1_magnitude_biased(value, *, loc=None, ip=None) -> Uint32:
-    """0x4B000000 + E2M1 code of |value| for an FP32 value with |value| < 7 (sign bit of the code clear)."""
-    return _ptx("r", _ENCODE_E2M1_MAGNITUDE_BIASED, "f", value, loc=loc, ip=ip)
+    """0x4B000000 + E2M1 code of |value| for an FP32 value with |value| < 7 (sign bit of the code clear,
+    for callers that place sign bits themselves)."""
+    return _ptx("r", "{ .reg .f32 w, fine, mid, coarse;" + _E2M1_MAGNITUDE + " mov.b32 $0, fine; }", "f", value, loc=loc, ip=ip)
 
 
-# 4-over-6 error term of one value from its biased magnitude code (`_E2M1_MAGNITUDE`): first the E2M1
-# magnitude, exactly: with t = code = f - 2^23 it is max(t/2, t - 2, 2t - 8) (codes 0..4: t/2; 4..6:
-# t - 2; 6, 7: 2t - 8; each line lies at or below the right one elsewhere), and f/2 - 2^22,
-# f - (2^23 + 2), 2f - (2^24 + 8) are exact small integers or halves. Then RN(y - e2m1_value * scale)
-# in one FMA: an E2M1 value (2 significant bits, at most 6) times an E4M3 scale (4 significant bits) is
-# exact in FP32, so this single rounding is the reference's RN(y - RN(e2m1_value * scale)).
+# 4-over-6 error term of one value from its biased magnitude code (`_E2M1_MAGNITUDE`). E2M1 is a small
+# float format: code bits e1 e0 m are exponent (bias 1) and mantissa, 0 and 1 with e = 0 subnormal.
+# Shifted left by 9 they become a float16 whose exponent's two low bits and top mantissa bit they are;
+# float16's bias of 15 and its subnormals make that float16 exactly the E2M1 value times 2^-14
+# (0.5 -> 2^-15, 6 -> 1.5 * 2^-12), and the shift drops the 0x4B000000 bias. `cvt.f32.f16` is exact.
+# Then RN(y - e2m1_value * scale) is one FMA against -scale * 2^14 (exact: an E4M3 value times a
+# power of two): the product, an E2M1 value (2 significant bits) times an E4M3 scale (4), is exact in
+# FP32, so its single rounding is the reference's RN(y - RN(e2m1_value * scale)).
+E2M1_AS_FLOAT16_SCALE = 2.0**-14
+"""`e2m1_scaled_error` decodes codes to their E2M1 value times this; the scale it takes is times its inverse."""
 _E2M1_SCALED_ERROR = (
-    "{ .reg .f32 f, half, mid, twice, e2m1_value;"
-    " mov.b32 f, $1;"
-    " fma.rn.f32 half, f, 0f3F000000, 0fCA800000;"
-    " add.rn.f32 mid, f, 0fCB000002;"
-    " fma.rn.f32 twice, f, 0f40000000, 0fCB800004;"
-    " max.f32 half, half, mid; max.f32 e2m1_value, half, twice;"
-    " fma.rn.f32 $0, e2m1_value, $2, $3; }"
+    "{ .reg .b32 bits; .reg .b16 lo, hi; .reg .f32 tiny_e2m1_value;"
+    " shl.b32 bits, $1, 9; mov.b32 {lo, hi}, bits; cvt.f32.f16 tiny_e2m1_value, lo;"
+    " fma.rn.f32 $0, tiny_e2m1_value, $2, $3; }"
 )
 
 
 @dsl_user_op
-def e2m1_scaled_error(biased_code, negated_scale, scaled_magnitude, *, loc=None, ip=None) -> Float32:
+def e2m1_scaled_error(biased_code, negated_large_scale, scaled_magnitude, *, loc=None, ip=None) -> Float32:
     """RN(scaled_magnitude - |e2m1(code)| * scale) for an `encode_e2m1_magnitude_biased` result, given
-    -scale (an E4M3 value): the 4-over-6 difference of SPEC §2, on magnitudes."""
-    return _ptx("f", _E2M1_SCALED_ERROR, "rff", biased_code, negated_scale, scaled_magnitude, loc=loc, ip=ip)
+    -scale / `E2M1_AS_FLOAT16_SCALE` (scale an E4M3 value): the 4-over-6 difference of SPEC §2, on
+    magnitudes."""
+    return _ptx(
+        "f", _E2M1_SCALED_ERROR, "rff", biased_code, negated_large_scale, scaled_magnitude, loc=loc, ip=ip
+    )
 
 
 # Sign bits of eight 16-bit values, given as four packed pairs (element 2p in the low half of pair

@@ -95,7 +95,7 @@ class QuantizeSm90:
        loads each).
     2. Per-token: the row amax is the maximum of the row's `input_amax` entries (``aux``:
        `[row // 8, tile, row % 8]`, reduced while the row's own loads are in flight) or of the
-       block maxima (``rescan``), reduced with butterfly shuffles inside the row's lane group and,
+       block maxima (``rescan``), reduced inside the row's warp or lane group (`_row_max`) and,
        for rows wider than a warp, through shared memory and one CTA barrier. Then
        `enc = min(RN(RN(1/global_scale_inv) / amax), FLT_MAX)` and `pts = RN(1/enc)`. Every block's
        maximum magnitude comes from packed NaN-propagating maxima (a NaN block redoes it ignoring NaN).
@@ -227,7 +227,7 @@ class QuantizeSm90:
                     first = lane + UNROLLED_TILES_PER_LANE * self.threads_per_row
                     for tile in cutlass.range(first, self.amax_tiles, self.threads_per_row):
                         local_amax = dev.max_num(local_amax, dev.magnitude(row_tile_amax[tile].to(Float32)))
-            global_scale = self._per_token_scale(
+            global_scale, inv_global_scale = self._per_token_scale(
                 self._row_max(local_amax, tidx), numerator, mPerTokenScale, row, lane, is_data_row
             )
         block_maxima = []
@@ -238,15 +238,15 @@ class QuantizeSm90:
             block_has_nan.append(has_nan)
         if const_expr(self.scale_source == "tensor"):
             global_scale = mGlobalScale[0]
+            inv_global_scale = dev.div_rn(Float32(1.0), global_scale)
         if const_expr(self.scale_source == "rescan"):
             local_amax = Float32(0.0)
             for j in cutlass.range_constexpr(self.blocks_per_thread):
                 local_amax = dev.max_num(local_amax, block_maxima[j])
-            global_scale = self._per_token_scale(
+            global_scale, inv_global_scale = self._per_token_scale(
                 self._row_max(local_amax, tidx), numerator, mPerTokenScale, row, lane, is_data_row
             )
         sf_factor = dev.mul_rn(global_scale, dev.f32_from_bits(dev.ONE_SIXTH_BITS))
-        inv_global_scale = dev.div_rn(Float32(1.0), global_scale)
 
         # Stage 3: quantize each block from registers and store codes and scale.
         scale_row = self._scale_row_offset(row)
@@ -320,24 +320,30 @@ class QuantizeSm90:
         return [dev.f16_low_to_f32(pair), dev.f16_high_to_f32(pair)]
 
     @cute.jit
-    def _per_token_scale(self, row_amax, numerator, mPerTokenScale, row, lane, is_data_row) -> Float32:
-        """`enc = min(RN(numerator / amax), FLT_MAX)` for the row; stores `pts = RN(1 / enc)` (0 for a
-        zero row) once per row."""
+    def _per_token_scale(self, row_amax, numerator, mPerTokenScale, row, lane, is_data_row):
+        """(`enc`, `RN(1 / enc)`) for the row, `enc = min(RN(numerator / amax), FLT_MAX)`; stores
+        `pts = RN(1 / enc)` (0 for a zero row) once per row."""
         global_scale = dev.clamp_flt_max(dev.div_rn(numerator, row_amax))
         if is_data_row and lane == 0:
+            # Its own division: sharing the one below was 1-3% slower on the aux path (H200,
+            # 2026-11-30, `benchmarks/results/h200_runs_20261130.md`).
             per_token_scale = Float32(0.0)
             if row_amax != Float32(0.0):
                 per_token_scale = dev.div_rn(Float32(1.0), global_scale)
             mPerTokenScale[row] = per_token_scale
-        return global_scale
+        return global_scale, dev.div_rn(Float32(1.0), global_scale)
 
     @cute.jit
     def _row_max(self, local_amax: Float32, tidx: Int32) -> Float32:
-        """Maximum of `local_amax` over the threads of each row (every thread gets the result)."""
+        """Maximum of `local_amax` (not negative, not NaN) over the threads of each row (every thread
+        gets the result): one `redux.sync` per warp, butterfly shuffles in lane groups under a warp."""
         lane_group = min(self.threads_per_row, WARP_SIZE)
-        for step in cutlass.range_constexpr(lane_group.bit_length() - 1):
-            offset = lane_group >> (step + 1)
-            local_amax = dev.max_num(local_amax, cute.arch.shuffle_sync_bfly(local_amax, offset))
+        if const_expr(lane_group == WARP_SIZE):
+            local_amax = dev.warp_max_of_magnitudes(local_amax)
+        else:
+            for step in cutlass.range_constexpr(lane_group.bit_length() - 1):
+                offset = lane_group >> (step + 1)
+                local_amax = dev.max_num(local_amax, cute.arch.shuffle_sync_bfly(local_amax, offset))
         row_amax = local_amax
         if const_expr(self.warps_per_row > 1):
             smem = cutlass.memory.SmemAllocator()
@@ -372,12 +378,13 @@ class QuantizeSm90:
         )
 
     @cute.jit
-    def _error_sum(self, differences) -> Float32:
-        """Sum over i ascending of |d_i| (mae) or RN(d_i^2) (mse), each addition rounded."""
+    def _error_sum(self, differences, finite: bool = False) -> Float32:
+        """Sum over i ascending of |d_i| (mae) or RN(d_i^2) (mse), each addition rounded; `finite`: no
+        d_i is NaN (then |d_i| folds into the addition)."""
         terms = []
         for diff in differences:
             if const_expr(self.four_over_six == "mae"):
-                terms.append(dev.magnitude(diff))
+                terms.append(dev.abs_finite(diff) if const_expr(finite) else dev.magnitude(diff))
             else:
                 terms.append(dev.mul_rn(diff, diff))
         total = terms[0]
@@ -443,16 +450,16 @@ class QuantizeSm90:
         Everything runs on magnitudes: with s > 0 a code has its value's sign, and e2m1(q_i) * sf has
         the sign of RN(x_i * gs) (sf and gs share theirs), so dropping every sign leaves |d_i| as it
         is (RN is symmetric; a zero code gives d_i = RN(x_i * gs) either way)."""
-        scale_magnitude = dev.magnitude(global_scale)
-        scaled = [dev.mul_rn(dev.magnitude(v), scale_magnitude) for v in values]
+        scale_magnitude = dev.abs_finite(global_scale)
+        scaled = [dev.mul_rn(dev.abs_finite(v), scale_magnitude) for v in values]
         candidates = []
         errors = []
         for s, candidate_scale in ((s6, block_scale), (s4, block_scale4)):
             codes = [dev.encode_e2m1_magnitude_biased(dev.mul_rn(v, s)) for v in values]
-            negated_scale = dev.f32_from_bits(dev.bits_from_f32(candidate_scale) | Uint32(0x80000000))  # -|sf|
-            errors.append(
-                self._error_sum([dev.e2m1_scaled_error(c, negated_scale, y) for c, y in zip(codes, scaled, strict=True)])
-            )
+            # -|sf| / 2^-14, exact (a power-of-two multiple of an E4M3 value).
+            negated_large_scale = dev.mul_rn(dev.abs_finite(candidate_scale), Float32(-1.0 / dev.E2M1_AS_FLOAT16_SCALE))
+            differences = [dev.e2m1_scaled_error(c, negated_large_scale, y) for c, y in zip(codes, scaled, strict=True)]
+            errors.append(self._error_sum(differences, finite=True))
             candidates.append(codes)
         pick4 = errors[1] < errors[0]
         signs = self._code_sign_words(frag, values)
