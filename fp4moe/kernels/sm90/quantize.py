@@ -364,11 +364,25 @@ class QuantizeSm90:
         return dev.clamp_flt_max(dev.div_rn(Float32(1.0), dev.mul_rn(block_scale, inv_global_scale)))
 
     @cute.jit
+    def _exact_codes(self, values, s: Float32):
+        """Codes of one block on the exact encoder: `q_i = e2m1(RN(x_i * s))`."""
+        return [dev.encode_e2m1(dev.mul_rn(v, s)) for v in values]
+
+    @cute.jit
     def _encode_block(self, values, block_scale: Float32, s: Float32):
-        """Codes of one block on the exact encoder: `q_i = e2m1(RN(x_i * s))`, all +0 if the scale is 0."""
-        codes = [dev.encode_e2m1(dev.mul_rn(v, s)) for v in values]
+        """`_exact_codes`, all +0 if the scale is 0."""
         is_zero = block_scale == Float32(0.0)
-        return [cutlass.select_(is_zero, Uint32(0), c) for c in codes]
+        return [cutlass.select_(is_zero, Uint32(0), c) for c in self._exact_codes(values, s)]
+
+    @cute.jit
+    def _fast_encoder_covers(self, block_max: Float32, has_nan: Uint32, s: Float32):
+        """Whether the FMA-pipe encoder encodes the block for s: no NaN input, s not 0 and every
+        |RN(x_i * s)| below 7. RN is monotone, so the block maximum's scaled value decides (it reaches 7
+        only for saturated or subnormal E4M3 scales, or inf); a NaN s fails the comparison. Elsewhere
+        RN(x_i * s) may be NaN (a NaN input, or inf * 0), which only the exact encoder maps to +0, or
+        reach 7, which the fast encoder does not saturate."""
+        covered = (has_nan == Uint32(0)) & (s != Float32(0.0))
+        return covered & (dev.mul_rn(block_max, s) < Float32(dev.FAST_ENCODE_LIMIT))
 
     @cute.jit
     def _block_error(self, scaled, codes, block_scale: Float32) -> Float32:
@@ -399,22 +413,16 @@ class QuantizeSm90:
         unrounded_sf6 = dev.mul_rn(block_max, sf_factor)
         scale_bits = dev.to_e4m3(unrounded_sf6)
         block_scale = dev.e4m3_to_f32(scale_bits)
-        fast_limit = Float32(dev.FAST_ENCODE_LIMIT)
         if const_expr(self.four_over_six == "off"):
             s = self._element_scale(block_scale, inv_global_scale)
             # A zero scale, or a NaN s (every RN(x_i * s) NaN), encodes the whole block as +0.
             is_zero = (block_scale == Float32(0.0)) | (dev.is_nan(s) != Uint32(0))
             words = [Uint32(0), Uint32(0)]
-            # The fast encoder needs every |RN(x_i * s)| < 7: RN is monotone, so the block maximum's
-            # scaled value decides (it reaches 7 only for saturated or subnormal E4M3 scales, or inf).
-            scaled_max = dev.mul_rn(block_max, s)
-            if has_nan != Uint32(0) or s == Float32(0.0) or scaled_max >= fast_limit:
-                # Rare: RN(x_i * s) may be NaN (a NaN input, or inf * 0), which only the exact
-                # encoder maps to +0, or may reach 7, which the fast encoder does not saturate.
-                codes = [dev.encode_e2m1(dev.mul_rn(v, s)) for v in values]
-                words = [dev.pack_nibbles(codes[0:8]), dev.pack_nibbles(codes[8:16])]
-            else:
+            if self._fast_encoder_covers(block_max, has_nan, s):
                 words = self._encode_block_fast(frag, values, s)
+            else:
+                codes = self._exact_codes(values, s)  # rare
+                words = [dev.pack_nibbles(codes[0:8]), dev.pack_nibbles(codes[8:16])]
             return cutlass.select_(is_zero, Uint32(0), words[0]), cutlass.select_(is_zero, Uint32(0), words[1]), scale_bits
         scale4_bits = dev.to_e4m3(dev.mul_rn(unrounded_sf6, Float32(dev.FOUR_OVER_SIX_FACTOR)))
         block_scale4 = dev.e4m3_to_f32(scale4_bits)
@@ -422,12 +430,9 @@ class QuantizeSm90:
         s4 = self._element_scale(block_scale4, inv_global_scale)
         words = [Uint32(0), Uint32(0)]
         pick4 = Uint32(0)
-        # Common: the FMA-pipe encoder covers both candidates (no NaN input, nonzero scales and s, both
-        # scaled maxima below 7; a NaN s fails the comparisons).
-        both_fast = (has_nan == Uint32(0)) & (block_scale != Float32(0.0)) & (block_scale4 != Float32(0.0))
-        both_fast = both_fast & (s6 != Float32(0.0)) & (s4 != Float32(0.0))
-        both_fast = both_fast & (dev.mul_rn(block_max, s6) < fast_limit) & (dev.mul_rn(block_max, s4) < fast_limit)
-        if both_fast:
+        # Common: the FMA-pipe encoder covers both candidates, whose scales are not 0.
+        both_fast = self._fast_encoder_covers(block_max, has_nan, s6) & self._fast_encoder_covers(block_max, has_nan, s4)
+        if both_fast & (block_scale != Float32(0.0)) & (block_scale4 != Float32(0.0)):
             words, pick4 = self._four_over_six_fast(frag, values, global_scale, block_scale, block_scale4, s6, s4)
         else:
             codes = self._encode_block(values, block_scale, s6)
