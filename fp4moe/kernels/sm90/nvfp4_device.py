@@ -257,8 +257,8 @@ def decode_e2m1(code, *, loc=None, ip=None) -> Float32:
 # Below 7 the last line never passes 7 (w/2 + 4 < 7.5), so no saturation is needed.
 # Each RN is one FP32 add (or FMA with an exact product) onto 2^23, where the ulp is 1, so the
 # hardware rounds to the nearest integer with ties to even, which is E2M1's tie rule on these grids;
-# the minimum of the sums is 2^23 + code. Besides the `min`s and the sign shift, everything runs on
-# the FMA pipe, which keeps the ALU pipe (the bottleneck of integer rounding) free.
+# the minimum of the three sums is 2^23 + code. Besides the two `min`s and the sign shift, everything
+# runs on the FMA pipe, which keeps the ALU pipe (the bottleneck of integer rounding) free.
 # The result is the FP32 bit pattern 0x4B000000 + code + 8 * sign: the caller packs eight of them
 # with multiply-adds and removes the constant part once per word (`PACK_BIAS`).
 FAST_ENCODE_LIMIT = 7.0
@@ -276,6 +276,8 @@ _ENCODE_E2M1_BIASED = (
     + _E2M1_MAGNITUDE
     + " mov.b32 $0, fine; mov.b32 sign, $1; shr.u32 sign, sign, 31; mad.lo.u32 $0, sign, 8, $0; }"
 )
+_ENCODE_E2M1_MAGNITUDE_BIASED = "{ .reg .f32 w, fine, mid, coarse;" + _E2M1_MAGNITUDE + " mov.b32 $0, fine; }"
+"""The same without the sign: the code of |v|, for callers that place sign bits themselves."""
 PACK_BIAS = 0x05000000
 """Added to a word of eight biased codes: sum_i 0x4B000000 * 16^i = 0xFB000000 (mod 2^32) cancels."""
 
@@ -288,9 +290,8 @@ def encode_e2m1_biased(value, *, loc=None, ip=None) -> Uint32:
 
 @dsl_user_op
 def encode_e2m1_magnitude_biased(value, *, loc=None, ip=None) -> Uint32:
-    """0x4B000000 + E2M1 code of |value| for an FP32 value with |value| < 7 (sign bit of the code clear,
-    for callers that place sign bits themselves)."""
-    return _ptx("r", "{ .reg .f32 w, fine, mid, coarse;" + _E2M1_MAGNITUDE + " mov.b32 $0, fine; }", "f", value, loc=loc, ip=ip)
+    """0x4B000000 + E2M1 code of |value| for an FP32 value with |value| < 7 (sign bit of the code clear)."""
+    return _ptx("r", _ENCODE_E2M1_MAGNITUDE_BIASED, "f", value, loc=loc, ip=ip)
 
 
 # 4-over-6 error term of one value from its biased magnitude code (`_E2M1_MAGNITUDE`). E2M1 is a small

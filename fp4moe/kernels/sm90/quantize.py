@@ -431,7 +431,8 @@ class QuantizeSm90:
         words = [Uint32(0), Uint32(0)]
         pick4 = Uint32(0)
         # Common: the FMA-pipe encoder covers both candidates, whose scales are not 0.
-        both_fast = self._fast_encoder_covers(block_max, has_nan, s6) & self._fast_encoder_covers(block_max, has_nan, s4)
+        both_fast = self._fast_encoder_covers(block_max, has_nan, s6)
+        both_fast = both_fast & self._fast_encoder_covers(block_max, has_nan, s4)
         if both_fast & (block_scale != Float32(0.0)) & (block_scale4 != Float32(0.0)):
             words, pick4 = self._four_over_six_fast(frag, values, global_scale, block_scale, block_scale4, s6, s4)
         else:
