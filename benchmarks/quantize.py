@@ -150,6 +150,7 @@ def bench_shape(rows: int, k: int, replays: int, read_bytes_per_s: float) -> tup
             "us_per_call": sum_bytes / sum_bytes_per_s * 1e6,
             "percent_of_read_bw": 100 * sum_bytes_per_s / read_bytes_per_s,
         }
+    state = gpu_state.summary()
     results = []
     for quantizer, timing, bytes_moved in zip(QUANTIZERS, timings, moved, strict=True):
         seconds = timing.median_s / calls_per_replay
@@ -164,7 +165,7 @@ def bench_shape(rows: int, k: int, replays: int, read_bytes_per_s: float) -> tup
                 "bytes_moved": bytes_moved,
                 "effective_GBps": bytes_moved / seconds / 1e9,
                 "percent_of_read_bw": 100 * bytes_moved / seconds / read_bytes_per_s,
-                "gpu_state": gpu_state.summary(),
+                "gpu_state": state,
             }
         )
     return results, yardstick

@@ -142,6 +142,11 @@ def _per_token_numerator(global_scale_inv: float) -> float:
         return float(np.float32(1.0) / np.float32(global_scale_inv))
 
 
+def _many_rows(x: torch.Tensor) -> bool:
+    """Whether a launch over x's rows takes the quantizers' many-rows tiling (host-static)."""
+    return x.shape[0] >= MANY_ROWS
+
+
 def quantize(x: torch.Tensor, global_scale: torch.Tensor, sf_layout: str, four_over_six: str):
     """Per-tensor NVFP4 quantization with the encode-direction `global_scale` (one FP32 element)."""
     codes, block_scales = quantize_outputs(x, sf_layout)
@@ -154,7 +159,7 @@ def quantize_into(x, global_scale, sf_layout, four_over_six, codes, block_scales
     if x.shape[0] == 0:
         return
     _check_size("x", x)
-    device, many_rows = x.get_device(), x.shape[0] >= MANY_ROWS
+    device, many_rows = x.get_device(), _many_rows(x)
     static = (x.dtype, x.shape[1], sf_layout, four_over_six)
     kernel = compile_quantize(*static, "tensor", False, many_rows, arch_of(device))
     host_launcher.register(kernel, "quantize", *static, many_rows, device)
@@ -192,7 +197,7 @@ def quantize_per_token_into(
         input_amax = input_amax.contiguous()
         scale_source, amax_tiles = "aux", input_amax.shape[1]
     device, has_valid_rows = x.get_device(), input_amax_valid_rows is not None
-    static = (x.dtype, x.shape[1], sf_layout, four_over_six, scale_source, has_valid_rows, x.shape[0] >= MANY_ROWS)
+    static = (x.dtype, x.shape[1], sf_layout, four_over_six, scale_source, has_valid_rows, _many_rows(x))
     kernel = compile_quantize(*static, arch_of(device), amax_tiles)
     host_launcher.register(kernel, "quantize_per_token", *static, amax_tiles, device)
     kernel(

@@ -63,8 +63,8 @@ def row_tiling(k: int, many_rows: bool) -> tuple[int, int, int]:
     warp's loads of one step are contiguous). Short rows take a power-of-two share of a warp so the
     row reduction stays inside aligned lane groups. Long rows take whole warps: the fewest idle
     block slots, then up to `PREFERRED_BLOCKS_PER_THREAD` blocks per thread (more loads in flight
-    per lane; rows of up to 1024 (few rows) or 2048 elements within one warp, without a CTA barrier). A CTA holds
-    as many rows as fit in `CTA_THREADS` threads, at least one.
+    per lane; rows of up to 1024 (few rows) or 2048 elements within one warp, without a CTA
+    barrier). A CTA holds as many rows as fit in `CTA_THREADS` threads, at least one.
     """
     if k % BLOCK_SIZE or not 0 < k <= MAX_K:
         raise NotImplementedError(f"the sm90 quantizers need K in [16, {MAX_K}] divisible by 16, got {k}")
