@@ -7,7 +7,8 @@ import torch
 
 from fp4moe import nvfp4
 from fp4moe.kernels import host_launcher
-from fp4moe.kernels.sm90.quantize import MANY_ROWS
+from fp4moe.kernels.sm90.quantize import MANY_ELEMENTS
+from fp4moe.nvfp4 import ceil_div
 from fp4moe.op_outputs import (
     quantize_outputs,
     quantize_per_token_outputs,
@@ -157,14 +158,15 @@ def test_repeat_configurations_stay_in_cpp_and_match_the_reference(hopper, case)
 
 
 @pytest.mark.gpu
-def test_each_row_tiling_has_its_own_fast_path(hopper):
-    """The kernels of launches of fewer than `MANY_ROWS` rows and of the rest are registered apart:
+def test_each_class_of_kernels_has_its_own_fast_path(hopper):
+    """The kernels of launches of fewer than `MANY_ELEMENTS` elements and of the rest are registered apart:
     the first call of the other class goes to Python (which compiles and registers its kernel), and
     from then on both stay in C++. (No other test launches this configuration with many rows.)"""
     (call, expected, outputs), dtype, k = per_token_call("linear", "mse", 0, False), torch.float16, 4112
     call(activations(37, k, dtype, seed=0))
     slow = host_launcher.slow_path_calls()
-    for rows, goes_to_python in ((MANY_ROWS - 1, False), (MANY_ROWS, True), (MANY_ROWS + 13, False), (5, False)):
+    many_rows = ceil_div(MANY_ELEMENTS, k)
+    for rows, goes_to_python in ((many_rows - 1, False), (many_rows, True), (many_rows + 13, False), (5, False)):
         x = activations(rows, k, dtype, seed=rows)
         want = expected(x)
         poison_the_allocator(outputs(x))

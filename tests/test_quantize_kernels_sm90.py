@@ -12,7 +12,8 @@ import torch
 import fp4moe
 from fp4moe import dispatch, nvfp4
 from fp4moe.kernels import quantize_launch as launch
-from fp4moe.kernels.sm90.quantize import MANY_ROWS, UNROLLED_TILES_PER_LANE, row_tiling
+from fp4moe.kernels.sm90.quantize import MANY_ELEMENTS, UNROLLED_TILES_PER_LANE, row_tiling
+from fp4moe.nvfp4 import ceil_div
 from fp4moe.op_outputs import (
     quantize_outputs,
     quantize_per_token_outputs,
@@ -268,10 +269,11 @@ def test_many_rows(rows, k, mode):
 
 
 @pytest.mark.parametrize("k", KS)
-def test_the_many_rows_tiling_at_every_k(k):
-    """From `MANY_ROWS` rows on the kernels take their other tiling (`row_tiling`); special rows
-    lead, so that the exact encoder runs in it too."""
-    x = activations(MANY_ROWS + 37, k, torch.bfloat16, seed=k)
+def test_the_many_rows_class_at_every_k(k):
+    """From `MANY_ELEMENTS` elements on the kernels take their many-rows class (its tiling, blocks
+    encoded jointly, the aux tile maxima reduced per warp); special rows lead, so that the exact
+    encoder runs in it too, for threads whose other blocks the fast encoder would cover."""
+    x = activations(ceil_div(MANY_ELEMENTS, k) + 37, k, torch.bfloat16, seed=k)
     special = special_rows(k, torch.bfloat16)
     x[: len(special)] = special
     check_quantize(x, nvfp4.global_scale_from_amax(torch.tensor(1e4, device="cuda")), "swizzled", "off")
@@ -312,14 +314,16 @@ def test_hopper_runs_the_cute_backend():
 
 
 def test_a_new_token_count_reuses_the_compiled_kernel():
-    """Through the Python launch layer, every M hits the compile cache once each row tiling has been
-    compiled (the C++ host launcher serves repeat configurations without reaching that cache:
+    """Through the Python launch layer, every M hits the compile cache once each class of kernels has
+    been compiled (the C++ host launcher serves repeat configurations without reaching that cache:
     `test_host_launcher`)."""
-    x = activations(MANY_ROWS + 8, 2048, torch.bfloat16, seed=11)
-    for rows in (37, MANY_ROWS + 3):
+    k = 2048
+    many_rows = ceil_div(MANY_ELEMENTS, k)
+    x = activations(many_rows + 8, k, torch.bfloat16, seed=11)
+    for rows in (37, many_rows + 3):
         launch.quantize_per_token(x[:rows], nvfp4.DEFAULT_GLOBAL_SCALE_INV, "swizzled", "off", None, None)
     before = launch.compile_quantize.cache_info()
-    sizes = (1, 5, 999, MANY_ROWS - 1, MANY_ROWS, MANY_ROWS + 8)
+    sizes = (1, 5, 999, many_rows - 1, many_rows, many_rows + 8)
     for rows in sizes:
         launch.quantize_per_token(x[:rows], nvfp4.DEFAULT_GLOBAL_SCALE_INV, "swizzled", "off", None, None)
     after = launch.compile_quantize.cache_info()

@@ -60,10 +60,10 @@ std::mutex registry_mutex;
 std::unordered_map<std::string, TVMFFIObjectHandle> registry;
 std::atomic<int64_t> slow_path_calls{0};
 
-// The quantizers have one tiling for launches of fewer rows than this and one for the rest
-// (quantize.MANY_ROWS, given to `install`); the key spells which.
-int64_t many_rows = 0;
-const char* rows_class(const at::Tensor& x) { return x.size(0) >= many_rows ? "1" : "0"; }
+// The quantizers have one class of kernels for launches of fewer elements (M * K) than this and one
+// for the rest (quantize.MANY_ELEMENTS, given to `install`); the key spells which.
+int64_t many_elements = 0;
+const char* rows_class(const at::Tensor& x) { return x.size(0) * x.size(1) >= many_elements ? "1" : "0"; }
 
 // A registered function, with a reference held for one call (a re-registration may drop the
 // registry's reference meanwhile).
@@ -415,13 +415,14 @@ at::Tensor tile_amax_autograd(const at::Tensor& x, int64_t tile_n) {
 std::unique_ptr<torch::Library> cuda_library, autograd_library;
 
 // Takes over the CUDA and Autograd kernels of the ops (ops.library.hand_over_to_native), keeping the
-// Python kernels it is given for the calls it hands back; `many_rows_from` is quantize.MANY_ROWS.
-void install(int64_t many_rows_from, py::object quantize_cuda, py::object quantize_per_token_cuda,
+// Python kernels it is given for the calls it hands back; `many_elements_from` is
+// quantize.MANY_ELEMENTS.
+void install(int64_t many_elements_from, py::object quantize_cuda, py::object quantize_per_token_cuda,
              py::object tile_amax_cuda, py::object quantize_autograd_python,
              py::object quantize_per_token_autograd_python, py::object tile_amax_autograd_python) {
   TORCH_CHECK(cuda_library == nullptr, "fp4moe host launcher: already installed");
-  TORCH_CHECK(many_rows_from > 0, "fp4moe host launcher: many_rows_from must be positive");
-  many_rows = many_rows_from;
+  TORCH_CHECK(many_elements_from > 0, "fp4moe host launcher: many_elements_from must be positive");
+  many_elements = many_elements_from;
   py::object given[kNumOps][kNumRoles] = {{quantize_cuda, quantize_autograd_python},
                                           {quantize_per_token_cuda, quantize_per_token_autograd_python},
                                           {tile_amax_cuda, tile_amax_autograd_python}};

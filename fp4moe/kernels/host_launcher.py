@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from fp4moe.kernels.sm90.quantize import MANY_ROWS
+from fp4moe.kernels.sm90.quantize import MANY_ELEMENTS
 from fp4moe.ops.library import hand_over_to_native
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "host_launcher.cpp"
@@ -101,7 +101,7 @@ def install() -> bool:
             stacklevel=2,
         )
         return False
-    hand_over_to_native(OPS, functools.partial(launcher.install, MANY_ROWS))
+    hand_over_to_native(OPS, functools.partial(launcher.install, MANY_ELEMENTS))
     return True
 
 

@@ -6,9 +6,9 @@ It exposes the functions of `fp4moe.reference.quantize` with the same signatures
 - allocates outputs with the shared `fp4moe.op_outputs` allocators (exactly what the fakes return);
 - compiles each kernel once per static configuration — dtype, K (or N and tile_n), scale layout,
   4-over-6 mode, scale source (path), the tile count of `input_amax` (aux path), whether a valid-row
-  count is given, the quantizers' row tiling (`many_rows`: M at least `MANY_ROWS`, read off the
+  count is given, the quantizers' class (`many_rows`: M * K at least `MANY_ELEMENTS`, read off the
   host-static shape), load vector width and target architecture — against fake tensors whose token
-  dimension is symbolic (`cute.sym_int()`), so one binary serves every M of its tiling
+  dimension is symbolic (`cute.sym_int()`), so one binary serves every M of its class
   (`compile_quantize.cache_info()` shows the cache);
 - launches through TVM-FFI: torch tensors go straight to the compiled function, which takes the
   *current* torch stream of the tensors' device at every call (CUDA-graph capture included);
@@ -32,7 +32,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 
 from fp4moe import nvfp4
 from fp4moe.kernels import host_launcher
-from fp4moe.kernels.sm90.quantize import MANY_ROWS, QuantizeSm90
+from fp4moe.kernels.sm90.quantize import MANY_ELEMENTS, QuantizeSm90
 from fp4moe.kernels.sm90.tile_amax import TileAmaxSm90
 from fp4moe.op_outputs import quantize_outputs, quantize_per_token_outputs, tile_amax_output
 from fp4moe.reference import quantize as reference
@@ -77,7 +77,7 @@ def compile_quantize(
     amax_tiles: int = 0,
 ):
     """The compiled quantizer for one static configuration (`scale_source`: "tensor", "rescan", "aux";
-    `many_rows`: the tiling for launches of at least `MANY_ROWS` rows; `amax_tiles`: the tile count of
+    `many_rows`: the class for launches of at least `MANY_ELEMENTS` elements; `amax_tiles`: the tile count of
     `input_amax`, aux only)."""
     element = CUTE_DTYPES[dtype]
     rows = cute.sym_int()
@@ -143,8 +143,8 @@ def _per_token_numerator(global_scale_inv: float) -> float:
 
 
 def _many_rows(x: torch.Tensor) -> bool:
-    """Whether a launch over x's rows takes the quantizers' many-rows tiling (host-static)."""
-    return x.shape[0] >= MANY_ROWS
+    """Whether a launch over x takes the quantizers' many-rows class (host-static)."""
+    return x.shape[0] * x.shape[1] >= MANY_ELEMENTS
 
 
 def quantize(x: torch.Tensor, global_scale: torch.Tensor, sf_layout: str, four_over_six: str):

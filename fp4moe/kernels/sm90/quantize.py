@@ -28,17 +28,22 @@ MAX_BLOCKS_PER_THREAD = 8
 """A row lives in registers while its amax is reduced: at most 8 blocks (128 values) per thread,
 i.e. K <= 16 * 8 * 256 = 32768."""
 MAX_K = BLOCK_SIZE * MAX_BLOCKS_PER_THREAD * MAX_CTA_THREADS
-MANY_ROWS = 32768
-"""Token counts from which the kernel takes its many-rows tiling (`row_tiling`). The dispatch reads it
-off the host-static shape; each tiling is a separately compiled kernel."""
+MANY_ELEMENTS = 8192 * 7168
+"""Launches of at least this many elements (`M * K`, read off the host-static shape: 8192 rows of 7168,
+28672 of 2048) take the many-rows class of the kernel, built for throughput (`row_tiling`,
+`QuantizeSm90`); smaller ones the few-rows class. Each class is a separately compiled kernel. H200,
+2026-11-30 (`benchmarks/results/h200_runs_20261130.md`, tenth session): at 8192-65536 x 7168 the
+many-rows class is 1-5% faster; at 28672-65536 x 2048 its aux path is 0.6-1.7% faster and the other
+quantizers are within 0.5%; on grids of about one wave (1024 x 4096, 2048 x 2048) its way of encoding
+was 11-36% slower."""
 PREFERRED_BLOCKS_PER_THREAD = {False: 2, True: 4}
-"""Blocks per thread preferred below / from `MANY_ROWS` rows: more in flight per lane pays once the grid
-has CTAs to spare. H200, K=2048, 2026-11-30 (`benchmarks/results/h200_runs_20261130.md`): 4 blocks
-per thread in 256-thread CTAs is 1-3% faster at 32768-65536 rows; 2 blocks per thread in 128-thread
-CTAs is 2-39% faster at 64, 256 and 2048-16384 rows, but 4-10% slower at 1024."""
+"""Blocks per thread preferred in the few-rows / many-rows class: more in flight per lane pays once the
+grid has CTAs to spare. H200, K=2048, 2026-11-30: 4 blocks per thread in 256-thread CTAs is 1-3%
+faster at 32768-65536 rows; 2 blocks per thread in 128-thread CTAs is 2-39% faster at 64, 256 and
+2048-16384 rows, but 4-10% slower at 1024."""
 CTA_THREADS = {False: 128, True: MAX_CTA_THREADS}
-"""Threads per CTA below / from `MANY_ROWS` rows (a row wider than that gets a CTA of its own): few rows
-need small CTAs to spread over the SMs."""
+"""Threads per CTA in the few-rows / many-rows class (a row wider than that gets a CTA of its own): few
+rows need small CTAs to spread over the SMs."""
 UNROLLED_TILES_PER_LANE = 4
 """The aux path's tile-maximum loads issued ahead of the row's loads, per lane; a row with more tiles
 (tile_n under 4 * blocks_per_thread <= 32 columns, which no GEMM tiling uses) loops over the rest."""
@@ -55,8 +60,8 @@ def _log2(power_of_two: int) -> int:
 
 
 def row_tiling(k: int, many_rows: bool) -> tuple[int, int, int]:
-    """(threads per row, blocks per thread, rows per CTA) for rows of `k` elements, in a launch of at
-    least (`many_rows`) or fewer than `MANY_ROWS` rows.
+    """(threads per row, blocks per thread, rows per CTA) for rows of `k` elements, in the many-rows
+    (`many_rows`: at least `MANY_ELEMENTS` elements) or the few-rows class.
 
     A row of `k / 16` blocks is spread over `threads_per_row` threads, each holding
     `blocks_per_thread` blocks in registers (block `c` belongs to lane `c % threads_per_row`, so a
@@ -85,6 +90,14 @@ def row_tiling(k: int, many_rows: bool) -> tuple[int, int, int]:
     return threads_per_row, blocks_per_thread, max(1, cta_threads // threads_per_row)
 
 
+def aux_tile_lanes(k: int, many_rows: bool) -> int:
+    """The threads a row's `input_amax` entries are spread over on the aux path (tile t on the t-th of
+    them, modulo): every warp of the row takes them all in the many-rows class when the row spans
+    several warps (no CTA barrier); otherwise the row's threads share them."""
+    threads_per_row = row_tiling(k, many_rows)[0]
+    return WARP_SIZE if many_rows and threads_per_row > WARP_SIZE else threads_per_row
+
+
 class QuantizeSm90:
     """NVFP4 quantization of an `[M, K]` activation, one row per `threads_per_row` threads.
 
@@ -107,6 +120,14 @@ class QuantizeSm90:
        both candidates: where the FMA-pipe encoder covers both, their errors are formed from its
        codes, decoded exactly (`nvfp4_device.e2m1_scaled_error`), on magnitudes; otherwise both
        candidates and their errors come from the exact encoder.
+
+    The two classes (`MANY_ELEMENTS`) differ beyond their tiling. The many-rows class is built for
+    throughput: a thread encodes its blocks together, all on the FMA-pipe encoder when it covers every
+    one of them and otherwise all on the exact encoder, which leaves ptxas fewer live values (40
+    registers where the per-block form takes 53-64, so 7 CTAs per SM instead of 5 at K=7168), and the
+    aux path reduces the tile maxima in every warp of a row, without a CTA barrier. The few-rows class
+    encodes block by block: with its larger register count, grids of about one wave ran 11-36% faster
+    when launched back to back with PDL (level without PDL, where both are slower).
 
     Rows at or past `input_amax_valid_rows` (clamped into [0, M], rounded down to a multiple of 8)
     are neither read nor written. The swizzled layout's pad bytes (rows M..round_up(M, 128) and
@@ -134,10 +155,12 @@ class QuantizeSm90:
         self.amax_tiles = amax_tiles
         self.blocks = k // BLOCK_SIZE
         self.padded_blocks = round_up(self.blocks, SWIZZLE_COLS)
+        self.many_rows = many_rows
         self.threads_per_row, self.blocks_per_thread, self.rows_per_cta = row_tiling(k, many_rows)
-        self.tiles_per_lane = ceil_div(amax_tiles, self.threads_per_row)
         self.cta_threads = self.threads_per_row * self.rows_per_cta
         self.warps_per_row = max(1, self.threads_per_row // WARP_SIZE)
+        self.tile_lanes = aux_tile_lanes(k, many_rows)
+        self.tiles_per_lane = ceil_div(amax_tiles, self.tile_lanes)
 
     @cute.jit
     def __call__(
@@ -197,16 +220,18 @@ class QuantizeSm90:
 
         # Stage 1: issue the loads of this thread's blocks (zeros where there is no block); their
         # values are first used after the aux-amax reduction, so that reduction overlaps the loads.
-        # The aux path first issues the loads of its tile maxima (tile t on lane t % threads_per_row;
-        # the tile count is static, so they are unrolled), so that they return first.
+        # The aux path first issues the loads of its tile maxima (tile t on lane t % tile_lanes of the
+        # row or of each of its warps; the tile count is static, so they are unrolled), so that they
+        # return first.
         if const_expr(self.scale_source == "aux"):
             # The row's tile maxima `input_amax[row // 8, :, row % 8]` (rows are never negative).
             row_tile_amax = mInputAmax[row >> _log2(AUX_AMAX_ROW_GROUP), None, row & (AUX_AMAX_ROW_GROUP - 1)]
+            tile_lane = lane % self.tile_lanes
             local_amax = Float32(0.0)
             for t in cutlass.range_constexpr(min(self.tiles_per_lane, UNROLLED_TILES_PER_LANE)):
-                tile = lane + t * self.threads_per_row
+                tile = tile_lane + t * self.tile_lanes
                 present = is_data_row
-                if const_expr((t + 1) * self.threads_per_row > self.amax_tiles):
+                if const_expr((t + 1) * self.tile_lanes > self.amax_tiles):
                     present = present & (tile < self.amax_tiles)
                 if present:
                     local_amax = dev.max_num(local_amax, dev.magnitude(row_tile_amax[tile].to(Float32)))
@@ -224,11 +249,15 @@ class QuantizeSm90:
         if const_expr(self.scale_source == "aux"):
             if const_expr(self.tiles_per_lane > UNROLLED_TILES_PER_LANE):
                 if is_data_row:
-                    first = lane + UNROLLED_TILES_PER_LANE * self.threads_per_row
-                    for tile in cutlass.range(first, self.amax_tiles, self.threads_per_row):
+                    first = tile_lane + UNROLLED_TILES_PER_LANE * self.tile_lanes
+                    for tile in cutlass.range(first, self.amax_tiles, self.tile_lanes):
                         local_amax = dev.max_num(local_amax, dev.magnitude(row_tile_amax[tile].to(Float32)))
+            if const_expr(self.tile_lanes < self.threads_per_row):
+                row_amax = dev.warp_max_of_magnitudes(local_amax)  # every warp has all the tile maxima
+            else:
+                row_amax = self._row_max(local_amax, tidx)
             global_scale, inv_global_scale = self._per_token_scale(
-                self._row_max(local_amax, tidx), numerator, mPerTokenScale, row, lane, is_data_row
+                row_amax, numerator, mPerTokenScale, row, lane, is_data_row
             )
         block_maxima = []
         block_has_nan = []
@@ -250,17 +279,23 @@ class QuantizeSm90:
 
         # Stage 3: quantize each block from registers and store codes and scale.
         scale_row = self._scale_row_offset(row)
+        encode_jointly = self.many_rows and self.four_over_six == "off"
+        if const_expr(encode_jointly):
+            encoded = self._quantize_blocks_jointly(frags, block_maxima, block_has_nan, sf_factor, inv_global_scale)
         for j in cutlass.range_constexpr(self.blocks_per_thread):
             col = lane + j * self.threads_per_row
             if is_data_row and col < self.blocks:
-                word0, word1, scale_bits = self._quantize_block(
-                    frags[j],
-                    block_maxima[j],
-                    block_has_nan[j],
-                    global_scale,
-                    sf_factor,
-                    inv_global_scale,
-                )
+                if const_expr(encode_jointly):
+                    word0, word1, scale_bits = encoded[j]
+                else:
+                    word0, word1, scale_bits = self._quantize_block(
+                        frags[j],
+                        block_maxima[j],
+                        block_has_nan[j],
+                        global_scale,
+                        sf_factor,
+                        inv_global_scale,
+                    )
                 code_frag = cute.make_rmem_tensor((2,), Uint32)
                 code_frag[0] = word0
                 code_frag[1] = word1
@@ -415,15 +450,13 @@ class QuantizeSm90:
         block_scale = dev.e4m3_to_f32(scale_bits)
         if const_expr(self.four_over_six == "off"):
             s = self._element_scale(block_scale, inv_global_scale)
-            # A zero scale, or a NaN s (every RN(x_i * s) NaN), encodes the whole block as +0.
-            is_zero = (block_scale == Float32(0.0)) | (dev.is_nan(s) != Uint32(0))
+            encodes_zeros = self._encodes_zeros(block_scale, s)
             words = [Uint32(0), Uint32(0)]
             if self._fast_encoder_covers(block_max, has_nan, s):
                 words = self._encode_block_fast(frag, values, s)
             else:
-                codes = self._exact_codes(values, s)  # rare
-                words = [dev.pack_nibbles(codes[0:8]), dev.pack_nibbles(codes[8:16])]
-            return cutlass.select_(is_zero, Uint32(0), words[0]), cutlass.select_(is_zero, Uint32(0), words[1]), scale_bits
+                words = self._exact_words(values, s)  # rare
+            return cutlass.select_(encodes_zeros, Uint32(0), words[0]), cutlass.select_(encodes_zeros, Uint32(0), words[1]), scale_bits
         scale4_bits = dev.to_e4m3(dev.mul_rn(unrounded_sf6, Float32(dev.FOUR_OVER_SIX_FACTOR)))
         block_scale4 = dev.e4m3_to_f32(scale4_bits)
         s6 = self._element_scale(block_scale, inv_global_scale)
@@ -447,6 +480,57 @@ class QuantizeSm90:
             words = [dev.pack_nibbles(codes[0:8]), dev.pack_nibbles(codes[8:16])]
             pick4 = Uint32(cutlass.select_(choose4, Uint32(1), Uint32(0)))
         return words[0], words[1], cutlass.select_(pick4 != Uint32(0), scale4_bits, scale_bits)
+
+    @cute.jit
+    def _quantize_blocks_jointly(self, frags, block_maxima, block_has_nan, sf_factor, inv_global_scale):
+        """[(two packed code words, E4M3 scale bits)] of all the thread's blocks (no 4-over-6), as
+        `_quantize_block` gives them: all encoded on the FMA-pipe encoder when it covers every one of
+        them, otherwise all on the exact encoder (rare). Each block's values are formed inside the
+        branch, so fewer values stay live (`QuantizeSm90`)."""
+        scale_bits, block_scales, element_scales = [], [], []
+        all_covered = True
+        for j in cutlass.range_constexpr(self.blocks_per_thread):
+            bits = dev.to_e4m3(dev.mul_rn(block_maxima[j], sf_factor))
+            scale_bits.append(bits)
+            block_scales.append(dev.e4m3_to_f32(bits))
+            element_scales.append(self._element_scale(block_scales[j], inv_global_scale))
+            covered = self._fast_encoder_covers(block_maxima[j], block_has_nan[j], element_scales[j])
+            all_covered = covered if const_expr(j == 0) else all_covered & covered
+        words = [Uint32(0)] * (2 * self.blocks_per_thread)
+        if all_covered:
+            words = [
+                word
+                for j in range(self.blocks_per_thread)
+                for word in self._encode_block_fast(frags[j], self._block_values(frags[j]), element_scales[j])
+            ]
+        else:
+            words = [
+                word
+                for j in range(self.blocks_per_thread)
+                for word in self._exact_words(self._block_values(frags[j]), element_scales[j])
+            ]
+        encoded = []
+        for j in cutlass.range_constexpr(self.blocks_per_thread):
+            encodes_zeros = self._encodes_zeros(block_scales[j], element_scales[j])
+            encoded.append(
+                (
+                    cutlass.select_(encodes_zeros, Uint32(0), words[2 * j]),
+                    cutlass.select_(encodes_zeros, Uint32(0), words[2 * j + 1]),
+                    scale_bits[j],
+                )
+            )
+        return encoded
+
+    @cute.jit
+    def _exact_words(self, values, s: Float32):
+        """The two code words of `_exact_codes`."""
+        codes = self._exact_codes(values, s)
+        return [dev.pack_nibbles(codes[0:8]), dev.pack_nibbles(codes[8:16])]
+
+    @cute.jit
+    def _encodes_zeros(self, block_scale: Float32, s: Float32):
+        """Whether a block's codes are all +0: its scale is 0, or s is NaN (every RN(x_i * s) NaN)."""
+        return (block_scale == Float32(0.0)) | (dev.is_nan(s) != Uint32(0))
 
     @cute.jit
     def _four_over_six_fast(self, frag, values, global_scale, block_scale, block_scale4, s6, s4):
