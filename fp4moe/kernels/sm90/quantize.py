@@ -456,7 +456,11 @@ class QuantizeSm90:
                 words = self._encode_block_fast(frag, values, s)
             else:
                 words = self._exact_words(values, s)  # rare
-            return cutlass.select_(encodes_zeros, Uint32(0), words[0]), cutlass.select_(encodes_zeros, Uint32(0), words[1]), scale_bits
+            return (
+                cutlass.select_(encodes_zeros, Uint32(0), words[0]),
+                cutlass.select_(encodes_zeros, Uint32(0), words[1]),
+                scale_bits,
+            )
         scale4_bits = dev.to_e4m3(dev.mul_rn(unrounded_sf6, Float32(dev.FOUR_OVER_SIX_FACTOR)))
         block_scale4 = dev.e4m3_to_f32(scale4_bits)
         s6 = self._element_scale(block_scale, inv_global_scale)
