@@ -394,6 +394,13 @@ class QuantizeSm90:
         return row_amax
 
     @cute.jit
+    def _block_scale(self, block_max: Float32, sf_factor: Float32):
+        """(unrounded sf6 = RN(max * RN(gs / 6)), its E4M3 bits, their value): a block's scale."""
+        unrounded_sf6 = dev.mul_rn(block_max, sf_factor)
+        scale_bits = dev.to_e4m3(unrounded_sf6)
+        return unrounded_sf6, scale_bits, dev.e4m3_to_f32(scale_bits)
+
+    @cute.jit
     def _element_scale(self, block_scale: Float32, inv_global_scale: Float32) -> Float32:
         """`s = min(RN(1 / RN(sf * RN(1/gs))), FLT_MAX)`: the factor a block's values take before encoding."""
         return dev.clamp_flt_max(dev.div_rn(Float32(1.0), dev.mul_rn(block_scale, inv_global_scale)))
@@ -445,9 +452,7 @@ class QuantizeSm90:
     def _quantize_block(self, frag, block_max, has_nan, global_scale, sf_factor, inv_global_scale):
         """(two packed code words, E4M3 scale bits) of one block: SPEC §1 block math (+ 4-over-6)."""
         values = self._block_values(frag)
-        unrounded_sf6 = dev.mul_rn(block_max, sf_factor)
-        scale_bits = dev.to_e4m3(unrounded_sf6)
-        block_scale = dev.e4m3_to_f32(scale_bits)
+        unrounded_sf6, scale_bits, block_scale = self._block_scale(block_max, sf_factor)
         if const_expr(self.four_over_six == "off"):
             s = self._element_scale(block_scale, inv_global_scale)
             encodes_zeros = self._encodes_zeros(block_scale, s)
@@ -494,9 +499,9 @@ class QuantizeSm90:
         scale_bits, block_scales, element_scales = [], [], []
         all_covered = True
         for j in cutlass.range_constexpr(self.blocks_per_thread):
-            bits = dev.to_e4m3(dev.mul_rn(block_maxima[j], sf_factor))
+            _, bits, block_scale = self._block_scale(block_maxima[j], sf_factor)
             scale_bits.append(bits)
-            block_scales.append(dev.e4m3_to_f32(bits))
+            block_scales.append(block_scale)
             element_scales.append(self._element_scale(block_scales[j], inv_global_scale))
             covered = self._fast_encoder_covers(block_maxima[j], block_has_nan[j], element_scales[j])
             all_covered = covered if const_expr(j == 0) else all_covered & covered
