@@ -497,7 +497,6 @@ class QuantizeSm90:
         them, otherwise all on the exact encoder (rare). Each block's values are formed inside the
         branch, so fewer values stay live (`QuantizeSm90`)."""
         scale_bits, block_scales, element_scales = [], [], []
-        all_covered = True
         for j in cutlass.range_constexpr(self.blocks_per_thread):
             _, bits, block_scale = self._block_scale(block_maxima[j], sf_factor)
             scale_bits.append(bits)
