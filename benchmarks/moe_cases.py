@@ -28,7 +28,7 @@ class MoEShape:
     hidden_size: int
     intermediate_size: int
     routing: str
-    """`softmax` (softmax top-k, renormalized) or `deepseek_v3` (grouped sigmoid routing, SPEC §3.1)."""
+    """`softmax` (softmax top-k, renormalized) or `deepseek_v3` (grouped sigmoid routing, semantics §3.1)."""
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
@@ -78,7 +78,7 @@ SMOKE_SHAPES = {
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """One `fused_moe` quantization mode (SPEC §3.8)."""
+    """One `fused_moe` quantization mode (semantics §3.8)."""
 
     name: str
     quant_mode: str

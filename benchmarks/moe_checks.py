@@ -2,7 +2,7 @@
 reference backend on a fixed sample of token rows.
 
 The reference runs on the sample rows alone (every output row depends only on its own token and
-routing, SPEC §3), so its cost does not grow with T, and one run per shape and mode serves every
+routing, semantics §3), so its cost does not grow with T, and one run per shape and mode serves every
 token count. It is called directly rather than through the op, whose CUDA implementation becomes the
 kernels under test.
 """

@@ -27,7 +27,7 @@ CUTE_SM90_BACKEND = "cute_sm90"
 
 
 def per_token_quant_path(num_tokens: int) -> str:
-    """The per-token intermediate quantization path for a host-known token count (SPEC §4)."""
+    """The per-token intermediate quantization path for a host-known token count (semantics §4.1)."""
     return AUX_AMAX_PATH if num_tokens >= AUX_AMAX_MIN_TOKENS else LEGACY_PATH
 
 
@@ -79,7 +79,7 @@ def moe_tile_m(num_tokens: int, top_k: int, num_local_experts: int) -> int:
 
 
 def moe_dispatch(num_tokens: int, top_k: int, num_local_experts: int, quant_mode: str, per_token_activation: bool):
-    """The host-static choices of `fused_moe` for these shapes (SPEC §4). Reads no device data."""
+    """The host-static choices of `fused_moe` for these shapes (semantics §4). Reads no device data."""
     per_token = quant_mode == "w4a4" and per_token_activation
     return MoEDispatch(
         per_token_path=per_token_quant_path(num_tokens) if per_token else None,

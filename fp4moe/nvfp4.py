@@ -1,8 +1,8 @@
-"""The NVFP4 format: E2M1 values, E4M3 block scales, global scales, scale layouts (SPEC §1).
+"""The NVFP4 format: E2M1 values, E4M3 block scales, global scales, scale layouts (semantics §1).
 
 Everything here is pure torch and runs unchanged on CPU and CUDA tensors. Every FP32 operation is a
-single torch op, so each intermediate is rounded to nearest-even exactly once, as the SPEC's block
-math prescribes; the kernels reproduce these functions bit for bit.
+single torch op, so each intermediate is rounded to nearest-even exactly once, as the block math of
+semantics §1.5 prescribes; the kernels reproduce these functions bit for bit.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 
 
 def nan_ignoring_abs(values: torch.Tensor) -> torch.Tensor:
-    """|x| with NaN replaced by 0, so that a following max has maxNum semantics (SPEC §1)."""
+    """|x| with NaN replaced by 0, so that a following max has maxNum semantics (semantics §1.6)."""
     magnitude = values.abs()
     return torch.where(torch.isnan(magnitude), torch.zeros_like(magnitude), magnitude)
 
@@ -149,7 +149,7 @@ def _quantize_with_scale(blocks: torch.Tensor, block_scale: torch.Tensor, inv_gs
 
 
 def _block_error(blocks: torch.Tensor, gs: torch.Tensor, codes: torch.Tensor, block_scale: torch.Tensor, metric: str):
-    """FP32 error of one candidate, summed over i = 0..15 in ascending order (SPEC §2, 4-over-6)."""
+    """FP32 error of one candidate, summed over i = 0..15 in ascending order (4-over-6, semantics §2.3)."""
     scaled = blocks * gs[..., None]
     diff = scaled - decode_e2m1(codes) * block_scale.float()[..., None]
     terms = diff.abs() if metric == "mae" else diff * diff
@@ -160,7 +160,7 @@ def _block_error(blocks: torch.Tensor, gs: torch.Tensor, codes: torch.Tensor, bl
 
 
 def quantize_blocks(x: torch.Tensor, gs: torch.Tensor, four_over_six: str = "off"):
-    """The exact NVFP4 block math of SPEC §1 (with optional 4-over-6 of SPEC §2).
+    """The exact NVFP4 block math of semantics §1.5 (with optional 4-over-6 of semantics §2.3).
 
     x: [..., K] (any float dtype, K % 16 == 0); gs: FP32 encode-direction global scale broadcastable
     to x's leading dimensions ([...]). Returns (codes uint8 [..., K], scales float8_e4m3fn [..., K/16]).
@@ -194,7 +194,7 @@ def dequantize_blocks(packed_codes: torch.Tensor, block_scales: torch.Tensor) ->
 
 
 def per_token_scales(row_amax: torch.Tensor, global_scale_inv: float):
-    """Per-token encode scale and decode scale from FP32 row maxima (SPEC §2).
+    """Per-token encode scale and decode scale from FP32 row maxima (semantics §2.2).
 
     ``enc = min(RN(RN(1/global_scale_inv) / row_amax), FLT_MAX)``, ``pts = RN(1/enc)``; rows whose
     amax is 0 get ``pts = 0``. Returns (enc, pts), both FP32 [M].

@@ -35,7 +35,7 @@ def dequantize_output(codes: torch.Tensor, out_dtype: torch.dtype) -> torch.Tens
 
 
 def tile_amax_output(x: torch.Tensor, tile_n: int) -> torch.Tensor:
-    """[ceil(M/8), ceil(N/tile_n), 8] in x's dtype (the blocked-8 aux-amax layout, SPEC §2)."""
+    """[ceil(M/8), ceil(N/tile_n), 8] in x's dtype (the blocked-8 aux-amax layout, semantics §2.4)."""
     rows, cols = x.shape
     return x.new_empty((ceil_div(rows, AUX_AMAX_ROW_GROUP), ceil_div(cols, tile_n), AUX_AMAX_ROW_GROUP))
 
@@ -49,7 +49,7 @@ def routing_outputs(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tens
 def align_block_size_outputs(
     topk_ids: torch.Tensor, block_m: int, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The route plan, sized statically from (T, k, E, block_m) (SPEC §5): sorted_token_ids int32
+    """The route plan, sized statically from (T, k, E, block_m) (semantics §5.1): sorted_token_ids int32
     [capacity], expert_ids int32 [capacity / block_m], num_tokens_post_padded int32 [1]."""
     capacity = route_plan_capacity(topk_ids.numel(), num_experts, block_m)
     return (

@@ -1,4 +1,4 @@
-"""Host-side argument checks (SPEC §6), shared by the real implementations and the fakes.
+"""Host-side argument checks (semantics §6), shared by the real implementations and the fakes.
 
 They read only metadata (dtype, shape, device), never device data, so they are safe under
 torch.compile tracing and CUDA-graph capture. Exception types: TypeError for dtypes, ValueError for
@@ -163,7 +163,7 @@ def check_tile_amax(x: torch.Tensor, tile_n: int) -> None:
         raise ValueError(f"tile_n must be >= 1, got {tile_n}")
 
 
-# --- Routing (SPEC §3.1) -----------------------------------------------------------------------
+# --- Routing (semantics §3.1) ------------------------------------------------------------------
 
 ROUTER_LOGITS_DTYPES = ACTIVATION_DTYPES
 
@@ -214,7 +214,7 @@ def check_route_deepseek_v3(
     check_finite_fp32("routed_scaling_factor", routed_scaling_factor)
 
 
-# --- Aligned fused MoE and its route plan (SPEC §5) --------------------------------------------
+# --- Aligned fused MoE and its route plan (semantics §5) ---------------------------------------
 
 INT32_MAX = 2**31 - 1
 ALIGNED_MOE_DIM_MULTIPLE = 256
@@ -230,7 +230,7 @@ ALIGNED_MOE_ROW_STRIDED = ("out", "hidden", "hidden_scales")
 
 def route_plan_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Static length of `sorted_token_ids` for `num_pairs = T*k` routed pairs and `num_experts` local
-    experts: the worst case `T*k + E*(block_m - 1)` of SPEC §5 (every expert ends in a partial block)
+    experts: the worst case `T*k + E*(block_m - 1)` of semantics §5.1 (every expert ends in a partial block)
     rounded up to whole blocks, so that `expert_ids` has exactly `capacity / block_m` entries."""
     return round_up(num_pairs + num_experts * (block_m - 1), block_m)
 
@@ -297,7 +297,7 @@ def check_aligned_moe(
     *,
     real_storage: bool,
 ) -> None:
-    """The contract of `aligned_moe_` (SPEC §5). The real op passes `real_storage=True` to add the
+    """The contract of `aligned_moe_` (semantics §5.5). The real op passes `real_storage=True` to add the
     checks that need addresses, which fakes do not have: 16-byte aligned vector operands, and `out`
     (written while the inputs are still being read) overlapping no other tensor argument."""
     tensors = {
@@ -396,7 +396,7 @@ def _check_aligned_moe_storage(tensors: dict[str, torch.Tensor]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# MoE pipeline stages and fused_moe (SPEC §3)
+# MoE pipeline stages and fused_moe (semantics §3)
 # ---------------------------------------------------------------------------------------------------
 MOE_QUANT_MODES = ("w4a4", "w4a16")
 MOE_ACTIVATIONS = ("swiglu", "relu2")

@@ -1,4 +1,4 @@
-"""Schemas and CPU/CUDA registrations of the aligned fused MoE and its route-plan op (SPEC §5).
+"""Schemas and CPU/CUDA registrations of the aligned fused MoE and its route-plan op (semantics §5).
 
 Every device runs the pure-torch reference (`fp4moe.reference.aligned_moe`) until a kernel is
 registered for it; the semantics are documented there.

@@ -1,4 +1,4 @@
-"""Schemas and CPU/CUDA registrations of the MoE pipeline ops (SPEC §3–4).
+"""Schemas and CPU/CUDA registrations of the MoE pipeline ops (semantics §3–4).
 
 Both devices run the pure-torch reference (`fp4moe.reference.moe`) until the Hopper kernels replace
 the CUDA implementations stage by stage; `fp4moe.dispatch.moe_dispatch` reports the choice.

@@ -1,4 +1,4 @@
-"""Schemas and CPU/CUDA registrations of the NVFP4 quantization ops (SPEC §1–2)."""
+"""Schemas and CPU/CUDA registrations of the NVFP4 quantization ops (semantics §1–2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Schemas and CPU/CUDA registrations of the routing ops (SPEC §3.1).
+"""Schemas and CPU/CUDA registrations of the routing ops (semantics §3.1).
 
 Both devices run the pure-torch reference (`fp4moe.reference.routing`) until routing kernels exist.
 Outputs: `topk_ids` int32 [T, top_k] (global expert ids) and `topk_weights` fp32 [T, top_k], slots in

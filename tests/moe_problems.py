@@ -1,4 +1,4 @@
-"""Random MoE problems and an independent per-(token, slot) loop reference of SPEC §3.
+"""Random MoE problems and an independent per-(token, slot) loop reference of semantics §3.
 
 The loop reference shares only the quantizer ops with fp4moe (they are tested bitwise on their own);
 the permutation, the GEMMs (FP64 over dequantized values), the epilogues and the reduction are
@@ -99,7 +99,7 @@ def _dequant(codes, scales):
 
 
 def loop_reference(p: MoEProblem) -> torch.Tensor:
-    """bf16 [T, H]: SPEC §3 one (token, slot) pair at a time, FP64 products, FP32 epilogue order."""
+    """bf16 [T, H]: semantics §3 one (token, slot) pair at a time, FP64 products, FP32 epilogue order."""
     w = p.weights
     w1_alpha, w2_alpha = p.alphas
     tokens, top_k = p.topk_ids.shape

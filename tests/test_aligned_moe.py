@@ -1,4 +1,4 @@
-"""The aligned fused MoE (SPEC §5) and its route-plan op, against loop references written here.
+"""The aligned fused MoE (semantics §5) and its route-plan op, against loop references written here.
 
 Inputs are built directly as NVFP4 codes and E4M3 scales (fresh random bytes, never zeros). `hidden`
 and `w1` use power-of-two block scales in [1/2, 2]: every product of two dequantized values is then a
@@ -135,7 +135,7 @@ def dequantize(codes, scales):
 
 
 def requantize(act):
-    """SPEC §1 block math with gs = 1, literally: sf = e4m3(bmax * RN(1/6)), s = RN(1/sf),
+    """semantics §1.5 block math with gs = 1, literally: sf = e4m3(bmax * RN(1/6)), s = RN(1/sf),
     q = nearest E2M1 value of RN(x * s), ties to the even code; returns q * sf in FP64."""
     blocks = act.view(-1, 16)
     one_sixth = torch.tensor(1.0) / torch.tensor(6.0)
@@ -152,7 +152,7 @@ def requantize(act):
 
 def loop_reference(problem, topk_ids, out, offset=0, routed_scaling_factor=ROUTED_SCALING_FACTOR):
     """Per routed pair (t, j) with a local expert: GEMMs in FP64 over exact dequantized values, FP32
-    only where SPEC §5 rounds (the scaled gate/up, the activation, its requantization).
+    only where semantics §5.3 rounds (the scaled gate/up, the activation, its requantization).
 
     Returns (expected FP64 [M, K], magnitude [M, K]) where `magnitude` sums the absolute values of
     everything the op adds in FP32, for the error bound."""

@@ -187,7 +187,7 @@ def test_gemm_stages_match_per_row_loops():
 
 
 # ---------------------------------------------------------------------------------------------------
-# Dispatch (SPEC §4)
+# Dispatch (semantics §4)
 # ---------------------------------------------------------------------------------------------------
 def test_dispatch_pins_the_per_token_path_at_three_and_four_tokens():
     assert dispatch.AUX_AMAX_MIN_TOKENS == 4

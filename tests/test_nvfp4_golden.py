@@ -1,4 +1,4 @@
-"""Hand-written golden cases for every corner of the NVFP4 format (SPEC §1–2).
+"""Hand-written golden cases for every corner of the NVFP4 format (semantics §1–2).
 
 Expected values are worked out by hand (or with numpy float32, an arithmetic independent of the code
 under test), never produced by fp4moe itself.

@@ -1,7 +1,7 @@
 """The Hopper CuTe DSL quantizers against the reference, bit for bit, on the GPU.
 
 Every comparison is bitwise (codes, E4M3 scales and FP32 per-token scales, NaN payloads included):
-the SPEC fixes every rounding, so there is no tolerance to justify. Inputs are fresh random data
+docs/semantics.md fixes every rounding, so there is no tolerance to justify. Inputs are fresh random data
 spanning many magnitudes (never all zeros), plus rows of NaN, ±inf, ±0, subnormals and extremes.
 Outputs are poisoned before the kernels write them, through the `*_into` entry points.
 """

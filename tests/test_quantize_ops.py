@@ -217,7 +217,7 @@ def test_dequantize_defaults_to_bfloat16():
 
 
 # ---------------------------------------------------------------------------------------------------
-# Malformed calls: each raises the SPEC §6 exception type with a message naming the argument
+# Malformed calls: each raises the semantics §6 exception type with a message naming the argument
 # ---------------------------------------------------------------------------------------------------
 _X = torch.randn(16, 64, dtype=torch.bfloat16)
 _GS = torch.tensor([1.0])

@@ -328,7 +328,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_per_token(
       args.tensor(codes);
       args.tensor(block_scales);
       args.tensor(per_token_scale);
-      // RN(1 / global_scale_inv) in FP32, global_scale_inv first rounded to FP32 (SPEC §2).
+      // RN(1 / global_scale_inv) in FP32, global_scale_inv first rounded to FP32 (semantics §2.2).
       args.float32(1.0f / static_cast<float>(global_scale_inv));
       args.optional_tensor(input_amax);
       args.optional_tensor(input_amax_valid_rows);

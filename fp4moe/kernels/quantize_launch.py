@@ -137,7 +137,7 @@ def _vector_rows(x: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _per_token_numerator(global_scale_inv: float) -> float:
-    """RN(1 / global_scale_inv) in FP32, with global_scale_inv first rounded to FP32 (SPEC §2)."""
+    """RN(1 / global_scale_inv) in FP32, with global_scale_inv first rounded to FP32 (semantics §2.2)."""
     with np.errstate(over="ignore", divide="ignore"):
         return float(np.float32(1.0) / np.float32(global_scale_inv))
 

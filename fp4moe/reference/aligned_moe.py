@@ -1,4 +1,4 @@
-"""Reference aligned fused MoE (SPEC §5, AlphaMoE semantics) and the route plan it consumes.
+"""Reference aligned fused MoE (semantics §5, AlphaMoE style) and the route plan it consumes.
 
 Both functions are vectorized torch with no host reads of device data and no data-dependent
 allocation, so they run unchanged under torch.compile and inside CUDA graphs. Inputs are assumed
@@ -23,7 +23,7 @@ Aligned MoE arithmetic, each step one FP32 rounding unless stated otherwise:
    the correctly rounded FP32 SiLU (unless the FP64 value falls within ~2^-50 of an FP32 rounding
    midpoint), the same on every device. Kernels evaluate SiLU in FP32 and may differ by an ulp,
    which survives the requantization only where `act` sits on an E2M1 or E4M3 rounding boundary.
-4. Requantize `act` to NVFP4 per 16 columns with the SPEC §1 block math at `gs = 1`:
+4. Requantize `act` to NVFP4 per 16 columns with the semantics §1.5 block math at `gs = 1`:
    `sf = e4m3(RN(bmax * RN(1/6)))` (maxNum `bmax`); if `sf == 0` all codes are +0, else
    `s = RN(1 / float(sf))` and `q_i = e2m1(RN(act_i * s))` (nearest, ties to even, saturating);
    `act_q = e2m1(q) * float(sf)` (exact).

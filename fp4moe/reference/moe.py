@@ -1,13 +1,14 @@
 """Reference MoE stages: the permutation plan, the two grouped GEMMs with their epilogues, the
-deterministic finalize, and the whole `fused_moe` pipeline (SPEC §3–4).
+deterministic finalize, and the whole `fused_moe` pipeline (semantics §3–4).
 
 Everything is static-shaped torch on the device: no host reads of routing data, no data-dependent
 allocation, so the reference itself runs inside CUDA graphs and compiled graphs. Inputs are assumed
 validated (`fp4moe.validation`); outputs come from `fp4moe.op_outputs`, the allocators the fakes use.
 
-GEMM arithmetic: NVFP4 operands are decoded exactly (`e2m1 * sf` is exact, SPEC §3.8) and multiplied
-in FP64, then rounded once to the FP32 accumulator, so the reference is at least as exact as any FP32
-accumulation order a kernel may choose. The epilogues then follow the SPEC's FP32 operation order.
+GEMM arithmetic: NVFP4 operands are decoded exactly (`e2m1 * sf` is exact, semantics §3.8) and
+multiplied in FP64, then rounded once to the FP32 accumulator, so the reference is at least as exact
+as any FP32 accumulation order a kernel may choose. The epilogues then follow the FP32 operation order
+of semantics §3.3-3.7.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def _gather_pairs(values: torch.Tensor, permuted_to_pair: torch.Tensor, divisor:
 
 
 def apply_activation(y, activation, swiglu_alpha, swiglu_beta, swiglu_limit):
-    """SPEC §3.3 on FP32 GEMM1 outputs: `[gate; up]` halves for SwiGLU, `relu(y)^2` for relu2."""
+    """semantics §3.3 on FP32 GEMM1 outputs: `[gate; up]` halves for SwiGLU, `relu(y)^2` for relu2."""
     if activation == "relu2":
         return torch.relu(y).square()
     intermediate = y.shape[1] // 2
@@ -244,7 +245,7 @@ def fused_moe(
     num_local_experts,
     x_scales,
 ):
-    """SPEC §3: plan, activation quantization, GEMM1 (+ epilogue), intermediate quantization on the
+    """semantics §3.9: plan, activation quantization, GEMM1 (+ epilogue), intermediate quantization on the
     host-chosen path, GEMM2 and finalize. Returns bf16 [T, H]."""
     num_tokens, top_k = topk_ids.shape
     plan = dispatch.moe_dispatch(num_tokens, top_k, w1.shape[0], quant_mode, per_token_activation)

@@ -1,4 +1,4 @@
-"""Reference NVFP4 activation quantizers, dequantization and the aux-amax producer (SPEC §1–2).
+"""Reference NVFP4 activation quantizers, dequantization and the aux-amax producer (semantics §1–2).
 
 Inputs are assumed validated (`fp4moe.validation`); outputs are written into tensors from
 `fp4moe.op_outputs`, the same allocators the fakes use.

@@ -1,4 +1,4 @@
-"""Reference routing (SPEC §3.1): softmax top-k and DeepSeek-V3 grouped sigmoid routing.
+"""Reference routing (semantics §3.1): softmax top-k and DeepSeek-V3 grouped sigmoid routing.
 
 Inputs are assumed validated (`fp4moe.validation`); outputs are written into tensors from
 `fp4moe.op_outputs.routing_outputs`, the allocator the fakes use.

@@ -1,6 +1,6 @@
 """Device-side NVFP4 numerics for the sm_90 CuTe DSL kernels: the counterparts of `fp4moe.nvfp4`.
 
-Every function here reproduces one step of the SPEC §1 block math bit for bit. They are written as
+Every function here reproduces one step of the semantics §1.5 block math bit for bit. They are written as
 inline PTX on purpose:
 
 - FP32 arithmetic carries an explicit `.rn` rounding modifier (`mul.rn`, `add.rn`, `sub.rn`). PTX
@@ -204,7 +204,7 @@ def e4m3_to_f32(bits, *, loc=None, ip=None) -> Float32:
 #     at 2^22 is 0.5 and the hardware adder rounds ties to even (0.25 -> 0, 0.75 -> 1.0); the code is
 #     the number of ulps above 2^22. A NaN is routed here (the >= 1 test is false for it) and
 #     max(NaN, 0) turns it into 0.
-# The sign bit becomes code bit 3, except for NaN, which encodes as +0 (SPEC §1).
+# The sign bit becomes code bit 3, except for NaN, which encodes as +0 (semantics §1.1).
 _ENCODE_E2M1 = (
     "{ .reg .b32 mag, kept, big, small, sign; .reg .f32 absval, fine; .reg .pred is_big, is_nan;"
     " and.b32 mag, $1, 0x7FFFFFFF;"
@@ -314,7 +314,7 @@ _E2M1_SCALED_ERROR = (
 @dsl_user_op
 def e2m1_scaled_error(biased_code, negated_large_scale, scaled_magnitude, *, loc=None, ip=None) -> Float32:
     """RN(scaled_magnitude - |e2m1(code)| * scale) for an `encode_e2m1_magnitude_biased` result, given
-    -scale / `E2M1_AS_FLOAT16_SCALE` (scale an E4M3 value): the 4-over-6 difference of SPEC §2, on
+    -scale / `E2M1_AS_FLOAT16_SCALE` (scale an E4M3 value): the 4-over-6 difference of semantics §2.3, on
     magnitudes."""
     return _ptx(
         "f", _E2M1_SCALED_ERROR, "rff", biased_code, negated_large_scale, scaled_magnitude, loc=loc, ip=ip

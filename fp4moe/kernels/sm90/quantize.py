@@ -450,7 +450,7 @@ class QuantizeSm90:
 
     @cute.jit
     def _quantize_block(self, frag, block_max, has_nan, global_scale, sf_factor, inv_global_scale):
-        """(two packed code words, E4M3 scale bits) of one block: SPEC §1 block math (+ 4-over-6)."""
+        """(two packed code words, E4M3 scale bits) of one block: semantics §1.5 block math (+ 4-over-6, §2.3)."""
         values = self._block_values(frag)
         unrounded_sf6, scale_bits, block_scale = self._block_scale(block_max, sf_factor)
         if const_expr(self.four_over_six == "off"):
