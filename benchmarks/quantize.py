@@ -51,7 +51,7 @@ from benchmarks.progress import Progress
 from benchmarks.timing import PreparedCall, cycled, time_interleaved
 from fp4moe import nvfp4
 from fp4moe.kernels import host_launcher
-from fp4moe.kernels import quantize_launch as launch
+from fp4moe.kernels.sm90 import quantize_launch as launch
 from fp4moe.op_outputs import quantize_per_token_outputs
 from fp4moe.reference import quantize as reference
 

@@ -7,6 +7,8 @@ The decisions are public functions so that users and tests can observe them.
 from __future__ import annotations
 
 import functools
+import importlib
+import os
 from typing import NamedTuple
 
 import torch
@@ -23,11 +25,28 @@ LEGACY_PATH = "legacy"
 REFERENCE_BACKEND = "reference"
 """The pure-torch backend in `fp4moe.reference` (CPU and CUDA)."""
 CUTE_SM90_BACKEND = "cute_sm90"
-"""The CuTe DSL kernels for Hopper in `fp4moe.kernels.sm90` (host side: `fp4moe.kernels.quantize_launch`)."""
+"""The CuTe DSL kernels for Hopper in `fp4moe.kernels.sm90`."""
+BACKEND_BY_COMPUTE_MAJOR = {9: CUTE_SM90_BACKEND}
+"""CUDA compute-capability major -> the kernel backend built for it; other GPUs run the reference."""
+ARCH_BY_BACKEND = {CUTE_SM90_BACKEND: "sm_90a"}
+"""The CuTe DSL compile target of each kernel backend."""
+BACKEND_VARIABLE = "FP4MOE_BACKEND"
+"""`FP4MOE_BACKEND=reference` runs the reference backend everywhere (debugging, comparisons);
+unset or `auto`, each device runs the backend built for it."""
+BACKEND_OVERRIDES = ("auto", REFERENCE_BACKEND)
+
+KERNEL_MODULES = {
+    ("quantize", REFERENCE_BACKEND): "fp4moe.reference.quantize",
+    ("quantize", CUTE_SM90_BACKEND): "fp4moe.kernels.sm90.quantize_launch",
+    ("moe", REFERENCE_BACKEND): "fp4moe.reference.moe",
+    ("moe", CUTE_SM90_BACKEND): "fp4moe.kernels.sm90.moe_launch",
+}
+"""(kernel family, backend) -> the module implementing that family's stage functions. Adding a
+kernel backend for a family is one module and one entry here."""
 
 
 def per_token_quant_path(num_tokens: int) -> str:
-    """The per-token intermediate quantization path for a host-known token count (semantics §4.1)."""
+    """The per-token intermediate quantization path for a host-known token count (semantics §4)."""
     return AUX_AMAX_PATH if num_tokens >= AUX_AMAX_MIN_TOKENS else LEGACY_PATH
 
 
@@ -36,19 +55,37 @@ def _compute_capability_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
-def quantize_backend(device: torch.device) -> str:
-    """The backend that runs the quantization ops on `device`.
+def _override() -> str:
+    value = os.environ.get(BACKEND_VARIABLE, "auto")
+    if value not in BACKEND_OVERRIDES:
+        raise ValueError(f"{BACKEND_VARIABLE} must be one of {BACKEND_OVERRIDES}, got {value!r}")
+    return value
+
+
+def device_backend(device) -> str:
+    """The architecture switch: the kernel backend that serves `device` (a torch.device or a string).
 
     CUDA devices of compute capability 9.x (Hopper) run the CuTe DSL kernels (`CUTE_SM90_BACKEND`);
-    configurations those kernels do not cover raise NotImplementedError there rather than falling
-    back. Every other device — CPU, and CUDA architectures without kernels yet — runs the reference
-    backend: its torch ops run anywhere and are the oracle the kernels are tested against.
+    a configuration those kernels do not cover raises NotImplementedError there rather than falling
+    back. Every other device — CPU, CUDA architectures without kernels — runs the reference backend,
+    whose torch ops run anywhere and are the oracle the kernels are tested against.
+    `FP4MOE_BACKEND=reference` forces the reference everywhere.
     """
-    if device.type == "cuda":
-        index = torch.cuda.current_device() if device.index is None else device.index
-        if _compute_capability_major(index) == 9:
-            return CUTE_SM90_BACKEND
-    return REFERENCE_BACKEND
+    device = torch.device(device)
+    if _override() == REFERENCE_BACKEND or device.type != "cuda":
+        return REFERENCE_BACKEND
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return BACKEND_BY_COMPUTE_MAJOR.get(_compute_capability_major(index), REFERENCE_BACKEND)
+
+
+def quantize_backend(device) -> str:
+    """The backend that runs the quantization ops on `device` (`device_backend`)."""
+    return device_backend(device)
+
+
+def kernel_module(family: str, backend: str):
+    """The module of `backend`'s stage functions for a kernel family (`KERNEL_MODULES`)."""
+    return importlib.import_module(KERNEL_MODULES[(family, backend)])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -63,13 +100,19 @@ AUX_AMAX_TILE_N = 128
 
 
 class MoEDispatch(NamedTuple):
-    """Everything `fused_moe` decides on the host, from shapes and flags alone."""
+    """Everything `fused_moe` decides on the host, from shapes, flags and the device alone."""
 
     per_token_path: str | None
     """`aux_amax` or `legacy` for per-token W4A4; None when activations are not per-token."""
     tile_m: int
     aux_amax_tile_n: int
-    backend: str
+    plan: str
+    """Backend of the permutation plan (and, for the fused finalize, the accumulator's zeroing)."""
+    quantize: str | None
+    """Backend of the activation and intermediate quantization (W4A4 only)."""
+    gemm1: str
+    gemm2: str
+    finalize: str
 
 
 def moe_tile_m(num_tokens: int, top_k: int, num_local_experts: int) -> int:
@@ -78,12 +121,25 @@ def moe_tile_m(num_tokens: int, top_k: int, num_local_experts: int) -> int:
     return next((t for t in MOE_TILE_M_CHOICES if t >= expected_rows), MOE_TILE_M_CHOICES[-1])
 
 
-def moe_dispatch(num_tokens: int, top_k: int, num_local_experts: int, quant_mode: str, per_token_activation: bool):
-    """The host-static choices of `fused_moe` for these shapes (semantics §4). Reads no device data."""
+def moe_dispatch(
+    num_tokens: int, top_k: int, num_local_experts: int, quant_mode: str, per_token_activation: bool, device="cpu"
+) -> MoEDispatch:
+    """The host-static choices of `fused_moe` for these shapes on `device` (semantics §4): the
+    per-token path, the plan tile, and the backend of every stage. Reads no device data.
+
+    On a kernel backend (`device_backend`) every stage runs its kernels except the GEMMs of W4A4,
+    which have none yet and run the reference GEMMs (torch ops on the device).
+    """
     per_token = quant_mode == "w4a4" and per_token_activation
+    backend = device_backend(device)
+    gemm = backend if quant_mode == "w4a16" else REFERENCE_BACKEND
     return MoEDispatch(
         per_token_path=per_token_quant_path(num_tokens) if per_token else None,
         tile_m=moe_tile_m(num_tokens, top_k, num_local_experts),
         aux_amax_tile_n=AUX_AMAX_TILE_N,
-        backend=REFERENCE_BACKEND,
+        plan=backend,
+        quantize=backend if quant_mode == "w4a4" else None,
+        gemm1=gemm,
+        gemm2=gemm,
+        finalize=backend,
     )

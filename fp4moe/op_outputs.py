@@ -129,6 +129,7 @@ def moe_finalize_output(expanded: torch.Tensor, top_k: int, out_dtype: torch.dty
     return expanded.new_empty((expanded.shape[0] // top_k, expanded.shape[1]), dtype=out_dtype)
 
 
-def fused_moe_output(x: torch.Tensor, w2: torch.Tensor):
-    """bf16 [T, H] (x may be bf16 or NVFP4 codes; H comes from w2)."""
-    return x.new_empty((x.shape[0], w2.shape[1]), dtype=torch.bfloat16)
+def fused_moe_output(x: torch.Tensor, x_scales: torch.Tensor | None):
+    """bf16 [T, H]: H is x's width (bf16) or twice it (NVFP4 codes, with x_scales)."""
+    hidden = x.shape[1] if x_scales is None else 2 * x.shape[1]
+    return x.new_empty((x.shape[0], hidden), dtype=torch.bfloat16)

@@ -557,20 +557,76 @@ def check_moe_finalize(expanded, pair_to_permuted, top_k, out_dtype) -> None:
         raise TypeError(f"out_dtype must be one of ({', '.join(str(d) for d in ACTIVATION_DTYPES)}), got {out_dtype}")
 
 
+def check_prepared_weights(prefix: str, w, scales, alpha, anchor_name: str, anchor) -> tuple:
+    """Expert weights in the sm90 prepared layout (`fp4moe.weight_layout`): codes uint8
+    `[E, J, T, 2048]`, scales uint8 `[E, J, T, 256]`, FP32 alpha `[E]`. Returns (E, rows, K) padded."""
+    from fp4moe import weight_layout
+
+    check_dtype(f"{prefix} (weight_layout='sm90')", w, (torch.uint8,))
+    check_dim(f"{prefix} (weight_layout='sm90')", w, 4)
+    experts, row_blocks, k_tiles, code_bytes = w.shape
+    if experts < 1 or row_blocks < 1 or k_tiles < 1 or code_bytes != weight_layout.CODE_BYTES:
+        raise ValueError(
+            f"{prefix} (weight_layout='sm90') must be [E, rows/64, K/64, {weight_layout.CODE_BYTES}] from "
+            f"MoEWeights.prepared(), got {tuple(w.shape)}"
+        )
+    check_dtype(f"{prefix}_scales (weight_layout='sm90')", scales, (torch.uint8,))
+    check_shape(f"{prefix}_scales (weight_layout='sm90')", scales, (experts, row_blocks, k_tiles, weight_layout.SCALE_BYTES))
+    check_dtype(f"{prefix}_alpha", alpha, (torch.float32,))
+    check_shape(f"{prefix}_alpha", alpha, (experts,))
+    for name, tensor in ((prefix, w), (f"{prefix}_scales", scales), (f"{prefix}_alpha", alpha)):
+        check_same_device(name, tensor, anchor_name, anchor)
+    return experts, row_blocks * weight_layout.ROW_BLOCK, k_tiles * weight_layout.K_TILE
+
+
+def _check_prepared_moe_weights(w1, w1_scales, w1_alpha, w2, w2_scales, w2_alpha, activation, hidden, anchor):
+    """The prepared w1 / w2 pair of a layer of hidden size `hidden`; returns E."""
+    from fp4moe import weight_layout
+
+    experts, rows1, k1 = check_prepared_weights("w1", w1, w1_scales, w1_alpha, "topk_ids", anchor)
+    experts2, rows2, k2 = check_prepared_weights("w2", w2, w2_scales, w2_alpha, "topk_ids", anchor)
+    intermediate = rows1 // 2 if activation == "swiglu" else rows1
+    expected = {
+        "w1 K": (k1, weight_layout.prepared_k(hidden)),
+        "w2 experts": (experts2, experts),
+        "w2 rows": (rows2, weight_layout.prepared_rows(hidden, gated=False)),
+        "w2 K": (k2, weight_layout.prepared_k(intermediate)),
+    }
+    for what, (got, want) in expected.items():
+        if got != want:
+            raise ValueError(
+                f"prepared weights do not match a layer with H = {hidden} and padded I = {intermediate} "
+                f"({activation}): {what} is {got}, expected {want}"
+            )
+    if activation == "swiglu" and rows1 % weight_layout.ROW_MULTIPLE:
+        raise ValueError(f"prepared SwiGLU w1 must have a multiple of {weight_layout.ROW_MULTIPLE} rows, got {rows1}")
+    return experts
+
+
 def check_fused_moe(
     x, topk_ids, topk_weights, w1, w1_scales, w1_alpha, w2, w2_scales, w2_alpha, fc1_input_scale, fc2_input_scale,
     quant_mode, per_token_activation, activation, swiglu_alpha, swiglu_beta, swiglu_limit,
-    apply_router_weight_on_input, deterministic, local_expert_offset, num_local_experts, x_scales,
+    apply_router_weight_on_input, deterministic, local_expert_offset, num_local_experts, x_scales, weight_layout,
 ) -> None:
+    from fp4moe.weight_layout import LINEAR, WEIGHT_LAYOUTS
+
     check_choice("quant_mode", quant_mode, MOE_QUANT_MODES)
+    check_choice("weight_layout", weight_layout, WEIGHT_LAYOUTS)
     check_topk(topk_ids, topk_weights)
-    experts, n1, hidden = check_expert_weights("w1", w1, w1_scales, w1_alpha, "topk_ids", topk_ids)
     check_swiglu_parameters(activation, swiglu_alpha, swiglu_beta, swiglu_limit)
-    intermediate = check_gated_rows(activation, n1, "w1")
-    check_expert_weights("w2", w2, w2_scales, w2_alpha, "topk_ids", topk_ids)
-    check_shape("w2", w2, (experts, hidden, intermediate // 2))
     tokens = topk_ids.shape[0]
     check_same_device("x", x, "topk_ids", topk_ids)
+    if weight_layout == LINEAR:
+        experts, n1, hidden = check_expert_weights("w1", w1, w1_scales, w1_alpha, "topk_ids", topk_ids)
+        intermediate = check_gated_rows(activation, n1, "w1")
+        check_expert_weights("w2", w2, w2_scales, w2_alpha, "topk_ids", topk_ids)
+        check_shape("w2", w2, (experts, hidden, intermediate // 2))
+    else:
+        check_dim("x", x, 2)
+        hidden = x.shape[1] if x_scales is None else 2 * x.shape[1]
+        if hidden == 0 or hidden % BLOCK_SIZE:
+            raise ValueError(f"x's hidden size H = {hidden} must be a positive multiple of {BLOCK_SIZE}")
+        experts = _check_prepared_moe_weights(w1, w1_scales, w1_alpha, w2, w2_scales, w2_alpha, activation, hidden, topk_ids)
     if x_scales is None:
         check_dtype("x", x, (torch.bfloat16,))
         check_shape("x", x, (tokens, hidden))

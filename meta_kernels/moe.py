@@ -31,7 +31,7 @@ def moe_finalize(expanded, pair_to_permuted, top_k, out_dtype):
 
 def fused_moe(**args):
     validation.check_fused_moe(**args)
-    return op_outputs.fused_moe_output(args["x"], args["w2"])
+    return op_outputs.fused_moe_output(args["x"], args["x_scales"])
 
 
 for _fake in (moe_plan, moe_gemm1, moe_gemm2, moe_finalize, fused_moe):

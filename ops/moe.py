@@ -1,12 +1,15 @@
 """Schemas and CPU/CUDA registrations of the MoE pipeline ops (semantics §3–4).
 
-Both devices run the pure-torch reference (`fp4moe.reference.moe`) until the Hopper kernels replace
-the CUDA implementations stage by stage; `fp4moe.dispatch.moe_dispatch` reports the choice.
+`fused_moe` is `fp4moe.pipeline.fused_moe`: its stages run on the backends that
+`fp4moe.dispatch.moe_dispatch` reports for the device. `moe_plan` and `moe_finalize` run the device's
+backend (`fp4moe.dispatch.device_backend`); the stage ops `moe_gemm1` and `moe_gemm2` keep the
+reference on every device (their contract takes `linear` weights and returns the reference's
+outputs: they are the pipeline's stages exposed for testing and composition, not its fast path).
 """
 
 from __future__ import annotations
 
-from fp4moe import validation
+from fp4moe import dispatch, pipeline, validation
 from fp4moe.ops.library import BFLOAT16_SCALAR_TYPE, define_op
 from fp4moe.reference import moe as reference
 
@@ -34,14 +37,15 @@ FUSED_MOE_SCHEMA = (
     "Tensor w2, Tensor w2_scales, Tensor w2_alpha, Tensor? fc1_input_scale=None, Tensor? fc2_input_scale=None, "
     'str quant_mode="w4a4", bool per_token_activation=False, str activation="swiglu", float? swiglu_alpha=None, '
     "float? swiglu_beta=None, float? swiglu_limit=None, bool apply_router_weight_on_input=False, "
-    "bool deterministic=False, int local_expert_offset=0, int? num_local_experts=None, Tensor? x_scales=None) "
-    "-> Tensor"
+    "bool deterministic=False, int local_expert_offset=0, int? num_local_experts=None, Tensor? x_scales=None, "
+    'str weight_layout="linear") -> Tensor'
 )
 
 
 def moe_plan(topk_ids, num_local_experts, local_expert_offset, tile_m):
     validation.check_moe_plan(topk_ids, num_local_experts, local_expert_offset, tile_m)
-    return reference.moe_plan(topk_ids, num_local_experts, local_expert_offset, tile_m)
+    backend = dispatch.kernel_module("moe", dispatch.device_backend(topk_ids.device))
+    return backend.moe_plan(topk_ids, num_local_experts, local_expert_offset, tile_m)
 
 
 def moe_gemm1(**args):
@@ -56,12 +60,13 @@ def moe_gemm2(**args):
 
 def moe_finalize(expanded, pair_to_permuted, top_k, out_dtype):
     validation.check_moe_finalize(expanded, pair_to_permuted, top_k, out_dtype)
-    return reference.moe_finalize(expanded, pair_to_permuted, top_k, out_dtype)
+    backend = dispatch.kernel_module("moe", dispatch.device_backend(expanded.device))
+    return backend.moe_finalize(expanded, pair_to_permuted, top_k, out_dtype)
 
 
 def fused_moe(**args):
     validation.check_fused_moe(**args)
-    return reference.fused_moe(**args)
+    return pipeline.fused_moe(**args)
 
 
 for _schema, _impl in (

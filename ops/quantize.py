@@ -30,15 +30,13 @@ TILE_AMAX_SCHEMA = "tile_amax(Tensor x, int tile_n) -> Tensor"
 @functools.cache
 def _backend_module(device: torch.device):
     """The module implementing the quantization ops on `device` (a device with an index: a tensor's)."""
-    backend = dispatch.quantize_backend(device)
-    if backend == dispatch.REFERENCE_BACKEND:
-        return reference
+    backend = dispatch.device_backend(device)
+    module = dispatch.kernel_module("quantize", backend)  # imports the CuTe DSL only where it runs
     if backend == dispatch.CUTE_SM90_BACKEND:
-        from fp4moe.kernels import host_launcher, quantize_launch  # imports the CuTe DSL: only where it runs
+        from fp4moe.kernels import host_launcher
 
         host_launcher.install()
-        return quantize_launch
-    raise NotImplementedError(f"no quantization backend named {backend!r}")
+    return module
 
 
 def _backend_for(x: torch.Tensor):

@@ -197,7 +197,25 @@ def test_dispatch_pins_the_per_token_path_at_three_and_four_tokens():
     assert fp4moe.moe_dispatch(4096, 8, 256, "w4a16", False).per_token_path is None
     assert fp4moe.moe_dispatch(1, 8, 256, "w4a4", True).tile_m == 8
     assert fp4moe.moe_dispatch(4096, 8, 256, "w4a4", True).tile_m == 128
-    assert fp4moe.moe_dispatch(4, 8, 256, "w4a4", True).backend == "reference"
+
+
+def test_dispatch_reports_the_backend_of_every_stage_on_the_cpu():
+    choice = fp4moe.moe_dispatch(4, 8, 256, "w4a4", True, device="cpu")
+    stages = (choice.plan, choice.quantize, choice.gemm1, choice.gemm2, choice.finalize)
+    assert stages == (dispatch.REFERENCE_BACKEND,) * 5
+    assert fp4moe.moe_dispatch(4, 8, 256, "w4a16", False).quantize is None
+
+
+def test_the_backend_override_forces_the_reference(monkeypatch):
+    monkeypatch.setenv(dispatch.BACKEND_VARIABLE, "reference")
+    assert dispatch.device_backend("cpu") == dispatch.REFERENCE_BACKEND
+    monkeypatch.setenv(dispatch.BACKEND_VARIABLE, "fastest")
+    with pytest.raises(ValueError, match="FP4MOE_BACKEND"):
+        dispatch.device_backend("cpu")
+
+
+def test_device_strings_are_accepted():
+    assert fp4moe.quantize_backend("cpu") == dispatch.device_backend(torch.device("cpu")) == dispatch.REFERENCE_BACKEND
 
 
 def _pipeline_with_path(p, path):

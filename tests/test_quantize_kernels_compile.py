@@ -53,7 +53,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     import json, sys
     from pathlib import Path
     import torch
-    from fp4moe.kernels import quantize_launch as launch
+    from fp4moe.kernels.sm90 import quantize_launch as launch
     out = Path(sys.argv[1])
     spec = json.loads(sys.argv[2])
     for i, (dtype, k, layout, mode, source, valid, many, tiles) in enumerate(spec["quantize"]):

@@ -11,7 +11,7 @@ import torch
 
 import fp4moe
 from fp4moe import dispatch, nvfp4
-from fp4moe.kernels import quantize_launch as launch
+from fp4moe.kernels.sm90 import quantize_launch as launch
 from fp4moe.kernels.sm90.quantize import MANY_ELEMENTS, UNROLLED_TILES_PER_LANE, row_tiling
 from fp4moe.nvfp4 import ceil_div
 from fp4moe.op_outputs import (

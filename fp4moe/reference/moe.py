@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from fp4moe import dispatch, nvfp4
+from fp4moe import nvfp4, weight_layout
 from fp4moe.op_outputs import (
     moe_finalize_output,
     moe_gemm1_outputs,
@@ -59,6 +59,16 @@ def moe_plan(topk_ids: torch.Tensor, num_local_experts: int, local_expert_offset
     total_rows = grouping.segment_end[-1]
     totals.copy_(torch.stack((grouping.counts.sum(), total_rows, total_rows // tile_m)))
     return permuted_to_pair, pair_to_permuted, tile_expert, tile_valid_rows, totals
+
+
+def plan(topk_ids, num_local_experts, local_expert_offset, tile_m, accumulator_hidden=None):
+    """The pipeline's plan stage: `moe_plan`'s outputs and, with `accumulator_hidden`, a zeroed FP32
+    accumulator `[T, accumulator_hidden]` for the fused finalize."""
+    outputs = moe_plan(topk_ids, num_local_experts, local_expert_offset, tile_m)
+    accumulator = None
+    if accumulator_hidden is not None:
+        accumulator = topk_ids.new_zeros((topk_ids.shape[0], accumulator_hidden), dtype=torch.float32)
+    return outputs, accumulator
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -167,6 +177,20 @@ def moe_gemm1(
     return out, out_scales, aux_amax
 
 
+def gemm1(
+    a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, layout, top_k,
+    activation, swiglu_alpha, swiglu_beta, swiglu_limit, router_weights, output_global_scale, aux_amax_tile_n,
+):
+    """The pipeline's GEMM1 stage: `moe_gemm1` on weights in either layout (prepared weights are read
+    with their padded intermediate size, whose extra features are exact zeros)."""
+    gated = activation == "swiglu"
+    w1, w1_scales = weight_layout.as_linear(w1, w1_scales, layout, gated=gated, rows=None, k=_input_k(a, a_scales))
+    return moe_gemm1(
+        a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, top_k,
+        activation, swiglu_alpha, swiglu_beta, swiglu_limit, router_weights, output_global_scale, aux_amax_tile_n,
+    )
+
+
 # ---------------------------------------------------------------------------------------------------
 # GEMM2: a @ w2^T, per-expert alpha, per-row scale, router weight, fused or expanded finalize
 # ---------------------------------------------------------------------------------------------------
@@ -184,7 +208,24 @@ def moe_gemm2(
     top_k,
     finalize,
 ):
+    accumulator = None if finalize == "expanded" else a.new_zeros((num_tokens, w2.shape[1]), dtype=torch.float32)
+    y = gemm2(
+        a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w2, w2_scales, w2_alpha, weight_layout.LINEAR,
+        router_weights, num_tokens, top_k, w2.shape[1], accumulator,
+    )
     out = moe_gemm2_output(a, w2, num_tokens, top_k, finalize)
+    out.copy_(y)
+    return out
+
+
+def gemm2(
+    a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w2, w2_scales, w2_alpha, layout,
+    router_weights, num_tokens, top_k, hidden, accumulator,
+):
+    """The pipeline's GEMM2 stage: adds every row's FP32 output into `accumulator` [T, hidden] at its
+    token (fused finalize), or, without one, returns the FP32 [T*k, hidden] per-pair rows (zeros for
+    non-local pairs)."""
+    w2, w2_scales = weight_layout.as_linear(w2, w2_scales, layout, gated=False, rows=hidden, k=_input_k(a, a_scales))
     num_rows = permuted_to_pair.shape[0]
     y = grouped_gemm(decode_activation(a, a_scales), tile_expert, w2, w2_scales)
     y = y * w2_alpha[_row_expert(tile_expert, num_rows)][:, None]
@@ -194,15 +235,19 @@ def moe_gemm2(
         y = y * _gather_pairs(router_weights.reshape(-1), permuted_to_pair, 1)[:, None]
     is_row = permuted_to_pair >= 0
     pair = torch.where(is_row, permuted_to_pair, num_tokens * top_k).long()  # padding -> a dropped slot
-    if finalize == "expanded":
+    if accumulator is None:
         expanded = y.new_zeros((num_tokens * top_k + 1, y.shape[1]))
         expanded.index_copy_(0, pair, y)
-        out.copy_(expanded[:-1])
-    else:
-        accumulated = y.new_zeros((num_tokens + 1, y.shape[1]))
-        accumulated.index_add_(0, torch.where(is_row, pair // top_k, num_tokens), y)
-        out.copy_(accumulated[:-1])
-    return out
+        return expanded[:-1]
+    scratch = torch.cat((accumulator, accumulator.new_zeros((1, accumulator.shape[1]))))
+    scratch.index_add_(0, torch.where(is_row, pair // top_k, num_tokens), y)
+    accumulator.copy_(scratch[:-1])
+    return accumulator
+
+
+def _input_k(a: torch.Tensor, a_scales: torch.Tensor | None) -> int:
+    """K of a GEMM input: bf16 [rows, K] or NVFP4 codes [rows, K/2]."""
+    return a.shape[1] if a_scales is None else 2 * a.shape[1]
 
 
 def moe_finalize(expanded, pair_to_permuted, top_k, out_dtype):
@@ -218,71 +263,9 @@ def moe_finalize(expanded, pair_to_permuted, top_k, out_dtype):
     return out
 
 
-# ---------------------------------------------------------------------------------------------------
-# The whole pipeline
-# ---------------------------------------------------------------------------------------------------
-def fused_moe(
-    x,
-    topk_ids,
-    topk_weights,
-    w1,
-    w1_scales,
-    w1_alpha,
-    w2,
-    w2_scales,
-    w2_alpha,
-    fc1_input_scale,
-    fc2_input_scale,
-    quant_mode,
-    per_token_activation,
-    activation,
-    swiglu_alpha,
-    swiglu_beta,
-    swiglu_limit,
-    apply_router_weight_on_input,
-    deterministic,
-    local_expert_offset,
-    num_local_experts,
-    x_scales,
-):
-    """semantics §3.9: plan, activation quantization, GEMM1 (+ epilogue), intermediate quantization on the
-    host-chosen path, GEMM2 and finalize. Returns bf16 [T, H]."""
-    num_tokens, top_k = topk_ids.shape
-    plan = dispatch.moe_dispatch(num_tokens, top_k, w1.shape[0], quant_mode, per_token_activation)
-    permuted_to_pair, pair_to_permuted, tile_expert, _, totals = moe_plan(
-        topk_ids, w1.shape[0], local_expert_offset, plan.tile_m
-    )
-    w4a4 = quant_mode == "w4a4"
-    a, a_scales, a_pts = x, x_scales, None
-    if w4a4 and x_scales is None:
-        if per_token_activation:
-            a, a_scales, a_pts = reference_quantize.quantize_per_token(
-                x, nvfp4.DEFAULT_GLOBAL_SCALE_INV, "linear", "off", None, None
-            )
-        else:
-            a, a_scales = reference_quantize.quantize(x, fc1_input_scale, "linear", "off")
-
-    router_on_input = topk_weights if apply_router_weight_on_input else None
-    nvfp4_intermediate = w4a4 and not per_token_activation
-    aux_tile_n = plan.aux_amax_tile_n if plan.per_token_path == dispatch.AUX_AMAX_PATH else 0
-    inter, inter_scales, aux_amax = moe_gemm1(
-        a, a_scales, a_pts, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, top_k,
-        activation, swiglu_alpha, swiglu_beta, swiglu_limit, router_on_input,
-        fc2_input_scale if nvfp4_intermediate else None, aux_tile_n,
-    )
-    inter_pts = None
-    if not nvfp4_intermediate:
-        inter_scales = None
-    if w4a4 and per_token_activation:
-        handoff = (aux_amax, totals[1:2].int()) if aux_tile_n else (None, None)
-        inter, inter_scales, inter_pts = reference_quantize.quantize_per_token(
-            inter, nvfp4.DEFAULT_GLOBAL_SCALE_INV, "linear", "off", *handoff
-        )
-
-    router_on_output = None if apply_router_weight_on_input else topk_weights
-    finalize = "expanded" if deterministic else "fused"
-    y = moe_gemm2(
-        inter, inter_scales, inter_pts, permuted_to_pair, tile_expert, w2, w2_scales, w2_alpha,
-        router_on_output, num_tokens, top_k, finalize,
-    )
-    return moe_finalize(y, pair_to_permuted, top_k, torch.bfloat16) if deterministic else y
+def finalize(values, pair_to_permuted, num_tokens, top_k):
+    """The pipeline's last stage: bf16 [T, H] from the fused FP32 accumulator (`pair_to_permuted`
+    None) or from the per-pair rows (deterministic, `moe_finalize`)."""
+    if pair_to_permuted is None:
+        return values.to(torch.bfloat16)
+    return moe_finalize(values, pair_to_permuted, top_k, torch.bfloat16)

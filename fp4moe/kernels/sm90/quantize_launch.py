@@ -28,18 +28,17 @@ import cutlass
 import cutlass.cute as cute
 import numpy as np
 import torch
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
 from fp4moe import nvfp4
 from fp4moe.kernels import host_launcher
+from fp4moe.kernels.sm90.compiler import ARCH, compile_kernel
 from fp4moe.kernels.sm90.quantize import MANY_ELEMENTS, QuantizeSm90
 from fp4moe.kernels.sm90.tile_amax import TileAmaxSm90
 from fp4moe.op_outputs import quantize_outputs, quantize_per_token_outputs, tile_amax_output
 from fp4moe.reference import quantize as reference
 from fp4moe.validation import AUX_AMAX_ROW_GROUP
 
-ARCH_BY_MAJOR = {9: "sm_90a"}
-"""Compute-capability major -> the CuTe DSL target the kernels are compiled for."""
 CUTE_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}
 VECTOR_BYTES = 16
 """Width of one vector load; activation rows are read 16 bytes at a time."""
@@ -47,21 +46,6 @@ MAX_ELEMENTS = 2**31 - 1
 """Kernels index elements with 32-bit integers."""
 
 dequantize = reference.dequantize
-
-
-@functools.cache
-def arch_of(device_index: int) -> str:
-    """The compile target for a CUDA device (NotImplementedError for architectures without kernels)."""
-    major, minor = torch.cuda.get_device_capability(device_index)
-    if major not in ARCH_BY_MAJOR:
-        raise NotImplementedError(f"no CuTe DSL quantization kernels for compute capability {major}.{minor}")
-    return ARCH_BY_MAJOR[major]
-
-
-def _compile(kernel, *fake_args, arch: str):
-    return cute.compile(
-        kernel, *fake_args, make_fake_stream(use_tvm_ffi_env_stream=True), options=f"--enable-tvm-ffi --gpu-arch {arch}"
-    )
 
 
 @functools.cache
@@ -100,7 +84,7 @@ def compile_quantize(
         input_amax = make_fake_compact_tensor(element, amax_shape, stride_order=(2, 1, 0))
     valid_rows = make_fake_compact_tensor(cutlass.Int32, (1,)) if has_valid_rows else None
     kernel = QuantizeSm90(element, k, sf_layout, four_over_six, scale_source, many_rows, amax_tiles)
-    return _compile(
+    return compile_kernel(
         kernel, x, global_scale, codes, block_scales, per_token_scale, numerator, input_amax, valid_rows, arch=arch
     )
 
@@ -114,7 +98,7 @@ def compile_tile_amax(dtype: torch.dtype, n: int, tile_n: int, vector: int, arch
     out = make_fake_compact_tensor(
         element, (cute.sym_int(), nvfp4.ceil_div(n, tile_n), AUX_AMAX_ROW_GROUP), stride_order=(2, 1, 0)
     )
-    return _compile(TileAmaxSm90(element, n, tile_n, vector), x, out, arch=arch)
+    return compile_kernel(TileAmaxSm90(element, n, tile_n, vector), x, out, arch=arch)
 
 
 def _check_size(name: str, tensor: torch.Tensor) -> None:
@@ -161,7 +145,7 @@ def quantize_into(x, global_scale, sf_layout, four_over_six, codes, block_scales
     _check_size("x", x)
     device, many_rows = x.get_device(), _many_rows(x)
     static = (x.dtype, x.shape[1], sf_layout, four_over_six)
-    kernel = compile_quantize(*static, "tensor", False, many_rows, arch_of(device))
+    kernel = compile_quantize(*static, "tensor", False, many_rows, ARCH)
     host_launcher.register(kernel, "quantize", *static, many_rows, device)
     kernel(_vector_rows(x), global_scale.reshape(1), codes, block_scales, None, None, None, None)
 
@@ -198,7 +182,7 @@ def quantize_per_token_into(
         scale_source, amax_tiles = "aux", input_amax.shape[1]
     device, has_valid_rows = x.get_device(), input_amax_valid_rows is not None
     static = (x.dtype, x.shape[1], sf_layout, four_over_six, scale_source, has_valid_rows, _many_rows(x))
-    kernel = compile_quantize(*static, arch_of(device), amax_tiles)
+    kernel = compile_quantize(*static, ARCH, amax_tiles)
     host_launcher.register(kernel, "quantize_per_token", *static, amax_tiles, device)
     kernel(
         _vector_rows(x),
@@ -238,6 +222,6 @@ def tile_amax_into(x: torch.Tensor, tile_n: int, out: torch.Tensor) -> None:
     if x.stride(1) != 1:
         x = _compact_copy(x)
     device, vector = x.get_device(), _tile_vector(x, tile_n)
-    kernel = compile_tile_amax(x.dtype, x.shape[1], tile_n, vector, arch_of(device))
+    kernel = compile_tile_amax(x.dtype, x.shape[1], tile_n, vector, ARCH)
     host_launcher.register(kernel, "tile_amax", x.dtype, x.shape[1], tile_n, vector, device)
     kernel(x, out)

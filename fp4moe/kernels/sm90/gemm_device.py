@@ -1,0 +1,127 @@
+"""Device-side pieces of the sm90 MoE GEMMs: copies, the in-register NVFP4 weight decode, reductions.
+
+The weight decode turns the prepared code words (`fp4moe.weight_layout`) into the bf16 `wgmma` A
+fragment, exactly:
+
+- `decode_pair`: four integer operations per bf16 pair put each E2M1 code's sign on bit 15 and its
+  three magnitude bits on the bf16 exponent / mantissa boundary (bits 6..8). The bf16 read from those
+  bits is the E2M1 value times 2^-126 (0.5 becomes the bf16 subnormal 2^-127).
+- `expand_scale_pair`: two E4M3 block scales (rows g and g + 8) become a bf16 pair equal to
+  `scale * 2^118` through `cvt.rn.f16x2.e4m3x2` (exact: every E4M3 value is a normal f16) and an
+  integer re-bias of the f16 exponent (E4M3 has 3 mantissa bits, so f16 -> bf16 drops only zeros).
+  Zero scales expand to a nonzero value; the prepare step zeroes the codes of such blocks.
+- `scale_pair`: one `mul.rn.bf16x2` per pair multiplies the two, giving `e2m1 * scale * 2^-8`: every
+  E2M1 x E4M3 product is exact in bf16, and the factor 2^-8 keeps it inside the normal range. The
+  epilogue multiplies the FP32 accumulator by `alpha * 2^8` (`WEIGHT_DECODE_EXPONENT`), an exact
+  power-of-two rescaling, so the result equals the reference's `acc * alpha`.
+
+Everything else is inline PTX for instructions the DSL does not expose as plainly: the 1-D bulk copy
+onto an mbarrier, `cp.async` with a zero-fill source size, `red.global.add.f32`.
+"""
+
+from __future__ import annotations
+
+from cutlass import Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+WEIGHT_DECODE_EXPONENT = 8
+"""Decoded weights are `value * 2^-8`; the epilogue scales the accumulator back by `2^8`."""
+SCALE_REBIAS = (112 + 126 - WEIGHT_DECODE_EXPONENT) << 7
+"""Added to an f16 scale shifted right by 3 (per half): the f16 -> bf16 exponent re-bias (112) plus
+the 2^118 that cancels the decode's 2^-126 up to 2^-8."""
+SIGN_BITS = 0x80008000
+MAGNITUDE_BITS = 0x01C001C0
+
+
+def _asm(result_type, ptx: str, constraints: str, operands, side_effects: bool, loc, ip):
+    return llvm.inline_asm(
+        result_type, [v.ir_value(loc=loc, ip=ip) for v in operands], ptx, constraints,
+        has_side_effects=side_effects, loc=loc, ip=ip,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Copies
+# ---------------------------------------------------------------------------------------------------
+@dsl_user_op
+def bulk_copy_to_shared(smem_address, gmem_address, num_bytes, mbarrier_address, *, loc=None, ip=None) -> None:
+    """A 1-D bulk copy (copy engine) of `num_bytes` (a multiple of 16) completing on an mbarrier."""
+    _asm(
+        None,
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+        "r,l,r,r",
+        (Int32(smem_address), Int64(gmem_address), Int32(num_bytes), Int32(mbarrier_address)),
+        True, loc, ip,
+    )
+
+
+@dsl_user_op
+def copy_16_bytes_async(smem_address, gmem_address, source_bytes, *, loc=None, ip=None) -> None:
+    """`cp.async` of 16 bytes bypassing L1; `source_bytes` 0 writes 16 zero bytes without reading."""
+    _asm(
+        None,
+        "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+        "r,l,r",
+        (Int32(smem_address), Int64(gmem_address), Int32(source_bytes)),
+        True, loc, ip,
+    )
+
+
+@dsl_user_op
+def load_shared_v4(smem_address, *, loc=None, ip=None):
+    """Four 32-bit words from a 16-byte aligned shared-memory address."""
+    struct = llvm.StructType.get_literal([T.i32()] * 4)
+    result = _asm(
+        struct, "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", (Int32(smem_address),), False, loc, ip
+    )
+    return tuple(Uint32(llvm.extractvalue(T.i32(), result, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def load_shared_v2(smem_address, *, loc=None, ip=None):
+    """Two 32-bit words from an 8-byte aligned shared-memory address."""
+    struct = llvm.StructType.get_literal([T.i32()] * 2)
+    result = _asm(struct, "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r", (Int32(smem_address),), False, loc, ip)
+    return tuple(Uint32(llvm.extractvalue(T.i32(), result, [i], loc=loc, ip=ip)) for i in range(2))
+
+
+@dsl_user_op
+def reduce_add_f32(gmem_address, value, *, loc=None, ip=None) -> None:
+    """`red.global.add.f32`: an atomic FP32 addition without a returned value."""
+    from cutlass import Float32
+
+    _asm(None, "red.global.add.f32 [$0], $1;", "l,f", (Int64(gmem_address), Float32(value)), True, loc, ip)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Weight decode
+# ---------------------------------------------------------------------------------------------------
+def decode_pair(word: Uint32, pair: int) -> Uint32:
+    """Pair `pair` (0..3) of a prepared code word as two bf16 bit patterns (E2M1 value * 2^-126):
+    the signs shifted onto bits 15 / 31, the magnitudes rotated onto bits 6..8 / 22..24."""
+    signs = word << (13 - pair)
+    magnitudes = word if pair == 0 else (word >> (3 * pair)) | (word << (32 - 3 * pair))
+    return (signs & Uint32(SIGN_BITS)) | (magnitudes & Uint32(MAGNITUDE_BITS))
+
+
+@dsl_user_op
+def expand_scale_pair(scale_word, high_half: bool, *, loc=None, ip=None) -> Uint32:
+    """The two E4M3 scales in the low (or high) 16 bits of `scale_word` (row g in the low byte, row
+    g + 8 in the high byte) as a bf16 pair of `scale * 2^118` (nonzero scales exactly)."""
+    half = "hi" if high_half else "lo"
+    ptx = "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $1; " f"cvt.rn.f16x2.e4m3x2 $0, {half}; }}"
+    f16_pair = Uint32(_asm(T.i32(), ptx, "=r,r", (Uint32(scale_word),), False, loc, ip))
+    return (f16_pair >> 3) + Uint32(SCALE_REBIAS | (SCALE_REBIAS << 16))
+
+
+@dsl_user_op
+def scale_pair(pair, scales, high_lane: bool, *, loc=None, ip=None) -> Uint32:
+    """`pair * scale` in bf16 (exact here), the scale being one lane of `scales` broadcast (ptxas
+    folds the broadcast into the multiply's operand selector)."""
+    lane = "h" if high_lane else "l"
+    ptx = (
+        "{ .reg .b16 l, h; .reg .b32 s; mov.b32 {l, h}, $2; "
+        f"mov.b32 s, {{{lane}, {lane}}}; mul.rn.bf16x2 $0, $1, s; }}"
+    )
+    return Uint32(_asm(T.i32(), ptx, "=r,r,r", (Uint32(pair), Uint32(scales)), False, loc, ip))

@@ -1,0 +1,70 @@
+"""The last MoE stage for Hopper (sm_90a): FP32 expert outputs to the layer output (bf16, or the
+`moe_finalize` op's `out_dtype`).
+
+- ``"fused"``: GEMM2 has reduced every token's slots into an FP32 `[T, H]` accumulator; convert it.
+- ``"deterministic"``: GEMM2 wrote one FP32 row per (token, slot) pair; sum each token's local slots
+  in ascending slot order from +0 in FP32, as `fp4moe.reference.moe.moe_finalize` does, then convert
+  once (bitwise equal to the reference).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, const_expr
+
+from fp4moe.kernels.sm90.pdl import USE_PDL, wait_for_predecessor_and_release_successor
+
+FINALIZE_MODES = ("fused", "deterministic")
+THREADS = 256
+VECTOR = 8
+"""Output elements per thread: one 16-byte bf16 store."""
+
+
+class MoEFinalizeSm90:
+    """One thread per `VECTOR` consecutive outputs of a token row; grid over tokens x row chunks."""
+
+    def __init__(self, mode: str, hidden: int, top_k: int, out_type=BFloat16):
+        assert mode in FINALIZE_MODES and hidden % VECTOR == 0
+        self.mode = mode
+        self.out_type = out_type
+        self.hidden = hidden
+        self.top_k = top_k
+        self.chunks = hidden // VECTOR
+
+    @cute.jit
+    def __call__(
+        self,
+        mIn: cute.Tensor,  # fp32 [T, H] (fused) or [T * k, H] (deterministic)
+        mPairToPermuted: cute.Tensor | None,  # int32 [T * k], deterministic only
+        mOut: cute.Tensor,  # [T, H] of out_type
+        stream,
+    ):
+        vectors = mOut.shape[0] * self.chunks
+        self.kernel(mIn, mPairToPermuted, mOut).launch(
+            grid=[cute.ceil_div(vectors, THREADS), 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=USE_PDL
+        )
+
+    @cute.kernel
+    def kernel(self, mIn, mPairToPermuted, mOut):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        wait_for_predecessor_and_release_successor()
+        index = cta * THREADS + tidx
+        token = index // self.chunks
+        column = (index % self.chunks) * VECTOR
+        if token < mOut.shape[0]:
+            total = cute.make_rmem_tensor((VECTOR,), Float32)
+            if const_expr(self.mode == "fused"):
+                cute.autovec_copy(cute.local_tile(mIn[token, None], (VECTOR,), (column // VECTOR,)), total)
+            else:
+                total.fill(0.0)
+                part = cute.make_rmem_tensor((VECTOR,), Float32)
+                for j in cutlass.range_constexpr(self.top_k):
+                    pair = token * self.top_k + j
+                    if mPairToPermuted[pair] >= 0:
+                        cute.autovec_copy(cute.local_tile(mIn[pair, None], (VECTOR,), (column // VECTOR,)), part)
+                        total.store(total.load() + part.load())
+            out = cute.make_rmem_tensor((VECTOR,), self.out_type)
+            out.store(total.load().to(self.out_type))
+            cute.autovec_copy(out, cute.local_tile(mOut[token, None], (VECTOR,), (column // VECTOR,)))

@@ -1,0 +1,417 @@
+"""Grouped NVFP4-weight x bf16-activation GEMMs of the MoE pipeline for Hopper (sm_90a).
+
+One kernel class serves both projections; `MoEGemmSm90`'s static parameters choose the epilogue:
+
+- ``"gemm1"``: activation rows gathered from the tokens by the plan (`pair // top_k`), then
+  `alpha`, SwiGLU / ReLU2, the router weight when it is applied on input; bf16 intermediate out.
+- ``"gemm2_fused"``: rows are the plan's rows of the intermediate; `alpha`, the router weight, and an
+  FP32 atomic reduction into the token's output row (finalize fused).
+- ``"gemm2_expanded"``: the same, written to the (token, slot) row instead (deterministic finalize).
+
+The weights are the MMA's M side (A, decoded to bf16 in registers) and the plan's rows the N side (B,
+in shared memory), so a decode step with one row per expert is an n8 MMA, not a padded 64-row one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.utils import LayoutEnum
+
+from fp4moe import weight_layout
+from fp4moe.kernels.sm90 import gemm_device as dev
+from fp4moe.kernels.sm90.pdl import USE_PDL, wait_for_predecessor_and_release_successor
+
+EPILOGUES = ("gemm1", "gemm2_fused", "gemm2_expanded")
+WARPGROUP_THREADS = 128
+WARP_SIZE = 32
+CHUNK_ELEMENTS = 8
+"""bf16 elements of one 16-byte activation copy."""
+SHARED_MEMORY_BYTES = 227 * 1024
+"""Opt-in shared memory of one CTA on sm_90."""
+MAX_STAGES = 8
+BARRIER_BYTES = 8
+
+
+def stage_bytes(tile_features: int, tile_rows: int, tile_k: int) -> int:
+    """Shared memory of one pipeline stage: weight codes, scales and the activation tile."""
+    tiles = (tile_features // weight_layout.ROW_BLOCK) * (tile_k // weight_layout.K_TILE)
+    return tiles * (weight_layout.CODE_BYTES + weight_layout.SCALE_BYTES) + tile_rows * tile_k * 2
+
+
+PRODUCER_REGISTERS = 40
+"""Registers per thread of the producer warpgroup (`setmaxnreg`): addresses and loop counters only."""
+
+
+def consumer_registers(tile_features: int, ctas_per_sm: int) -> int:
+    """Registers per consumer thread: what the register file leaves after the producer warpgroup."""
+    consumers = tile_features // 64 * WARPGROUP_THREADS
+    available = 65536 // ctas_per_sm - WARPGROUP_THREADS * PRODUCER_REGISTERS
+    return min(232, available // consumers // 8 * 8)
+
+
+def pipeline_stages(tile_features: int, tile_rows: int, tile_k: int, ctas_per_sm: int) -> int:
+    """As many stages as fit `ctas_per_sm` CTAs in an SM's shared memory, at most `MAX_STAGES`."""
+    budget = SHARED_MEMORY_BYTES // ctas_per_sm - 4096  # barriers, row indices, alignment
+    return max(2, min(MAX_STAGES, budget // stage_bytes(tile_features, tile_rows, tile_k)))
+
+
+class MoEGemmSm90:
+    """`acc[f, r] = sum_k W_e[f, k] * A[src(r), k]` for every used plan tile (`tile_rows` rows of one
+    expert `e`) and every block of `tile_features` output features, then the epilogue.
+
+    Grid: (feature blocks, plan tiles). A CTA whose tile is unused (expert -1) exits at once, so the
+    grid is sized from host-static worst cases while the real tile count lives on the device only.
+
+    Warp roles (`1 + tile_features / 64` warpgroups):
+
+    - warpgroup 0, warp 0 — producer. Per k tile and stage: waits for the stage to be free (`empty`),
+      issues one 1-D bulk copy per 64-row block for the prepared weight codes and one for their scales
+      (`full` expects their bytes), and `cp.async` copies of the tile's activation rows into the
+      swizzled K-major B tile (rows past the plan's, or columns past K, zero-filled without a read),
+      whose completion also arrives on `full` (`cp.async.mbarrier.arrive.noinc`, one per lane).
+      The other three warps of warpgroup 0 have nothing to do and exit.
+    - warpgroups 1.. — consumers, one 64-row block of features each. Per k tile: wait on `full`, load
+      the thread's code words (16 bytes per 64 K) and scales (8 bytes) from shared memory, decode them
+      into the A fragment (`gemm_device`), `wgmma` RS against the B tile, commit; wait for the previous
+      k tile's `wgmma` and release its stage (`empty`, one arrival per warp). A fragments alternate
+      between two register sets (k tiles unrolled by two) so decoding tile k + 1 overlaps the
+      tensor-core work of tile k.
+
+    Epilogue (consumers, straight from the accumulators): the FP32 accumulator times
+    `alpha[e] * 2^8` (the decode's `2^-8`, `gemm_device`), then per `epilogue`.
+    """
+
+    def __init__(
+        self,
+        *,
+        epilogue: str,
+        num_experts: int,
+        prepared_rows: int,
+        prepared_k: int,
+        act_k: int,
+        out_features: int,
+        tile_features: int,
+        tile_rows: int,
+        tile_k: int,
+        stages: int,
+        ctas_per_sm: int,
+        top_k: int,
+        activation: str = "swiglu",
+        swiglu_alpha: float | None = None,
+        swiglu_beta: float | None = None,
+        swiglu_limit: float | None = None,
+        router_weighted: bool = False,
+    ):
+        assert epilogue in EPILOGUES
+        assert tile_features in (64, 128) and prepared_rows % tile_features == 0
+        assert tile_k in (64, 128) and prepared_k % tile_k == 0 and act_k <= prepared_k
+        assert tile_rows % 8 == 0 and 8 <= tile_rows <= 256
+        self.epilogue = epilogue
+        self.num_experts = num_experts
+        self.row_blocks = prepared_rows // weight_layout.ROW_BLOCK
+        self.k_tiles64 = prepared_k // weight_layout.K_TILE
+        self.act_k = act_k
+        self.out_features = out_features
+        self.tile_features = tile_features
+        self.tile_rows = tile_rows
+        self.tile_k = tile_k
+        self.stages = stages
+        self.ctas_per_sm = ctas_per_sm
+        self.top_k = top_k
+        self.activation = activation
+        self.swiglu = (swiglu_alpha, swiglu_beta, swiglu_limit)
+        self.router_weighted = router_weighted
+        self.consumer_groups = tile_features // weight_layout.ROW_BLOCK
+        self.threads = WARPGROUP_THREADS * (1 + self.consumer_groups)
+        self.k_iterations = prepared_k // tile_k
+        self.k64_per_tile = tile_k // weight_layout.K_TILE
+        self.k16_per_tile = tile_k // 16
+        self.code_bytes = self.k64_per_tile * weight_layout.CODE_BYTES
+        self.scale_bytes = self.k64_per_tile * weight_layout.SCALE_BYTES
+        self.chunks_per_row = tile_k // CHUNK_ELEMENTS
+        self.chunks_per_lane = tile_rows * self.chunks_per_row // WARP_SIZE
+
+    @cute.jit
+    def __call__(
+        self,
+        mCodes: cute.Tensor,  # uint8 [E, J, K/64, 2048] (prepared)
+        mScales: cute.Tensor,  # uint8 [E, J, K/64, 256] (prepared)
+        mAct: cute.Tensor,  # bf16 [rows, act_k], row stride a multiple of 8
+        mPermutedToPair: cute.Tensor,  # int32 [R]
+        mTileExpert: cute.Tensor,  # int32 [R / tile_rows]
+        mAlpha: cute.Tensor,  # fp32 [E]
+        mRouterWeights: cute.Tensor | None,  # fp32 [T * k], with router_weighted
+        mOut: cute.Tensor,  # gemm1: bf16 [R, out]; gemm2_fused: fp32 [T, out]; gemm2_expanded: fp32 [T*k, out]
+        stream,
+    ):
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            (1, 1, 1), (weight_layout.ROW_BLOCK, self.tile_rows), warpgroup.OperandSource.RMEM,
+        )
+        b_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (weight_layout.ROW_BLOCK, self.tile_rows, self.tile_k), BFloat16, self.stages
+        )
+
+        @cute.struct
+        class SharedStorage:
+            full: cute.struct.MemRange[Int64, self.stages]
+            empty: cute.struct.MemRange[Int64, self.stages]
+            row_source: cute.struct.MemRange[Int32, self.tile_rows]
+            codes: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.stages * self.consumer_groups * self.code_bytes], 128]
+            scales: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.stages * self.consumer_groups * self.scale_bytes], 128]
+            act: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        num_tiles = mTileExpert.shape[0]
+        self.kernel(
+            mCodes, mScales, mAct, mPermutedToPair, mTileExpert, mAlpha, mRouterWeights, mOut, tiled_mma, b_layout
+        ).launch(
+            grid=[self.row_blocks // self.consumer_groups, num_tiles, 1],
+            block=[self.threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            min_blocks_per_mp=self.ctas_per_sm,
+            preferred_smem_carveout=100,
+            stream=stream,
+            use_pdl=USE_PDL,
+        )
+
+    @cute.kernel
+    def kernel(
+        self, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, mAlpha, mRouterWeights, mOut, tiled_mma, b_layout
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        feature_block, tile, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(tidx // WARP_SIZE)
+        group = warp // 4
+        wait_for_predecessor_and_release_successor()
+        expert = mTileExpert[tile]
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        full = storage.full.data_ptr()
+        empty = storage.empty.data_ptr()
+        if expert >= 0:
+            if tidx == 0:
+                for s in cutlass.range_constexpr(self.stages):
+                    cute.arch.mbarrier_init(full + s, 1 + WARP_SIZE)
+                    cute.arch.mbarrier_init(empty + s, 4 * self.consumer_groups)
+                cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+            if group == 0:
+                cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+                if warp == 0:
+                    self.produce(storage, b_layout, mCodes, mScales, mAct, mPermutedToPair, tile, feature_block, expert)
+            else:
+                cute.arch.setmaxregister_increase(consumer_registers(self.tile_features, self.ctas_per_sm))
+                self.consume(
+                    storage, tiled_mma, b_layout, mAlpha, mRouterWeights, mPermutedToPair, mOut,
+                    tile, feature_block, expert, group - 1,
+                )
+
+    # -----------------------------------------------------------------------------------------------
+    # Producer
+    # -----------------------------------------------------------------------------------------------
+    @cute.jit
+    def produce(self, storage, b_layout, mCodes, mScales, mAct, mPermutedToPair, tile, feature_block, expert):
+        lane = cute.arch.lane_idx()
+        row_source = storage.row_source.get_tensor(cute.make_layout(self.tile_rows))
+        for i in cutlass.range_constexpr((self.tile_rows + WARP_SIZE - 1) // WARP_SIZE):
+            n = lane + i * WARP_SIZE
+            if n < self.tile_rows:
+                pair = mPermutedToPair[tile * self.tile_rows + n]
+                source = Int32(-1)
+                if pair >= 0:
+                    source = pair // self.top_k if const_expr(self.epilogue == "gemm1") else tile * self.tile_rows + n
+                row_source[n] = source
+        cute.arch.sync_warp()
+
+        full = storage.full.data_ptr()
+        empty = storage.empty.data_ptr()
+        codes_smem = storage.codes.data_ptr().toint()
+        scales_smem = storage.scales.data_ptr().toint()
+        act_smem = storage.act.data_ptr().toint()
+        first_block = expert * self.row_blocks + feature_block * self.consumer_groups
+        codes_gmem = mCodes.iterator.toint()
+        scales_gmem = mScales.iterator.toint()
+        act_gmem = mAct.iterator.toint()
+        act_row_bytes = Int64(mAct.stride[0]) * 2
+        for k in cutlass.range(self.k_iterations, unroll=1):
+            stage = k % self.stages
+            cute.arch.mbarrier_wait(empty + stage, ((k // self.stages) & 1) ^ 1)
+            if lane == 0:
+                barrier = (full + stage).toint()
+                cute.arch.mbarrier_arrive_and_expect_tx(
+                    full + stage, self.consumer_groups * (self.code_bytes + self.scale_bytes)
+                )
+                for g in cutlass.range_constexpr(self.consumer_groups):
+                    tile_index = Int64((first_block + g) * self.k_tiles64 + k * self.k64_per_tile)
+                    smem_slot = stage * self.consumer_groups + g
+                    dev.bulk_copy_to_shared(
+                        codes_smem + smem_slot * self.code_bytes,
+                        codes_gmem + tile_index * weight_layout.CODE_BYTES,
+                        self.code_bytes,
+                        barrier,
+                    )
+                    dev.bulk_copy_to_shared(
+                        scales_smem + smem_slot * self.scale_bytes,
+                        scales_gmem + tile_index * weight_layout.SCALE_BYTES,
+                        self.scale_bytes,
+                        barrier,
+                    )
+            for i in cutlass.range_constexpr(self.chunks_per_lane):
+                chunk = i * WARP_SIZE + lane
+                n = chunk // self.chunks_per_row
+                column = k * self.tile_k + (chunk % self.chunks_per_row) * CHUNK_ELEMENTS
+                source = row_source[n]
+                offset = Int64(0)
+                source_bytes = Int32(0)
+                if (source >= 0) & (column < self.act_k):
+                    offset = Int64(source) * act_row_bytes + Int64(column) * 2
+                    source_bytes = Int32(16)
+                element = cute.crd2idx((n, (chunk % self.chunks_per_row) * CHUNK_ELEMENTS, stage), b_layout)
+                dev.copy_16_bytes_async(act_smem + element * 2, act_gmem + offset, source_bytes)
+            cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+
+    # -----------------------------------------------------------------------------------------------
+    # Consumers
+    # -----------------------------------------------------------------------------------------------
+    @cute.jit
+    def consume(self, storage, tiled_mma, b_layout, mAlpha, mRouterWeights, mPermutedToPair, mOut, tile, feature_block, expert, group):
+        tidx, _, _ = cute.arch.thread_idx()
+        thread = tidx % WARPGROUP_THREADS
+        lane = tidx % WARP_SIZE
+        full = storage.full.data_ptr()
+        empty = storage.empty.data_ptr()
+        thr_mma = tiled_mma.get_slice(thread)
+        act_smem = storage.act.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(act_smem))
+        fragment_shape = tiled_mma.partition_shape_A((weight_layout.ROW_BLOCK, self.tile_k))
+        fragments = [tiled_mma.make_fragment_A(fragment_shape) for _ in range(2)]
+        acc = thr_mma.make_fragment_C(thr_mma.partition_shape_C((weight_layout.ROW_BLOCK, self.tile_rows)))
+        acc.fill(0.0)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+
+        codes_smem = storage.codes.data_ptr().toint() + group * self.code_bytes + thread * 16
+        scales_smem = storage.scales.data_ptr().toint() + group * self.scale_bytes + (thread // 4) * 8
+
+        for k2 in cutlass.range(self.k_iterations // 2, unroll=1):
+            self.mma_step(tiled_mma, 2 * k2, acc, fragments[0], tCrB, full, empty, codes_smem, scales_smem, lane)
+            self.mma_step(tiled_mma, 2 * k2 + 1, acc, fragments[1], tCrB, full, empty, codes_smem, scales_smem, lane)
+        if const_expr(self.k_iterations % 2 == 1):
+            self.mma_step(tiled_mma, self.k_iterations - 1, acc, fragments[0], tCrB, full, empty, codes_smem, scales_smem, lane)
+        warpgroup.wait_group(0)
+        self.finish(acc, thr_mma, mAlpha, mRouterWeights, mPermutedToPair, mOut, tile, feature_block, expert, group)
+
+    @cute.jit
+    def mma_step(self, tiled_mma, k, acc, fragment, tCrB, full, empty, codes_smem, scales_smem, lane):
+        """One k tile: wait for its stage, decode the A fragment, issue the MMAs, release the previous
+        k tile's stage once its MMAs are done."""
+        stage = k % self.stages
+        cute.arch.mbarrier_wait(full + stage, (k // self.stages) & 1)
+        self.decode(
+            fragment,
+            codes_smem + stage * (self.consumer_groups * self.code_bytes),
+            scales_smem + stage * (self.consumer_groups * self.scale_bytes),
+        )
+        warpgroup.fence()
+        for b in cutlass.range_constexpr(self.k16_per_tile):
+            cute.gemm(tiled_mma, acc, fragment[None, None, b], tCrB[None, None, b, stage], acc)
+        warpgroup.commit_group()
+        warpgroup.wait_group(1)
+        if k > 0 and lane == 0:
+            cute.arch.mbarrier_arrive(empty + (k + self.stages - 1) % self.stages)
+
+    @cute.jit
+    def decode(self, fragment, codes_address, scales_address):
+        """The thread's A fragment of one k tile from the prepared words in shared memory."""
+        words = cute.recast_tensor(fragment, Uint32)
+        for kk in cutlass.range_constexpr(self.k64_per_tile):
+            codes = dev.load_shared_v4(codes_address + kk * weight_layout.CODE_BYTES)
+            scales = dev.load_shared_v2(scales_address + kk * weight_layout.SCALE_BYTES)
+            for b in cutlass.range_constexpr(4):
+                scale = dev.expand_scale_pair(scales[b // 2], b % 2 == 1)
+                kb = kk * 4 + b
+                words[(0, 0, 0), 0, kb] = dev.scale_pair(dev.decode_pair(codes[b], 0), scale, False)
+                words[(0, 1, 0), 0, kb] = dev.scale_pair(dev.decode_pair(codes[b], 1), scale, True)
+                words[(0, 0, 1), 0, kb] = dev.scale_pair(dev.decode_pair(codes[b], 2), scale, False)
+                words[(0, 1, 1), 0, kb] = dev.scale_pair(dev.decode_pair(codes[b], 3), scale, True)
+
+    # -----------------------------------------------------------------------------------------------
+    # Epilogues
+    # -----------------------------------------------------------------------------------------------
+    @cute.jit
+    def finish(self, acc, thr_mma, mAlpha, mRouterWeights, mPermutedToPair, mOut, tile, feature_block, expert, group):
+        coordinates = thr_mma.partition_C(cute.make_identity_tensor((weight_layout.ROW_BLOCK, self.tile_rows)))
+        alpha = mAlpha[expert] * Float32(2.0**dev.WEIGHT_DECODE_EXPONENT)
+        block = feature_block * self.consumer_groups + group
+        first_row = tile * self.tile_rows
+        if const_expr(self.epilogue == "gemm1"):
+            self.finish_gemm1(acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, mOut)
+        else:
+            self.finish_gemm2(acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, mOut)
+
+    @cute.jit
+    def activate(self, gate, up):
+        """SwiGLU on FP32 values (docs/semantics.md §3.3), in the reference's operation order."""
+        swiglu_alpha, swiglu_beta, swiglu_limit = self.swiglu
+        if const_expr(swiglu_limit is not None):
+            gate = cute.arch.fmin(gate, Float32(swiglu_limit))
+            up = cute.arch.fmax(cute.arch.fmin(up, Float32(swiglu_limit)), Float32(-swiglu_limit))
+        result = Float32(0.0)
+        if const_expr(swiglu_alpha is None and swiglu_beta is None):
+            result = gate / (Float32(1.0) + cute.math.exp(-gate)) * up
+        else:
+            alpha = 1.0 if swiglu_alpha is None else swiglu_alpha
+            beta = 0.0 if swiglu_beta is None else swiglu_beta
+            result = gate / (Float32(1.0) + cute.math.exp(-(gate * Float32(alpha)))) * (up + Float32(beta))
+        return result
+
+    @cute.jit
+    def finish_gemm1(self, acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, mOut):
+        if const_expr(self.activation == "swiglu"):
+            # Gate and up of one feature are the thread's rows 16w+g and 16w+g+8 (weight_layout).
+            # Accumulator element v + 2 is element v's row + 8 (the fragment's second mode).
+            for v in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+                if const_expr((v // 2) % 2 == 0):
+                    m, n = coordinates[v, 0, 0]
+                    value = self.activate(acc[v, 0, 0] * alpha, acc[v + 2, 0, 0] * alpha)
+                    feature = block * 32 + (m // 16) * 8 + m % 16
+                    self.store_gemm1(value, feature, first_row + n, mRouterWeights, mPermutedToPair, mOut)
+        else:
+            for v in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+                m, n = coordinates[v, 0, 0]
+                y = acc[v, 0, 0] * alpha
+                y = cute.arch.fmax(y, Float32(0.0))
+                self.store_gemm1(y * y, block * 64 + m, first_row + n, mRouterWeights, mPermutedToPair, mOut)
+
+    @cute.jit
+    def store_gemm1(self, value, feature, row, mRouterWeights, mPermutedToPair, mOut):
+        if feature < self.out_features:
+            if const_expr(self.router_weighted):
+                pair = mPermutedToPair[row]
+                if pair >= 0:
+                    value = value * mRouterWeights[pair]
+            mOut[row, feature] = value.to(BFloat16)
+
+    @cute.jit
+    def finish_gemm2(self, acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, mOut):
+        out_address = mOut.iterator.toint()
+        row_bytes = Int64(mOut.stride[0]) * 4
+        for v in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+            m, n = coordinates[v, 0, 0]
+            feature = block * 64 + m
+            pair = mPermutedToPair[first_row + n]
+            if (pair >= 0) & (feature < self.out_features):
+                y = acc[v, 0, 0] * alpha
+                if const_expr(self.router_weighted):
+                    y = y * mRouterWeights[pair]
+                if const_expr(self.epilogue == "gemm2_fused"):
+                    token = pair // self.top_k
+                    dev.reduce_add_f32(out_address + Int64(token) * row_bytes + Int64(feature) * 4, y)
+                else:
+                    mOut[pair, feature] = y

@@ -1,0 +1,268 @@
+"""The ``cute_sm90`` backend of the MoE stages: host side of `moe_plan`, `moe_gemm`, `moe_finalize`.
+
+Arguments arrive validated. Every kernel is compiled once per static configuration (tensor-free keys:
+sizes that are fixed by the model, tile shapes, epilogue flags, the architecture) against fake tensors
+whose token / row dimensions are symbolic, so one binary serves every token count; launches go through
+TVM-FFI on the current torch stream of the tensors' device. Nothing here reads device data on the host.
+
+Stage functions (the pipeline in `fp4moe.pipeline` composes them):
+
+- `plan(topk_ids, E, offset, tile_m, accumulator_shape)`: `moe_plan`'s five outputs and, for the fused
+  finalize, a zeroed FP32 accumulator `[T, H]`, in one launch;
+- `gemm1(...)`: the bf16 intermediate of W4A16 GEMM1;
+- `gemm2(...)`: W4A16 GEMM2 reduced into the accumulator (fused) or written per (token, slot);
+- `finalize(...)`: the bf16 output.
+
+The stage functions have the signatures of `fp4moe.reference.moe`'s, so the pipeline calls either.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
+
+from fp4moe import weight_layout
+from fp4moe.kernels.sm90.compiler import compile_kernel
+from fp4moe.kernels.sm90.moe_finalize import VECTOR, MoEFinalizeSm90
+from fp4moe.kernels.sm90.moe_gemm import MoEGemmSm90, pipeline_stages
+from fp4moe.kernels.sm90.moe_plan import MAX_EXPERTS, PLAN_THREADS, ZERO_VECTOR, MoEPlanSm90
+from fp4moe.op_outputs import moe_plan_outputs
+
+SM_COUNT = 132
+"""Streaming multiprocessors of an H100 / H200: the grid sizes that fill the machine."""
+ZERO_CTAS_PER_SM = 4
+MANY_CTAS = 2 * SM_COUNT
+"""Feature blocks x expected tiles at which 128-feature CTAs still fill two per SM."""
+FUSED_ROWS_TILE = 32
+"""Plan tiles of at most this many rows run two CTAs per SM (small accumulators, few registers)."""
+
+
+def _i32(*shape):
+    return make_fake_compact_tensor(cutlass.Int32, shape)
+
+
+def _dynamic():
+    return cute.sym_int()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plan
+# ---------------------------------------------------------------------------------------------------
+@functools.cache
+def compile_plan(num_experts: int, tile_m: int, hidden: int | None):
+    """The plan kernel; `hidden` set: it also zeroes an FP32 [T, hidden] accumulator."""
+    accumulator = None
+    if hidden is not None:
+        accumulator = make_fake_compact_tensor(
+            cutlass.Float32, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16
+        )
+    return compile_kernel(
+        MoEPlanSm90(num_experts, tile_m, hidden is not None),
+        _i32(_dynamic()), cutlass.Int32(0), _i32(_dynamic()), _i32(_dynamic()), _i32(_dynamic()), _i32(_dynamic()),
+        _i32(3), accumulator, cutlass.Int32(1),
+    )
+
+
+def check_plan_experts(num_local_experts: int) -> None:
+    if num_local_experts > MAX_EXPERTS:
+        raise NotImplementedError(f"the sm90 plan kernel holds at most {MAX_EXPERTS} local experts, got {num_local_experts}")
+
+
+def plan(topk_ids, num_local_experts, local_expert_offset, tile_m, accumulator_hidden=None):
+    """`moe_plan`'s outputs and, with `accumulator_hidden`, a zeroed FP32 `[T, accumulator_hidden]`."""
+    check_plan_experts(num_local_experts)
+    outputs = moe_plan_outputs(topk_ids, num_local_experts, tile_m)
+    accumulator = None
+    zero_ctas = 0
+    if accumulator_hidden is not None:
+        accumulator = topk_ids.new_empty((topk_ids.shape[0], accumulator_hidden), dtype=torch.float32)
+        vectors = accumulator.numel() // ZERO_VECTOR
+        zero_ctas = max(1, min(ZERO_CTAS_PER_SM * SM_COUNT, -(-vectors // PLAN_THREADS)))
+    kernel = compile_plan(num_local_experts, tile_m, accumulator_hidden)
+    kernel(topk_ids.reshape(-1), local_expert_offset, *outputs, accumulator, zero_ctas)
+    return outputs, accumulator
+
+
+def moe_plan(topk_ids, num_local_experts, local_expert_offset, tile_m):
+    """The `moe_plan` op on sm90 (bitwise equal to the reference)."""
+    outputs, _ = plan(topk_ids, num_local_experts, local_expert_offset, tile_m)
+    return outputs
+
+
+# ---------------------------------------------------------------------------------------------------
+# GEMMs
+# ---------------------------------------------------------------------------------------------------
+class GemmShape:
+    """The static configuration of one grouped GEMM launch, chosen from host-static sizes."""
+
+    def __init__(self, prepared_codes: torch.Tensor, tile_rows: int, expected_tiles: int):
+        experts, row_blocks, k_tiles, _ = prepared_codes.shape
+        self.num_experts = experts
+        self.prepared_rows = row_blocks * weight_layout.ROW_BLOCK
+        self.prepared_k = k_tiles * weight_layout.K_TILE
+        self.tile_rows = tile_rows
+        self.ctas_per_sm = 2 if tile_rows <= FUSED_ROWS_TILE else 1
+        wide = (row_blocks // 2) * expected_tiles >= MANY_CTAS * self.ctas_per_sm // 2
+        self.tile_features = 128 if wide else 64
+        self.tile_k = 128
+        self.stages = pipeline_stages(self.tile_features, tile_rows, self.tile_k, self.ctas_per_sm)
+
+    def key(self):
+        return (
+            self.num_experts, self.prepared_rows, self.prepared_k, self.tile_features, self.tile_rows, self.tile_k,
+            self.stages, self.ctas_per_sm,
+        )
+
+
+@functools.cache
+def compile_gemm(
+    epilogue: str, shape_key: tuple, act_k: int, out_features: int, top_k: int, activation: str,
+    swiglu: tuple, router_weighted: bool,
+):
+    experts, rows, k, tile_features, tile_rows, tile_k, stages, ctas_per_sm = shape_key
+    kernel = MoEGemmSm90(
+        epilogue=epilogue, num_experts=experts, prepared_rows=rows, prepared_k=k, act_k=act_k,
+        out_features=out_features, tile_features=tile_features, tile_rows=tile_rows, tile_k=tile_k,
+        stages=stages, ctas_per_sm=ctas_per_sm, top_k=top_k, activation=activation,
+        swiglu_alpha=swiglu[0], swiglu_beta=swiglu[1], swiglu_limit=swiglu[2], router_weighted=router_weighted,
+    )
+    tiles = (experts, rows // weight_layout.ROW_BLOCK, k // weight_layout.K_TILE)
+    codes = make_fake_compact_tensor(
+        cutlass.Uint8, (*tiles, weight_layout.CODE_BYTES), stride_order=(3, 2, 1, 0), assumed_align=16
+    )
+    scales = make_fake_compact_tensor(
+        cutlass.Uint8, (*tiles, weight_layout.SCALE_BYTES), stride_order=(3, 2, 1, 0), assumed_align=16
+    )
+    act = make_fake_tensor(
+        cutlass.BFloat16, (_dynamic(), act_k), stride=(cute.sym_int64(divisibility=8), 1), assumed_align=16
+    )
+    rows_dim = _dynamic()
+    alpha = make_fake_compact_tensor(cutlass.Float32, (experts,))
+    router = make_fake_compact_tensor(cutlass.Float32, (_dynamic(),)) if router_weighted else None
+    out_type = cutlass.BFloat16 if epilogue == "gemm1" else cutlass.Float32
+    out_rows = rows_dim if epilogue == "gemm1" else _dynamic()
+    out = make_fake_compact_tensor(out_type, (out_rows, out_features), stride_order=(1, 0))
+    return compile_kernel(kernel, codes, scales, act, _i32(rows_dim), _i32(_dynamic()), alpha, router, out)
+
+
+def _expected_tiles(num_pairs: int, num_local_experts: int, tile_rows: int) -> int:
+    """Used plan tiles under uniform routing: one per expert that receives a pair, at least."""
+    return max(-(-num_pairs // tile_rows), min(num_local_experts, num_pairs))
+
+
+def _activation_rows(a: torch.Tensor) -> torch.Tensor:
+    """`a` when its rows can be copied 16 bytes at a time, else a compact copy (same values)."""
+    if a.stride(1) == 1 and (a.stride(0) * a.element_size()) % 16 == 0 and a.data_ptr() % 16 == 0:
+        return a
+    return a.contiguous()
+
+
+def _prepared(codes, scales, layout, gated):
+    """Weights in the kernels' layout; `linear` ones are prepared here, on every call."""
+    if layout != weight_layout.SM90:
+        warnings.warn(
+            "fp4moe: linear-layout expert weights on a Hopper GPU are re-laid out for the kernels on every "
+            "call (a pass over all expert weights); prepare them once with MoEWeights.prepared() (FusedMoE "
+            "does) and pass weight_layout='sm90'",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return weight_layout.as_sm90(codes, scales, layout, gated)
+
+
+def _w4a16_only(a_scales, output_global_scale=None, aux_amax_tile_n=0) -> None:
+    if a_scales is not None or output_global_scale is not None or aux_amax_tile_n:
+        raise NotImplementedError("the sm90 MoE GEMMs take bf16 activations (W4A16) only")
+
+
+def gemm1(
+    a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, layout, top_k,
+    activation, swiglu_alpha, swiglu_beta, swiglu_limit, router_weights, output_global_scale, aux_amax_tile_n,
+):
+    """W4A16 GEMM1 (`fp4moe.reference.moe.gemm1`'s contract): the bf16 intermediate [R, I_pad] of the
+    prepared weights' padded intermediate size (extra features are exact zeros), and two empty
+    tensors in place of the NVFP4 scales and the aux-amax output."""
+    _w4a16_only(a_scales, output_global_scale, aux_amax_tile_n)
+    w1, w1_scales = _prepared(w1, w1_scales, layout, activation == "swiglu")
+    prepared_rows = w1.shape[1] * weight_layout.ROW_BLOCK
+    out_features = prepared_rows // 2 if activation == "swiglu" else prepared_rows
+    num_rows, tiles = permuted_to_pair.shape[0], tile_expert.shape[0]
+    out = a.new_empty((num_rows, out_features), dtype=torch.bfloat16)
+    empty = a.new_empty((0,), dtype=torch.bfloat16)
+    if tiles == 0:
+        return out, empty.view(torch.float8_e4m3fn), empty
+    tile_rows = num_rows // tiles
+    shape = GemmShape(w1, tile_rows, _expected_tiles(a.shape[0] * top_k, w1.shape[0], tile_rows))
+    kernel = compile_gemm(
+        "gemm1", shape.key(), a.shape[1], out_features, top_k, activation, (swiglu_alpha, swiglu_beta, swiglu_limit),
+        router_weights is not None,
+    )
+    router = None if router_weights is None else router_weights.reshape(-1)
+    kernel(w1, w1_scales, _activation_rows(a), permuted_to_pair, tile_expert, w1_alpha, router, out)
+    return out, empty.view(torch.float8_e4m3fn), empty
+
+
+def gemm2(
+    a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w2, w2_scales, w2_alpha, layout,
+    router_weights, num_tokens, top_k, hidden, accumulator,
+):
+    """W4A16 GEMM2 (`fp4moe.reference.moe.gemm2`'s contract): adds into the FP32 `accumulator`
+    [T, hidden] (fused finalize), or, without one, returns the FP32 [T*k, hidden] per-pair rows (rows
+    of non-local pairs unwritten: the deterministic finalize skips them)."""
+    _w4a16_only(a_scales)
+    w2, w2_scales = _prepared(w2, w2_scales, layout, gated=False)
+    epilogue = "gemm2_fused" if accumulator is not None else "gemm2_expanded"
+    out = accumulator if accumulator is not None else a.new_empty((num_tokens * top_k, hidden), dtype=torch.float32)
+    num_rows, tiles = permuted_to_pair.shape[0], tile_expert.shape[0]
+    if tiles == 0:
+        return out
+    tile_rows = num_rows // tiles
+    shape = GemmShape(w2, tile_rows, _expected_tiles(num_tokens * top_k, w2.shape[0], tile_rows))
+    kernel = compile_gemm(
+        epilogue, shape.key(), a.shape[1], hidden, top_k, "none", (None, None, None), router_weights is not None
+    )
+    router = None if router_weights is None else router_weights.reshape(-1)
+    kernel(w2, w2_scales, _activation_rows(a), permuted_to_pair, tile_expert, w2_alpha, router, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Finalize
+# ---------------------------------------------------------------------------------------------------
+OUT_TYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}
+
+
+@functools.cache
+def compile_finalize(mode: str, hidden: int, top_k: int, out_dtype: torch.dtype):
+    values = make_fake_compact_tensor(cutlass.Float32, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16)
+    pair_to_permuted = _i32(_dynamic()) if mode == "deterministic" else None
+    out_type = OUT_TYPES[out_dtype]
+    out = make_fake_compact_tensor(out_type, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16)
+    return compile_kernel(MoEFinalizeSm90(mode, hidden, top_k, out_type), values, pair_to_permuted, out)
+
+
+def _finalize(values, pair_to_permuted, num_tokens, top_k, out_dtype):
+    hidden = values.shape[1]
+    if hidden % VECTOR:
+        raise NotImplementedError(f"the sm90 finalize needs H to be a multiple of {VECTOR}, got {hidden}")
+    out = values.new_empty((num_tokens, hidden), dtype=out_dtype)
+    if num_tokens == 0:
+        return out
+    mode = "fused" if pair_to_permuted is None else "deterministic"
+    compile_finalize(mode, hidden, top_k, out_dtype)(values, pair_to_permuted, out)
+    return out
+
+
+def finalize(values, pair_to_permuted, num_tokens, top_k):
+    """bf16 [T, H] from the fused accumulator (`pair_to_permuted` None) or the per-pair rows."""
+    return _finalize(values, pair_to_permuted, num_tokens, top_k, torch.bfloat16)
+
+
+def moe_finalize(expanded, pair_to_permuted, top_k, out_dtype):
+    """The `moe_finalize` op on sm90 (bitwise equal to the reference)."""
+    return _finalize(expanded, pair_to_permuted, expanded.shape[0] // top_k, top_k, out_dtype)

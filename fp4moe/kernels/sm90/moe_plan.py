@@ -1,0 +1,221 @@
+"""The MoE permutation plan in one launch for Hopper (sm_90a): `moe_plan`'s outputs, bitwise equal to
+the reference (`fp4moe.reference.moe.moe_plan`), and optionally a zeroed FP32 output accumulator.
+
+CTA 0 builds the plan; the other CTAs (if any) zero the accumulator that GEMM2's fused finalize adds
+into, so that the whole plan stage is one node of a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Uint32, const_expr
+
+from fp4moe.kernels.sm90.pdl import USE_PDL, wait_for_predecessor_and_release_successor
+
+PLAN_THREADS = 1024
+WARPS = PLAN_THREADS // 32
+MAX_EXPERTS = 1024
+"""Local experts the plan's shared-memory tables hold."""
+ZERO_THREADS = 256
+ZERO_VECTOR = 4
+"""FP32 elements one thread zeroes per store."""
+
+
+class MoEPlanSm90:
+    """Group the (token, slot) pairs by local expert, each expert's segment padded to `tile_m` rows.
+
+    One CTA of `PLAN_THREADS` threads, in passes separated by CTA barriers:
+
+    1. count the pairs of every local expert (shared-memory atomics; counts are order-free);
+    2. one warp scans the padded counts into segment starts and writes `totals`;
+    3. every row of `permuted_to_pair` is set to -1; every tile gets its owner (a binary search over
+       the segment ends) or -1, and its count of real rows;
+    4. pairs are ranked stably in rounds of `PLAN_THREADS`: within a warp, `match.any` groups lanes of
+       the same expert and a population count below the lane gives its rank; across warps, a table of
+       per-warp counts of the round (`[warp][expert]`) gives the offset; a running count per expert
+       carries the rounds. Row = segment start + running + offset + rank, as a stable sort orders them.
+
+    With `zero_rows`, CTAs 1.. zero an FP32 `[rows, cols]` accumulator (cols a multiple of 4).
+    """
+
+    def __init__(self, num_experts: int, tile_m: int, zero_accumulator: bool):
+        assert num_experts <= MAX_EXPERTS
+        self.num_experts = num_experts
+        self.tile_m = tile_m
+        self.zero_accumulator = zero_accumulator
+
+    @cute.jit
+    def __call__(
+        self,
+        mTopkIds: cute.Tensor,  # int32 [P] (flattened [T, k])
+        local_expert_offset: Int32,
+        mPermutedToPair: cute.Tensor,  # int32 [R]
+        mPairToPermuted: cute.Tensor,  # int32 [P]
+        mTileExpert: cute.Tensor,  # int32 [R / tile_m]
+        mTileValidRows: cute.Tensor,  # int32 [R / tile_m]
+        mTotals: cute.Tensor,  # int32 [3]
+        mAccumulator: cute.Tensor | None,  # fp32 [T, H], zeroed when given
+        zero_ctas: Int32,
+        stream,
+    ):
+        @cute.struct
+        class SharedStorage:
+            counts: cute.struct.MemRange[Int32, self.num_experts]
+            segment_end: cute.struct.MemRange[Int32, self.num_experts]
+            running: cute.struct.MemRange[Int32, self.num_experts]
+            round_counts: cute.struct.MemRange[Int32, WARPS * self.num_experts]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            mTopkIds, local_expert_offset, mPermutedToPair, mPairToPermuted, mTileExpert, mTileValidRows, mTotals,
+            mAccumulator,
+        ).launch(
+            grid=[1 + zero_ctas if const_expr(self.zero_accumulator) else 1, 1, 1],
+            block=[PLAN_THREADS, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            use_pdl=USE_PDL,
+        )
+
+    @cute.kernel
+    def kernel(
+        self, mTopkIds, local_expert_offset, mPermutedToPair, mPairToPermuted, mTileExpert, mTileValidRows, mTotals,
+        mAccumulator,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        wait_for_predecessor_and_release_successor()
+        if cta == 0:
+            self.plan(mTopkIds, local_expert_offset, mPermutedToPair, mPairToPermuted, mTileExpert, mTileValidRows, mTotals, tidx)
+        elif const_expr(self.zero_accumulator):
+            self.zero(mAccumulator, cta - 1, tidx)
+
+    @cute.jit
+    def zero(self, mAccumulator, cta, tidx):
+        """CTAs 1.. zero the accumulator, `ZERO_VECTOR` elements per store, grid-stride."""
+        grid, _, _ = cute.arch.grid_dim()
+        vectors = cute.size(mAccumulator) // ZERO_VECTOR
+        flat = cute.make_tensor(mAccumulator.iterator, cute.make_layout((ZERO_VECTOR, vectors)))
+        zeros = cute.make_rmem_tensor((ZERO_VECTOR,), cutlass.Float32)
+        zeros.fill(0.0)
+        for v in cutlass.range(cta * PLAN_THREADS + tidx, vectors, (grid - 1) * PLAN_THREADS, unroll=1):
+            cute.autovec_copy(zeros, flat[None, v])
+
+    @cute.jit
+    def plan(self, mTopkIds, local_expert_offset, mPermutedToPair, mPairToPermuted, mTileExpert, mTileValidRows, mTotals, tidx):
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        counts = storage.counts.get_tensor(cute.make_layout(self.num_experts))
+        segment_end = storage.segment_end.get_tensor(cute.make_layout(self.num_experts))
+        running = storage.running.get_tensor(cute.make_layout(self.num_experts))
+        round_counts = storage.round_counts.get_tensor(cute.make_layout((WARPS, self.num_experts)))
+        num_pairs = cute.size(mTopkIds)
+        num_rows = cute.size(mPermutedToPair)
+        num_tiles = cute.size(mTileExpert)
+        lane = tidx % 32
+        warp = tidx // 32
+
+        for e in cutlass.range(tidx, self.num_experts, PLAN_THREADS, unroll=1):
+            counts[e] = 0
+            running[e] = 0
+        cute.arch.sync_threads()
+        for p in cutlass.range(tidx, num_pairs, PLAN_THREADS, unroll=1):
+            e = mTopkIds[p] - local_expert_offset
+            if (e >= 0) & (e < self.num_experts):
+                cute.arch.atomic_add(counts.iterator + e, Int32(1), scope="cta")
+        cute.arch.sync_threads()
+
+        if warp == 0:
+            self.scan(counts, segment_end, mTotals, lane)
+        for r in cutlass.range(tidx, num_rows, PLAN_THREADS, unroll=1):
+            mPermutedToPair[r] = -1
+        cute.arch.sync_threads()
+
+        total_rows = segment_end[self.num_experts - 1]
+        for t in cutlass.range(tidx, num_tiles, PLAN_THREADS, unroll=1):
+            first = t * self.tile_m
+            owner = Int32(-1)
+            valid = Int32(0)
+            if first < total_rows:
+                owner = self.owner_of(segment_end, first)
+                start = segment_end[owner] - (counts[owner] + self.tile_m - 1) // self.tile_m * self.tile_m
+                valid = cutlass.max(cutlass.min(counts[owner] - (first - start), self.tile_m), 0)
+            mTileExpert[t] = owner
+            mTileValidRows[t] = valid
+
+        for base in cutlass.range(0, num_pairs, PLAN_THREADS, unroll=1):
+            for i in cutlass.range(tidx, WARPS * self.num_experts, PLAN_THREADS, unroll=1):
+                round_counts.iterator[i] = 0
+            p = base + tidx
+            e = Int32(-1)
+            if p < num_pairs:
+                e = mTopkIds[p] - local_expert_offset
+                if (e < 0) | (e >= self.num_experts):
+                    e = Int32(-1)
+            same = cute.arch.match_sync(cute.arch.FULL_MASK, e)
+            rank = cute.arch.popc(same & cute.arch.lanemask_lt())
+            leader = rank == 0
+            cute.arch.sync_threads()
+            if leader & (e >= 0):
+                round_counts[warp, e] = Int32(cute.arch.popc(same))
+            cute.arch.sync_threads()
+            if e >= 0:
+                before = Int32(0)
+                for w in cutlass.range(warp, unroll=1):
+                    before += round_counts[w, e]
+                start = segment_end[e] - (counts[e] + self.tile_m - 1) // self.tile_m * self.tile_m
+                row = start + running[e] + before + Int32(rank)
+                mPermutedToPair[row] = p
+                mPairToPermuted[p] = row
+            elif p < num_pairs:
+                mPairToPermuted[p] = -1
+            cute.arch.sync_threads()
+            if leader & (e >= 0):
+                running[e] = running[e] + Int32(cute.arch.popc(same))
+            cute.arch.sync_threads()
+
+    @cute.jit
+    def scan(self, counts, segment_end, mTotals, lane):
+        """Warp 0: segment ends (inclusive prefix sums of the tile-padded counts) and the totals."""
+        per_lane = (self.num_experts + 31) // 32
+        first = lane * per_lane
+        padded_sum = Int32(0)
+        pair_sum = Int32(0)
+        for i in cutlass.range_constexpr(per_lane):
+            e = first + i
+            if e < self.num_experts:
+                padded_sum += (counts[e] + self.tile_m - 1) // self.tile_m * self.tile_m
+                pair_sum += counts[e]
+        inclusive = padded_sum
+        for shift in cutlass.range_constexpr(5):
+            other = cute.arch.shuffle_sync_up(inclusive, 1 << shift)
+            if lane >= (1 << shift):
+                inclusive += other
+        running = inclusive - padded_sum
+        for i in cutlass.range_constexpr(per_lane):
+            e = first + i
+            if e < self.num_experts:
+                running += (counts[e] + self.tile_m - 1) // self.tile_m * self.tile_m
+                segment_end[e] = running
+        pairs = pair_sum
+        for shift in cutlass.range_constexpr(5):
+            pairs += cute.arch.shuffle_sync_bfly(pairs, 1 << shift)
+        total_rows = cute.arch.shuffle_sync(inclusive, 31)
+        if lane == 0:
+            mTotals[0] = pairs
+            mTotals[1] = total_rows
+            mTotals[2] = total_rows // self.tile_m
+
+    @cute.jit
+    def owner_of(self, segment_end, row):
+        """The expert whose segment holds `row`: the number of segment ends at or before it."""
+        low = Int32(0)
+        high = Int32(self.num_experts)
+        while low < high:
+            mid = (low + high) // 2
+            if segment_end[mid] <= row:
+                low = mid + 1
+            else:
+                high = mid
+        return low

@@ -1,0 +1,70 @@
+"""`fused_moe` composed once from its stages, each run by the backend `moe_dispatch` chose for it.
+
+plan -> activation quantization (W4A4) -> GEMM1 + epilogue -> intermediate quantization (per-token
+W4A4, on the host-chosen path) -> GEMM2 -> finalize (docs/semantics.md §3). Every backend module
+(`fp4moe.dispatch.KERNEL_MODULES`) implements the stage functions with the same signatures, so this
+composition has no backend of its own: the plan of one backend feeds the GEMMs of another. It adds no
+host synchronization (the counts stay on the device) and allocates only from host-static shapes, so
+it runs inside CUDA graphs and compiled graphs.
+"""
+
+from __future__ import annotations
+
+from fp4moe import dispatch, nvfp4
+
+
+def hidden_size(x, x_scales) -> int:
+    """H of `fused_moe`'s input: bf16 [T, H], or NVFP4 codes [T, H/2] with `x_scales`."""
+    return x.shape[1] if x_scales is None else 2 * x.shape[1]
+
+
+def fused_moe(
+    x, topk_ids, topk_weights, w1, w1_scales, w1_alpha, w2, w2_scales, w2_alpha, fc1_input_scale, fc2_input_scale,
+    quant_mode, per_token_activation, activation, swiglu_alpha, swiglu_beta, swiglu_limit,
+    apply_router_weight_on_input, deterministic, local_expert_offset, num_local_experts, x_scales, weight_layout,
+):
+    """Arguments validated (`validation.check_fused_moe`). Returns bf16 [T, H]."""
+    num_tokens, top_k = topk_ids.shape
+    experts = w1.shape[0]
+    hidden = hidden_size(x, x_scales)
+    choice = dispatch.moe_dispatch(num_tokens, top_k, experts, quant_mode, per_token_activation, x.device)
+    stages = {name: dispatch.kernel_module("moe", getattr(choice, name)) for name in ("plan", "gemm1", "gemm2", "finalize")}
+
+    (permuted_to_pair, pair_to_permuted, tile_expert, _, totals), accumulator = stages["plan"].plan(
+        topk_ids, experts, local_expert_offset, choice.tile_m, None if deterministic else hidden
+    )
+
+    w4a4 = quant_mode == "w4a4"
+    quantizer = dispatch.kernel_module("quantize", choice.quantize) if w4a4 else None
+    a, a_scales, a_per_token_scale = x, x_scales, None
+    if w4a4 and x_scales is None:
+        if per_token_activation:
+            a, a_scales, a_per_token_scale = quantizer.quantize_per_token(
+                x, nvfp4.DEFAULT_GLOBAL_SCALE_INV, "linear", "off", None, None
+            )
+        else:
+            a, a_scales = quantizer.quantize(x, fc1_input_scale, "linear", "off")
+
+    nvfp4_intermediate = w4a4 and not per_token_activation
+    aux_tile_n = choice.aux_amax_tile_n if choice.per_token_path == dispatch.AUX_AMAX_PATH else 0
+    intermediate, intermediate_scales, aux_amax = stages["gemm1"].gemm1(
+        a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, weight_layout, top_k,
+        activation, swiglu_alpha, swiglu_beta, swiglu_limit,
+        topk_weights if apply_router_weight_on_input else None,
+        fc2_input_scale if nvfp4_intermediate else None, aux_tile_n,
+    )
+    intermediate_per_token_scale = None
+    if not nvfp4_intermediate:
+        intermediate_scales = None
+    if w4a4 and per_token_activation:
+        handoff = (aux_amax, totals[1:2]) if aux_tile_n else (None, None)
+        intermediate, intermediate_scales, intermediate_per_token_scale = quantizer.quantize_per_token(
+            intermediate, nvfp4.DEFAULT_GLOBAL_SCALE_INV, "linear", "off", *handoff
+        )
+
+    expert_rows = stages["gemm2"].gemm2(
+        intermediate, intermediate_scales, intermediate_per_token_scale, permuted_to_pair, tile_expert,
+        w2, w2_scales, w2_alpha, weight_layout, None if apply_router_weight_on_input else topk_weights,
+        num_tokens, top_k, hidden, accumulator,
+    )
+    return stages["finalize"].finalize(expert_rows, pair_to_permuted if deterministic else None, num_tokens, top_k)
