@@ -204,9 +204,10 @@ class MoEProblem:
         )
 
     def fused_moe_arguments(self, config: QuantConfig, x, topk_ids, topk_weights) -> dict:
-        """Every argument of `fused_moe` by its schema name, so that the op and the reference backend
-        (`fp4moe.reference.moe.fused_moe`, which takes them all) are called with the same ones."""
-        w = self.weights
+        """Every argument of `fused_moe` by its schema name, so that the op and the reference pipeline
+        (`fp4moe.pipeline.fused_moe`, which takes them all) are called with the same ones. The experts
+        are passed in the prepared layout (`MoEWeights.prepared`), as `FusedMoE` passes them."""
+        w = self.prepared_weights
         fc1, fc2 = (self.fc1_input_scale, self.fc2_input_scale) if config.per_tensor_w4a4 else (None, None)
         w1_alpha, w2_alpha = w.alphas(fc1, fc2)
         return dict(
@@ -217,8 +218,12 @@ class MoEProblem:
             activation="swiglu", swiglu_alpha=None, swiglu_beta=None, swiglu_limit=None,
             apply_router_weight_on_input=False, deterministic=False,
             local_expert_offset=self.shape.local_expert_offset, num_local_experts=self.shape.local_experts,
-            x_scales=None,
+            x_scales=None, weight_layout=w.layout,
         )
+
+    @functools.cached_property
+    def prepared_weights(self) -> MoEWeights:
+        return self.weights.prepared()
 
     @functools.cached_property
     def bf16_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

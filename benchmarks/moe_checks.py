@@ -3,8 +3,8 @@ reference backend on a fixed sample of token rows.
 
 The reference runs on the sample rows alone (every output row depends only on its own token and
 routing, semantics §3), so its cost does not grow with T, and one run per shape and mode serves every
-token count. It is called directly rather than through the op, whose CUDA implementation becomes the
-kernels under test.
+token count. It is the pipeline with every stage on the reference (`reference=True`), called directly
+rather than through the op, whose CUDA implementation runs the kernels under test.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import torch
 
 from benchmarks.moe_cases import MoEProblem, QuantConfig
-from fp4moe.reference import moe as reference_moe
+from fp4moe import pipeline
 
 CHECK_FIRST_ROWS = 8
 CHECK_SPREAD_ROWS = 32
@@ -53,7 +53,7 @@ class SpotCheck:
         if config not in self._expected:
             p, rows = self.problem, self._row_index
             arguments = p.fused_moe_arguments(config, p.x[rows], p.topk_ids[rows], p.topk_weights[rows])
-            self._expected[config] = reference_moe.fused_moe(**arguments)
+            self._expected[config] = pipeline.fused_moe(**arguments, reference=True)
         return self._expected[config]
 
     def relative_error(self, output: torch.Tensor, num_tokens: int, config: QuantConfig) -> float:

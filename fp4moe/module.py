@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from fp4moe import nvfp4
+from fp4moe import weight_layout as weight_layouts
 from fp4moe.weights import MoEWeights, quantize_moe_weights
 
 ROUTINGS = ("softmax", "deepseek_v3")
@@ -16,7 +17,9 @@ class FusedMoE(nn.Module):
 
     `forward(hidden_states [..., H]) -> [..., H]` in bf16, like the MoE block of a HF DeepSeek/Qwen model
     (which returns only the hidden states; shared experts stay outside this block). Expert weights are
-    buffers, so `.to(device)` and `state_dict()` carry them. Build it from `MoEWeights`
+    buffers, so `.to(device)` and `state_dict()` carry them; by default they are kept in the prepared
+    layout the Hopper kernels stream (`weight_layout="sm90"`, made once here; every backend reads it).
+    Build it from `MoEWeights`
     (`fp4moe.moe_weights_from_nvfp4` adopts a checkpoint's NVFP4 tensors) or quantize bf16 experts
     with `from_dense`.
     """
@@ -43,6 +46,7 @@ class FusedMoE(nn.Module):
         apply_router_weight_on_input: bool = False,
         deterministic: bool = False,
         local_expert_offset: int = 0,
+        weight_layout: str = weight_layouts.SM90,
     ):
         super().__init__()
         if routing not in ROUTINGS:
@@ -67,6 +71,13 @@ class FusedMoE(nn.Module):
         self.register_buffer("correction_bias", None if correction_bias is None else correction_bias.float())
         self.register_buffer("fc1_input_scale", fc1_input_scale)
         self.register_buffer("fc2_input_scale", fc2_input_scale)
+        if weight_layout not in weight_layouts.WEIGHT_LAYOUTS:
+            raise ValueError(f"weight_layout must be one of {weight_layouts.WEIGHT_LAYOUTS}, got {weight_layout!r}")
+        if weight_layout == weight_layouts.SM90:
+            weights = weights.prepared()
+        elif weights.layout != weight_layouts.LINEAR:
+            raise ValueError("weight_layout='linear' needs linear MoEWeights")
+        self.weight_layout = weight_layout
         w1_alpha, w2_alpha = weights.alphas(fc1_input_scale, fc2_input_scale)
         for name in ("w1", "w1_scales", "w2", "w2_scales"):
             self.register_buffer(name, getattr(weights, name))
@@ -114,5 +125,6 @@ class FusedMoE(nn.Module):
             x, topk_ids, topk_weights, self.w1, self.w1_scales, self.w1_alpha, self.w2, self.w2_scales, self.w2_alpha,
             self.fc1_input_scale, self.fc2_input_scale, self.quant_mode, self.per_token_activation, self.activation,
             *self.swiglu, self.apply_router_weight_on_input, self.deterministic, self.local_expert_offset,
+            weight_layout=self.weight_layout,
         )
         return out.reshape(shape)

@@ -22,12 +22,16 @@ def fused_moe(
     x, topk_ids, topk_weights, w1, w1_scales, w1_alpha, w2, w2_scales, w2_alpha, fc1_input_scale, fc2_input_scale,
     quant_mode, per_token_activation, activation, swiglu_alpha, swiglu_beta, swiglu_limit,
     apply_router_weight_on_input, deterministic, local_expert_offset, num_local_experts, x_scales, weight_layout,
+    *, reference=False,
 ):
-    """Arguments validated (`validation.check_fused_moe`). Returns bf16 [T, H]."""
+    """Arguments validated (`validation.check_fused_moe`). Returns bf16 [T, H]. `reference`: every
+    stage on the reference backend, whatever the device (the oracle of the kernel tests and benchmarks)."""
     num_tokens, top_k = topk_ids.shape
     experts = w1.shape[0]
     hidden = hidden_size(x, x_scales)
-    choice = dispatch.moe_dispatch(num_tokens, top_k, experts, quant_mode, per_token_activation, x.device)
+    choice = dispatch.moe_dispatch(
+        num_tokens, top_k, experts, quant_mode, per_token_activation, "cpu" if reference else x.device
+    )
     stages = {name: dispatch.kernel_module("moe", getattr(choice, name)) for name in ("plan", "gemm1", "gemm2", "finalize")}
 
     (permuted_to_pair, pair_to_permuted, tile_expert, _, totals), accumulator = stages["plan"].plan(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp4moe import nvfp4
+from fp4moe import nvfp4, weight_layout
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,10 @@ class MoEWeights:
     w2_scales: torch.Tensor
     w2_global_scale: torch.Tensor
     activation: str = "swiglu"
+    layout: str = weight_layout.LINEAR
+    """`linear` (the fields' shapes above) or `sm90`: w1/w2 (+ scales) hold `weight_layout`'s prepared
+    uint8 tensors, padded; `sizes` then keeps the layer's (H, I)."""
+    sizes: tuple[int, int] | None = None
 
     @property
     def num_experts(self) -> int:
@@ -35,11 +39,24 @@ class MoEWeights:
 
     @property
     def hidden_size(self) -> int:
-        return self.w2.shape[1]
+        return self.w2.shape[1] if self.sizes is None else self.sizes[0]
 
     @property
     def intermediate_size(self) -> int:
-        return self.w2.shape[2] * 2
+        return self.w2.shape[2] * 2 if self.sizes is None else self.sizes[1]
+
+    def prepared(self) -> MoEWeights:
+        """The same weights in the sm90 prepared layout (`fp4moe.weight_layout`), made once: what the
+        Hopper kernels stream. Any device computes with them (the reference reads the layout too)."""
+        if self.layout == weight_layout.SM90:
+            return self
+        gated = self.activation == "swiglu"
+        w1, w1_scales = weight_layout.prepare_sm90(self.w1, self.w1_scales, gated)
+        w2, w2_scales = weight_layout.prepare_sm90(self.w2, self.w2_scales, gated=False)
+        return MoEWeights(
+            w1, w1_scales, self.w1_global_scale, w2, w2_scales, self.w2_global_scale, self.activation,
+            weight_layout.SM90, (self.hidden_size, self.intermediate_size),
+        )
 
     def alphas(self, fc1_input_scale: torch.Tensor | None = None, fc2_input_scale: torch.Tensor | None = None):
         """Per-expert GEMM alphas `(w1_alpha, w2_alpha)`, FP32 [E].
@@ -59,7 +76,7 @@ class MoEWeights:
 
     def to(self, device) -> MoEWeights:
         moved = {name: getattr(self, name).to(device) for name in _TENSOR_FIELDS}
-        return MoEWeights(**moved, activation=self.activation)
+        return MoEWeights(**moved, activation=self.activation, layout=self.layout, sizes=self.sizes)
 
 
 _TENSOR_FIELDS = ("w1", "w1_scales", "w1_global_scale", "w2", "w2_scales", "w2_global_scale")

@@ -68,6 +68,13 @@ def copy_16_bytes_async(smem_address, gmem_address, source_bytes, *, loc=None, i
     )
 
 
+def swizzle_128b(byte_offset):
+    """The 128-byte swizzle `wgmma` reads K-major tiles with (`S<3,4,3>` on byte addresses): inside
+    each 1024-byte block of eight 128-byte rows, the 16-byte chunk index is XORed with the row index.
+    `byte_offset` is relative to a 1024-byte aligned base."""
+    return byte_offset ^ (((byte_offset >> 7) & 7) << 4)
+
+
 @dsl_user_op
 def load_shared_v4(smem_address, *, loc=None, ip=None):
     """Four 32-bit words from a 16-byte aligned shared-memory address."""

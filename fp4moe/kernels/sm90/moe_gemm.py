@@ -273,8 +273,8 @@ class MoEGemmSm90:
                 if (source >= 0) & (column < self.act_k):
                     offset = Int64(source) * act_row_bytes + Int64(column) * 2
                     source_bytes = Int32(16)
-                element = cute.crd2idx((n, (chunk % self.chunks_per_row) * CHUNK_ELEMENTS, stage), b_layout)
-                dev.copy_16_bytes_async(act_smem + element * 2, act_gmem + offset, source_bytes)
+                element = cute.crd2idx((n, (chunk % self.chunks_per_row) * CHUNK_ELEMENTS, stage), b_layout.outer)
+                dev.copy_16_bytes_async(act_smem + dev.swizzle_128b(element * 2), act_gmem + offset, source_bytes)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
 
     # -----------------------------------------------------------------------------------------------

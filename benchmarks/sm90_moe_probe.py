@@ -1,0 +1,144 @@
+"""A quick look at the sm90 MoE kernels on one GPU: each stage against the reference, then the W4A16
+`fused_moe` timed on the DeepSeek-V3 shape (CUDA-graph replays, cold L2), in one short run.
+
+    python -m benchmarks.sm90_moe_probe [--tokens 1,8,64,512,4096] [--experts 256]
+
+For development: the benchmark of record is `python -m benchmarks.moe`. Prints one line per check and
+per token count; exits 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+import fp4moe
+from benchmarks.moe_cases import random_nvfp4_experts
+from fp4moe import pipeline
+from fp4moe.kernels.sm90 import moe_launch
+from fp4moe.reference import moe as reference
+
+ops = torch.ops.fp4moe
+
+
+def relative_error(actual, expected) -> float:
+    actual, expected = actual.double(), expected.double()
+    return float(torch.linalg.norm(actual - expected) / torch.linalg.norm(expected).clamp(min=1e-30))
+
+
+def check_stages(hidden: int, intermediate: int, experts: int, tokens: int, top_k: int) -> bool:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w1, w1_scales, w1_gs = random_nvfp4_experts(experts, 2 * intermediate, hidden, g, "cuda")
+    w2, w2_scales, w2_gs = random_nvfp4_experts(experts, hidden, intermediate, g, "cuda")
+    weights = fp4moe.MoEWeights(w1, w1_scales, w1_gs, w2, w2_scales, w2_gs)
+    prepared = weights.prepared()
+    w1_alpha, w2_alpha = weights.alphas()
+    x = torch.randn(tokens, hidden, generator=g, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(tokens, experts, generator=g, device="cuda")
+    topk_ids, topk_weights = ops.route_softmax_topk(logits, top_k, True)
+    tile_m = fp4moe.moe_dispatch(tokens, top_k, experts, "w4a16", False).tile_m
+    ok = True
+
+    got, _ = moe_launch.plan(topk_ids, experts, 0, tile_m)
+    want = reference.moe_plan(topk_ids, experts, 0, tile_m)
+    same = all(torch.equal(a, b) for a, b in zip(got, want))
+    print(f"plan T={tokens} tile_m={tile_m}: {'bitwise equal' if same else 'MISMATCH'}", flush=True)
+    ok &= same
+    permuted_to_pair, pair_to_permuted, tile_expert, _, _ = want
+
+    inter, _, _ = moe_launch.gemm1(x, None, None, permuted_to_pair, tile_expert, prepared.w1, prepared.w1_scales,
+                                   w1_alpha, "sm90", top_k, "swiglu", None, None, None, None, None, 0)
+    inter_ref, _, _ = reference.gemm1(x, None, None, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha,
+                                      "linear", top_k, "swiglu", None, None, None, None, None, 0)
+    used = permuted_to_pair >= 0
+    error = relative_error(inter[used][:, :intermediate], inter_ref[used])
+    print(f"gemm1 swiglu: rel err {error:.2e}", flush=True)
+    ok &= error < 1e-2
+
+    for fused in (True, False):
+        accumulator = torch.zeros(tokens, hidden, device="cuda") if fused else None
+        y = moe_launch.gemm2(inter_ref, None, None, permuted_to_pair, tile_expert, prepared.w2, prepared.w2_scales,
+                             w2_alpha, "sm90", topk_weights, tokens, top_k, hidden, accumulator)
+        accumulator_ref = torch.zeros(tokens, hidden, device="cuda") if fused else None
+        y_ref = reference.gemm2(inter_ref, None, None, permuted_to_pair, tile_expert, w2, w2_scales, w2_alpha,
+                                "linear", topk_weights, tokens, top_k, hidden, accumulator_ref)
+        rows = slice(None) if fused else pair_to_permuted >= 0
+        error = relative_error(y[rows], y_ref[rows])
+        print(f"gemm2 {'fused' if fused else 'expanded'}: rel err {error:.2e}", flush=True)
+        ok &= error < 1e-4
+        out = moe_launch.finalize(y, None if fused else pair_to_permuted, tokens, top_k)
+        out_ref = reference.finalize(y, None if fused else pair_to_permuted, tokens, top_k)
+        same = torch.equal(out, out_ref)
+        print(f"finalize {'fused' if fused else 'deterministic'}: {'bitwise equal' if same else 'MISMATCH'}", flush=True)
+        ok &= same
+    return ok
+
+
+def time_fused_moe(tokens_list, experts: int, replays: int = 50) -> None:
+    hidden, intermediate, top_k = 7168, 2048, 8
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w1, w1_scales, w1_gs = random_nvfp4_experts(experts, 2 * intermediate, hidden, g, "cuda")
+    w2, w2_scales, w2_gs = random_nvfp4_experts(experts, hidden, intermediate, g, "cuda")
+    weights = fp4moe.MoEWeights(w1, w1_scales, w1_gs, w2, w2_scales, w2_gs).prepared()
+    del w1, w2
+    w1_alpha, w2_alpha = weights.alphas()
+    bytes_per_expert = (2 * intermediate * hidden + hidden * intermediate) * (0.5 + 1 / 16)
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    for tokens in tokens_list:
+        x = torch.randn(tokens, hidden, generator=g, device="cuda").to(torch.bfloat16)
+        logits = torch.randn(tokens, experts, generator=g, device="cuda")
+        topk_ids, topk_weights = ops.route_softmax_topk(logits, top_k, True)
+        args = (x, topk_ids, topk_weights, weights.w1, weights.w1_scales, w1_alpha, weights.w2, weights.w2_scales, w2_alpha)
+        kwargs = dict(quant_mode="w4a16", weight_layout="sm90")
+        start = time.perf_counter()
+        out = ops.fused_moe(*args, **kwargs)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - start
+        if tokens <= 64:
+            rows = slice(None)
+            expected = pipeline.fused_moe(
+                *args, None, None, "w4a16", False, "swiglu", None, None, None, False, False, 0, None, None, "sm90",
+                reference=True,
+            )
+            error = relative_error(out[rows], expected[rows])
+        else:
+            error = float("nan")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ops.fused_moe(*args, **kwargs)
+        times = []
+        for _ in range(replays):
+            flush.zero_()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end) * 1e3)
+        median = sorted(times)[len(times) // 2]
+        touched = int(topk_ids.unique().numel())
+        moved = touched * bytes_per_expert + 2 * 2 * tokens * hidden
+        flops = 2 * tokens * top_k * 3 * hidden * intermediate
+        print(
+            f"T={tokens:5d}: {median:9.1f} us  {moved / median / 1e6:7.0f} GB/s  {flops / median / 1e6:6.0f} TFLOP/s"
+            f"  rel err {error:.1e}  first call {first * 1e3:.0f} ms",
+            flush=True,
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="1,8,64,512,4096")
+    parser.add_argument("--experts", type=int, default=256)
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), flush=True)
+    ok = check_stages(512, 256, 16, 37, 4) & check_stages(7168, 2048, 32, 5, 8) & check_stages(1024, 512, 8, 300, 2)
+    time_fused_moe([int(t) for t in args.tokens.split(",")], args.experts)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

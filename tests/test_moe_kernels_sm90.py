@@ -1,0 +1,160 @@
+"""The sm90 MoE kernels (plan, W4A16 grouped GEMMs, finalize) on the GPU, against the reference.
+
+Every `fused_moe` here runs with prepared weights (`weight_layout="sm90"`) unless a test says
+otherwise, and is compared with the per-pair loop reference (`tests.moe_problems`) or with the reference
+pipeline on the same GPU (`fp4moe.pipeline.fused_moe(..., reference=True)`): the same math up to the
+order of FP32 additions, so `assert_moe_close`'s bf16-ulp bounds apply.
+"""
+
+import pytest
+import torch
+
+import fp4moe
+from fp4moe import dispatch, pipeline
+from tests.compare import assert_bitwise_equal
+from tests.hopper import runs_the_sm90_kernels
+from tests.moe_problems import assert_moe_close, loop_reference, make_problem
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not runs_the_sm90_kernels(), reason="needs a Hopper (sm_90) GPU"),
+]
+ops = torch.ops.fp4moe
+SWIGLU_VARIANTS = {"swiglu": {}, "gptoss": dict(swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=7.0)}
+
+
+def prepared_args(p):
+    """`fused_moe`'s positional arguments with the problem's experts in the prepared layout."""
+    w = p.weights.prepared()
+    w1_alpha, w2_alpha = p.alphas
+    return (p.x, p.topk_ids, p.topk_weights, w.w1, w.w1_scales, w1_alpha, w.w2, w.w2_scales, w2_alpha)
+
+
+def run_prepared(p, **overrides):
+    return ops.fused_moe(*prepared_args(p), **p.op_kwargs(weight_layout="sm90", **overrides))
+
+
+def run_reference(p, **overrides):
+    kwargs = dict(p.op_kwargs(**overrides))
+    args = dict(zip(("x", "topk_ids", "topk_weights", "w1", "w1_scales", "w1_alpha", "w2", "w2_scales", "w2_alpha"), prepared_args(p)))
+    defaults = dict(swiglu_alpha=None, swiglu_beta=None, swiglu_limit=None, apply_router_weight_on_input=False,
+                    deterministic=False, num_local_experts=None, x_scales=None)
+    return pipeline.fused_moe(**args, **{**defaults, **kwargs, "weight_layout": "sm90"}, reference=True)
+
+
+def test_dispatch_reports_the_kernels_of_every_w4a16_stage():
+    choice = fp4moe.moe_dispatch(1, 8, 256, "w4a16", False, device="cuda")
+    assert (choice.plan, choice.gemm1, choice.gemm2, choice.finalize) == (dispatch.CUTE_SM90_BACKEND,) * 4
+    assert choice.quantize is None
+    w4a4 = fp4moe.moe_dispatch(16, 8, 256, "w4a4", True, device="cuda")
+    assert (w4a4.plan, w4a4.quantize, w4a4.finalize) == (dispatch.CUTE_SM90_BACKEND,) * 3
+    assert (w4a4.gemm1, w4a4.gemm2) == (dispatch.REFERENCE_BACKEND,) * 2
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gptoss", "relu2"])
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+@pytest.mark.parametrize("on_input", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_w4a16_matches_the_loop_reference(activation, top_k, on_input, deterministic):
+    # H = 80 and I = 48 are multiples of the NVFP4 block but not of any tile: padding on both sides.
+    p = make_problem(
+        tokens=17, hidden=80, intermediate=48, num_experts=10, top_k=top_k, mode="w4a16", device="cuda",
+        activation="relu2" if activation == "relu2" else "swiglu", seed=top_k, deterministic=deterministic,
+        apply_router_weight_on_input=on_input, **SWIGLU_VARIANTS.get(activation, {}),
+    )
+    if activation == "gptoss":
+        p.x *= 4  # reach the limit
+    assert_moe_close(run_prepared(p), loop_reference(p))
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 3, 17, 100, 1000, 4099])
+def test_w4a16_token_counts_match_the_reference_pipeline(tokens):
+    p = make_problem(tokens=tokens, hidden=256, intermediate=128, num_experts=32, top_k=8, mode="w4a16",
+                     device="cuda", seed=tokens)
+    out = run_prepared(p)
+    assert out.shape == (tokens, 256)
+    assert_moe_close(out, run_reference(p))
+
+
+@pytest.mark.parametrize("shard", [0, 3])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_expert_parallel_shards_and_tokens_without_local_experts(shard, deterministic):
+    p = make_problem(tokens=29, top_k=4, num_experts=16, local_experts=4, local_expert_offset=4 * shard,
+                     hidden=128, intermediate=64, mode="w4a16", device="cuda", seed=shard, deterministic=deterministic)
+    outside = 4 if shard == 0 else 0
+    p.topk_ids[3:6] = torch.tensor([outside, outside + 1, outside + 2, outside + 3], dtype=torch.int32, device="cuda")
+    out = run_prepared(p)
+    assert out[3:6].eq(0).all()
+    assert_moe_close(out, loop_reference(p))
+
+
+def test_skewed_routing_all_tokens_on_one_expert_and_every_expert_once():
+    p = make_problem(tokens=300, top_k=2, num_experts=8, hidden=128, intermediate=64, mode="w4a16", device="cuda", seed=7)
+    p.topk_ids[:, 0] = 5
+    p.topk_ids[:, 1] = torch.where(p.topk_ids[:, 1] == 5, 6, p.topk_ids[:, 1])
+    assert_moe_close(run_prepared(p), run_reference(p))
+    q = make_problem(tokens=64, top_k=1, num_experts=64, hidden=128, intermediate=64, mode="w4a16", device="cuda", seed=8)
+    q.topk_ids[:, 0] = torch.randperm(64, device="cuda").to(torch.int32)
+    assert_moe_close(run_prepared(q), loop_reference(q))
+
+
+def test_linear_weights_are_prepared_on_the_fly_with_a_warning():
+    p = make_problem(tokens=9, hidden=128, intermediate=64, mode="w4a16", device="cuda", seed=11)
+    with pytest.warns(RuntimeWarning, match="re-laid out"):
+        out = p.run(deterministic=True)
+    assert_bitwise_equal(out, run_prepared(p, deterministic=True))
+
+
+def test_deterministic_mode_is_bitwise_reproducible_100_times():
+    p = make_problem(tokens=200, top_k=8, num_experts=16, hidden=256, intermediate=128, mode="w4a16",
+                     device="cuda", seed=12, deterministic=True)
+    first = run_prepared(p)
+    for _ in range(100):
+        assert_bitwise_equal(run_prepared(p), first)
+
+
+def test_plan_kernel_is_bitwise_equal_to_the_reference():
+    from fp4moe.reference import moe as reference
+
+    for tokens, top_k, experts, offset, tile_m in [(1, 8, 256, 0, 8), (4096, 8, 256, 0, 128), (777, 6, 64, 32, 16), (0, 2, 4, 0, 8)]:
+        g = torch.Generator(device="cuda").manual_seed(tokens)
+        ids = torch.randint(0, experts + offset + 8, (tokens, top_k), generator=g, device="cuda", dtype=torch.int32)
+        for got, want in zip(ops.moe_plan(ids, experts, offset, tile_m), reference.moe_plan(ids, experts, offset, tile_m)):
+            assert_bitwise_equal(got, want)
+
+
+def test_w4a4_quantization_stages_run_the_kernels_and_leave_results_unchanged():
+    for mode in ("w4a4", "w4a4_per_token"):
+        for tokens in (3, 40):  # the rescan and the aux-amax paths
+            p = make_problem(tokens=tokens, hidden=128, intermediate=64, mode=mode, device="cuda", seed=tokens,
+                             deterministic=True)
+            assert_bitwise_equal(run_prepared(p), run_reference(p))
+
+
+def test_cuda_graph_replay_with_fresh_routing_equals_eager():
+    p = make_problem(tokens=24, top_k=4, num_experts=16, hidden=256, intermediate=128, mode="w4a16", device="cuda", seed=13)
+    args = list(prepared_args(p))
+    kwargs = p.op_kwargs(weight_layout="sm90", deterministic=True)
+    ops.fused_moe(*args, **kwargs)  # compile and warm up before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.fused_moe(*args, **kwargs)
+    for seed in range(3):
+        g = torch.Generator(device="cuda").manual_seed(100 + seed)
+        p.topk_ids.copy_(torch.argsort(torch.rand(24, 16, generator=g, device="cuda"), dim=1)[:, :4].to(torch.int32))
+        p.x.copy_(torch.randn(24, 256, generator=g, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        assert_bitwise_equal(out, ops.fused_moe(*args, **kwargs))
+
+
+def test_no_host_synchronization():
+    p = make_problem(tokens=33, top_k=8, num_experts=16, hidden=256, intermediate=128, mode="w4a16", device="cuda", seed=14)
+    args, kwargs = prepared_args(p), p.op_kwargs(weight_layout="sm90")
+    ops.fused_moe(*args, **kwargs)
+    ops.fused_moe(*args, **{**kwargs, "deterministic": True})
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.fused_moe(*args, **kwargs)
+        ops.fused_moe(*args, **{**kwargs, "deterministic": True})
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
