@@ -44,15 +44,22 @@ def stage_bytes(tile_features: int, tile_rows: int, tile_k: int) -> int:
     return tiles * (weight_layout.CODE_BYTES + weight_layout.SCALE_BYTES) + tile_rows * tile_k * 2
 
 
+MAX_REGISTERS = 248
+"""The most registers per thread that are a multiple of 8 (ptxas allows 255)."""
+MAX_CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
 """Registers per thread of the producer warpgroup (`setmaxnreg`): addresses and loop counters only."""
 
 
 def consumer_registers(tile_features: int, ctas_per_sm: int) -> int:
-    """Registers per consumer thread: what the register file leaves after the producer warpgroup."""
-    consumers = tile_features // 64 * WARPGROUP_THREADS
-    available = 65536 // ctas_per_sm - WARPGROUP_THREADS * PRODUCER_REGISTERS
-    return min(232, available // consumers // 8 * 8)
+    """Registers per consumer thread (`setmaxnreg.inc`): the CTA's share of the register file is what
+    ptxas gives every thread at entry (`65536 / (CTAs x threads)`, down to a multiple of 8), and the
+    consumers may take only what the producer warpgroup's decrease returns to it — asking for more
+    than the pool holds never completes."""
+    threads = WARPGROUP_THREADS * (1 + tile_features // 64)
+    entry = min(MAX_REGISTERS, 65536 // (ctas_per_sm * threads) // 8 * 8)
+    pool = threads * entry - WARPGROUP_THREADS * PRODUCER_REGISTERS
+    return min(MAX_CONSUMER_REGISTERS, pool // (threads - WARPGROUP_THREADS) // 8 * 8)
 
 
 def pipeline_stages(tile_features: int, tile_rows: int, tile_k: int, ctas_per_sm: int) -> int:
@@ -323,7 +330,7 @@ class MoEGemmSm90:
             cute.gemm(tiled_mma, acc, fragment[None, None, b], tCrB[None, None, b, stage], acc)
         warpgroup.commit_group()
         warpgroup.wait_group(1)
-        if k > 0 and lane == 0:
+        if (k > 0) & (lane == 0):
             cute.arch.mbarrier_arrive(empty + (k + self.stages - 1) % self.stages)
 
     @cute.jit
