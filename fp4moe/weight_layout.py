@@ -169,31 +169,33 @@ def linear_from_sm90(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of `prepare_sm90` up to padding: `linear` (codes uint8 [E, N_pad, K_pad/2], scales
     float8_e4m3fn [E, N_pad, K_pad/16]) with the prepared (padded) sizes. Gated weights come back as
-    `[gate; up]` halves of `N_pad / 2` rows each; padding rows and columns are zeros."""
+    `[gate; up]` halves of `N_pad / 2` rows each; padding rows and columns are zeros. One expert at
+    a time, like `prepare_sm90`."""
     experts, row_blocks, k_tiles, _ = prepared_codes.shape
     device = prepared_codes.device
-    words = prepared_codes.view(experts, row_blocks, k_tiles, THREADS, BLOCKS_PER_TILE, 4).to(torch.int64)
-    words = sum(words[..., i] << (8 * i) for i in range(4))
-    positions = _bit_positions(device)  # [p, v, i]
-    bits = (words[..., None, None, None] >> positions) & 1  # [E, J, T, thread, b, p, v, i]
-    fragment = bits[..., 0] | (bits[..., 1] << 1) | (bits[..., 2] << 2) | (bits[..., 3] << 3)
+    padded_rows, padded_k = row_blocks * ROW_BLOCK, k_tiles * K_TILE
+    codes = prepared_codes.new_empty((experts, padded_rows, padded_k // 2))
+    scales = prepared_codes.new_empty((experts, padded_rows, padded_k // nvfp4.BLOCK_SIZE))
     row, col = _fragment_coordinates(device)
-    tiles = torch.zeros(experts, row_blocks, k_tiles, ROW_BLOCK, K_TILE, dtype=torch.int64, device=device)
-    tiles[:, :, :, row, col] = fragment
-    values = tiles.permute(0, 1, 3, 2, 4).reshape(experts, row_blocks * ROW_BLOCK, k_tiles * K_TILE)
-
-    scale_tiles = prepared_scales.view(experts, row_blocks, k_tiles, 4, 8, BLOCKS_PER_TILE, 2)  # e j T w g b h
-    scale_bytes = scale_tiles.permute(0, 1, 3, 6, 4, 2, 5).reshape(experts, row_blocks * ROW_BLOCK, -1)
-
-    padded_rows = row_blocks * ROW_BLOCK
+    positions = _bit_positions(device).to(torch.int32)
+    linear_row = torch.arange(padded_rows, device=device)
     if gated:
-        r = torch.arange(padded_rows, device=device)
-        j, w, h, g = r // 64, (r % 64) // 16, (r % 16) // 8, r % 8
-        linear_row = h * (padded_rows // 2) + 32 * j + 8 * w + g
-        values = values[:, torch.argsort(linear_row)]
-        scale_bytes = scale_bytes[:, torch.argsort(linear_row)]
-    codes = nvfp4.pack_e2m1(values.to(torch.uint8))
-    return codes, scale_bytes.contiguous().view(torch.float8_e4m3fn)
+        r = linear_row
+        linear_row = (r % 16) // 8 * (padded_rows // 2) + 32 * (r // 64) + 8 * (r % 64 // 16) + r % 8
+    for e in range(experts):
+        words = prepared_codes[e].view(row_blocks, k_tiles, THREADS, BLOCKS_PER_TILE, 4).to(torch.int32)
+        words = words[..., 0] | (words[..., 1] << 8) | (words[..., 2] << 16) | (words[..., 3] << 24)
+        fragment = torch.zeros((*words.shape, 4, 2), dtype=torch.int32, device=device)  # [J, T, thread, b, p, v]
+        for i in range(4):
+            fragment |= ((words[..., None, None] >> positions[..., i]) & 1) << i
+        tiles = torch.zeros(row_blocks, k_tiles, ROW_BLOCK, K_TILE, dtype=torch.uint8, device=device)
+        tiles[:, :, row, col] = fragment.to(torch.uint8)
+        values = tiles.transpose(1, 2).reshape(padded_rows, padded_k)
+        scale_tiles = prepared_scales[e].view(row_blocks, k_tiles, 4, 8, BLOCKS_PER_TILE, 2)  # j T w g b h
+        scale_bytes = scale_tiles.permute(0, 2, 5, 3, 1, 4).reshape(padded_rows, -1)
+        codes[e, linear_row] = nvfp4.pack_e2m1(values)
+        scales[e, linear_row] = scale_bytes
+    return codes, scales.view(torch.float8_e4m3fn)
 
 
 def decode_pair_sm90(word: torch.Tensor, pair: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ CHUNK_ELEMENTS = 8
 """bf16 elements of one 16-byte activation copy."""
 SHARED_MEMORY_BYTES = 227 * 1024
 """Opt-in shared memory of one CTA on sm_90."""
-MAX_STAGES = 8
+MAX_STAGES = 16
 BARRIER_BYTES = 8
 
 
@@ -196,19 +196,19 @@ class MoEGemmSm90:
         feature_block, tile, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(tidx // WARP_SIZE)
         group = warp // 4
-        wait_for_predecessor_and_release_successor()
-        expert = mTileExpert[tile]
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         full = storage.full.data_ptr()
         empty = storage.empty.data_ptr()
+        if tidx == 0:  # shared memory only: overlaps the predecessor's tail (PDL)
+            for s in cutlass.range_constexpr(self.stages):
+                cute.arch.mbarrier_init(full + s, 1 + WARP_SIZE)
+                cute.arch.mbarrier_init(empty + s, 4 * self.consumer_groups)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        wait_for_predecessor_and_release_successor()
+        expert = mTileExpert[tile]
         if expert >= 0:
-            if tidx == 0:
-                for s in cutlass.range_constexpr(self.stages):
-                    cute.arch.mbarrier_init(full + s, 1 + WARP_SIZE)
-                    cute.arch.mbarrier_init(empty + s, 4 * self.consumer_groups)
-                cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
             if group == 0:
                 cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
                 if warp == 0:

@@ -36,8 +36,6 @@ from fp4moe.op_outputs import moe_plan_outputs
 SM_COUNT = 132
 """Streaming multiprocessors of an H100 / H200: the grid sizes that fill the machine."""
 ZERO_CTAS_PER_SM = 4
-MANY_CTAS = 2 * SM_COUNT
-"""Feature blocks x expected tiles at which 128-feature CTAs still fill two per SM."""
 FUSED_ROWS_TILE = 32
 """Plan tiles of at most this many rows run two CTAs per SM (small accumulators, few registers)."""
 
@@ -107,8 +105,8 @@ class GemmShape:
         self.prepared_k = k_tiles * weight_layout.K_TILE
         self.tile_rows = tile_rows
         self.ctas_per_sm = 2 if tile_rows <= FUSED_ROWS_TILE else 1
-        wide = (row_blocks // 2) * expected_tiles >= MANY_CTAS * self.ctas_per_sm // 2
-        self.tile_features = 128 if wide else 64
+        # 128 features per CTA (more bytes per barrier and per activation tile) unless that leaves SMs idle.
+        self.tile_features = 128 if (row_blocks // 2) * expected_tiles >= SM_COUNT else 64
         self.tile_k = 128
         self.stages = pipeline_stages(self.tile_features, tile_rows, self.tile_k, self.ctas_per_sm)
 

@@ -171,8 +171,8 @@ class MoEPlanSm90:
             elif p < num_pairs:
                 mPairToPermuted[p] = -1
             cute.arch.sync_threads()
-            if leader & (e >= 0):
-                running[e] = running[e] + Int32(cute.arch.popc(same))
+            if leader & (e >= 0):  # several warps of the round may hold the same expert
+                cute.arch.atomic_add(running.iterator + e, Int32(cute.arch.popc(same)), scope="cta")
             cute.arch.sync_threads()
 
     @cute.jit
