@@ -77,6 +77,42 @@ def check_stages(hidden: int, intermediate: int, experts: int, tokens: int, top_
     return ok
 
 
+def _median_us(fn, repeats: int = 10) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def time_stages(weights, tokens: int, hidden: int, experts: int, top_k: int, g) -> None:
+    """Each W4A16 stage alone (eager, warm): where the time of one call goes."""
+    w1_alpha, w2_alpha = weights.alphas()
+    x = torch.randn(tokens, hidden, generator=g, device="cuda").to(torch.bfloat16)
+    topk_ids, topk_weights = ops.route_softmax_topk(torch.randn(tokens, experts, generator=g, device="cuda"), top_k, True)
+    tile_m = fp4moe.moe_dispatch(tokens, top_k, experts, "w4a16", False).tile_m
+    (ptp, p2p, te, _, _), _ = moe_launch.plan(topk_ids, experts, 0, tile_m)
+    args1 = (x, None, None, ptp, te, weights.w1, weights.w1_scales, w1_alpha, "sm90", top_k, "swiglu", None, None, None, None, None, 0)
+    inter = moe_launch.gemm1(*args1)[0]
+    accumulator = torch.zeros(tokens, hidden, device="cuda")
+    expanded = moe_launch.gemm2(inter, None, None, ptp, te, weights.w2, weights.w2_scales, w2_alpha, "sm90", topk_weights, tokens, top_k, hidden, None)
+    timings = {
+        "plan": lambda: moe_launch.plan(topk_ids, experts, 0, tile_m),
+        "plan+zero": lambda: moe_launch.plan(topk_ids, experts, 0, tile_m, hidden),
+        "gemm1": lambda: moe_launch.gemm1(*args1),
+        "gemm2 atomics": lambda: moe_launch.gemm2(inter, None, None, ptp, te, weights.w2, weights.w2_scales, w2_alpha, "sm90", topk_weights, tokens, top_k, hidden, accumulator),
+        "gemm2 expanded": lambda: moe_launch.gemm2(inter, None, None, ptp, te, weights.w2, weights.w2_scales, w2_alpha, "sm90", topk_weights, tokens, top_k, hidden, None),
+        "finalize fused": lambda: moe_launch.finalize(accumulator, None, tokens, top_k),
+        "finalize ordered": lambda: moe_launch.finalize(expanded, p2p, tokens, top_k),
+    }
+    print(f"T={tokens} tile_m={tile_m} stages: " + ", ".join(f"{k} {_median_us(f):.1f} us" for k, f in timings.items()), flush=True)
+
+
 def time_fused_moe(tokens_list, experts: int, replays: int = 50) -> None:
     hidden, intermediate, top_k = 7168, 2048, 8
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -87,17 +123,19 @@ def time_fused_moe(tokens_list, experts: int, replays: int = 50) -> None:
     w1_alpha, w2_alpha = weights.alphas()
     bytes_per_expert = (2 * intermediate * hidden + hidden * intermediate) * (0.5 + 1 / 16)
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    for tokens in tokens_list:
+    for tokens in (1, 4096):
+        time_stages(weights, tokens, hidden, experts, top_k, g)
+    for tokens, deterministic in [(t, d) for t in tokens_list for d in (False, True)]:
         x = torch.randn(tokens, hidden, generator=g, device="cuda").to(torch.bfloat16)
         logits = torch.randn(tokens, experts, generator=g, device="cuda")
         topk_ids, topk_weights = ops.route_softmax_topk(logits, top_k, True)
         args = (x, topk_ids, topk_weights, weights.w1, weights.w1_scales, w1_alpha, weights.w2, weights.w2_scales, w2_alpha)
-        kwargs = dict(quant_mode="w4a16", weight_layout="sm90")
+        kwargs = dict(quant_mode="w4a16", weight_layout="sm90", deterministic=deterministic)
         start = time.perf_counter()
         out = ops.fused_moe(*args, **kwargs)
         torch.cuda.synchronize()
         first = time.perf_counter() - start
-        if tokens <= 64:
+        if tokens <= 64 and not deterministic:
             rows = slice(None)
             expected = pipeline.fused_moe(
                 *args, None, None, "w4a16", False, "swiglu", None, None, None, False, False, 0, None, None, "sm90",
@@ -123,7 +161,8 @@ def time_fused_moe(tokens_list, experts: int, replays: int = 50) -> None:
         moved = touched * bytes_per_expert + 2 * 2 * tokens * hidden
         flops = 2 * tokens * top_k * 3 * hidden * intermediate
         print(
-            f"T={tokens:5d}: {median:9.1f} us  {moved / median / 1e6:7.0f} GB/s  {flops / median / 1e6:6.0f} TFLOP/s"
+            f"T={tokens:5d}{' deterministic' if deterministic else ''}: {median:9.1f} us  "
+            f"{moved / median / 1e3:7.0f} GB/s  {flops / median / 1e6:6.0f} TFLOP/s"
             f"  rel err {error:.1e}  first call {first * 1e3:.0f} ms",
             flush=True,
         )
@@ -135,7 +174,7 @@ def main() -> int:
     parser.add_argument("--experts", type=int, default=256)
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
-    ok = check_stages(512, 256, 16, 37, 4) & check_stages(7168, 2048, 32, 5, 8) & check_stages(1024, 512, 8, 300, 2)
+    ok = check_stages(512, 256, 16, 37, 4) & check_stages(7168, 2048, 32, 5, 8) & check_stages(1024, 512, 8, 3000, 2)
     time_fused_moe([int(t) for t in args.tokens.split(",")], args.experts)
     return 0 if ok else 1
 

@@ -48,6 +48,16 @@ def _dynamic():
     return cute.sym_int()
 
 
+def _standard(t: torch.Tensor) -> torch.Tensor:
+    """`t` if it has standard row-major strides (what the kernels are compiled for, size-1 dimensions
+    included), else a compact copy (same values)."""
+    expected, stride = [], 1
+    for size in reversed(t.shape):
+        expected.append(stride)
+        stride *= size
+    return t if t.stride() == tuple(reversed(expected)) else t.clone(memory_format=torch.contiguous_format)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Plan
 # ---------------------------------------------------------------------------------------------------
@@ -82,7 +92,7 @@ def plan(topk_ids, num_local_experts, local_expert_offset, tile_m, accumulator_h
         vectors = accumulator.numel() // ZERO_VECTOR
         zero_ctas = max(1, min(ZERO_CTAS_PER_SM * SM_COUNT, -(-vectors // PLAN_THREADS)))
     kernel = compile_plan(num_local_experts, tile_m, accumulator_hidden)
-    kernel(topk_ids.reshape(-1), local_expert_offset, *outputs, accumulator, zero_ctas)
+    kernel(_standard(topk_ids.reshape(-1)), local_expert_offset, *outputs, accumulator, zero_ctas)
     return outputs, accumulator
 
 
@@ -200,8 +210,8 @@ def gemm1(
         "gemm1", shape.key(), a.shape[1], out_features, top_k, activation, (swiglu_alpha, swiglu_beta, swiglu_limit),
         router_weights is not None,
     )
-    router = None if router_weights is None else router_weights.reshape(-1)
-    kernel(w1, w1_scales, _activation_rows(a), permuted_to_pair, tile_expert, w1_alpha, router, out)
+    router = None if router_weights is None else _standard(router_weights.reshape(-1))
+    kernel(_standard(w1), _standard(w1_scales), _activation_rows(a), permuted_to_pair, tile_expert, _standard(w1_alpha), router, out)
     return out, empty.view(torch.float8_e4m3fn), empty
 
 
@@ -224,8 +234,8 @@ def gemm2(
     kernel = compile_gemm(
         epilogue, shape.key(), a.shape[1], hidden, top_k, "none", (None, None, None), router_weights is not None
     )
-    router = None if router_weights is None else router_weights.reshape(-1)
-    kernel(w2, w2_scales, _activation_rows(a), permuted_to_pair, tile_expert, w2_alpha, router, out)
+    router = None if router_weights is None else _standard(router_weights.reshape(-1))
+    kernel(_standard(w2), _standard(w2_scales), _activation_rows(a), permuted_to_pair, tile_expert, _standard(w2_alpha), router, out)
     return out
 
 
@@ -252,7 +262,8 @@ def _finalize(values, pair_to_permuted, num_tokens, top_k, out_dtype):
     if num_tokens == 0:
         return out
     mode = "fused" if pair_to_permuted is None else "deterministic"
-    compile_finalize(mode, hidden, top_k, out_dtype)(values, pair_to_permuted, out)
+    pair_to_permuted = None if pair_to_permuted is None else _standard(pair_to_permuted)
+    compile_finalize(mode, hidden, top_k, out_dtype)(_standard(values), pair_to_permuted, out)
     return out
 
 
