@@ -8,6 +8,7 @@ shapes/values/layouts, NotImplementedError for unsupported configurations, Runti
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
@@ -18,6 +19,10 @@ HANDOFF_DTYPES = (torch.bfloat16, torch.float16)
 FOUR_OVER_SIX_MODES = ("off", "mae", "mse")
 AUX_AMAX_ROW_GROUP = 8
 """Rows per group in the blocked-8 aux-amax layout `[ceil(M/8), num_tiles, 8]`."""
+
+
+FLT_MIN = torch.finfo(torch.float32).tiny
+"""2^-126, the smallest normal FP32 number."""
 
 
 def _names(options) -> str:
@@ -49,6 +54,21 @@ def check_choice(name: str, value: str, options) -> None:
         raise ValueError(f"{name} must be one of {_names(options)}, got {value!r}")
 
 
+def fp32(value: float) -> float:
+    """`value` rounded to the nearest FP32 number, as a Python float; ±inf where it rounds past FP32's range."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def check_finite_fp32(name: str, value: float) -> None:
+    """A Python float that stays finite once rounded to FP32 (the precision it is applied in). Values
+    past FLT_MAX are refused even where they would round down to it: torch refuses to convert them."""
+    if not (math.isfinite(value) and abs(value) <= FLT_MAX):
+        raise ValueError(f"{name} must be finite in FP32, got {value}")
+
+
 def check_activation(name: str, x: torch.Tensor, allowed=ACTIVATION_DTYPES) -> None:
     """A 2-D [M, K] activation with K a multiple of the NVFP4 block size."""
     if not isinstance(x, torch.Tensor):
@@ -78,8 +98,7 @@ def check_quantize_per_token(
     input_amax_valid_rows: torch.Tensor | None,
 ) -> None:
     check_activation("x", x)
-    if not (math.isfinite(global_scale_inv) and global_scale_inv > 0):
-        raise ValueError(f"global_scale_inv must be finite and > 0, got {global_scale_inv}")
+    check_global_scale_inv(global_scale_inv)
     check_choice("sf_layout", sf_layout, SF_LAYOUTS)
     check_choice("four_over_six", four_over_six, FOUR_OVER_SIX_MODES)
     if input_amax is None:
@@ -98,6 +117,19 @@ def check_quantize_per_token(
     check_same_device("input_amax", input_amax, "x", x)
     if input_amax_valid_rows is not None:
         check_valid_rows("input_amax_valid_rows", input_amax_valid_rows, x)
+
+
+def check_global_scale_inv(global_scale_inv: float) -> None:
+    """The per-token quantizer's decode-direction scale, checked in the FP32 it is rounded to (SPEC §2):
+    it and its reciprocal `RN(1/global_scale_inv)` must be normal FP32 numbers, so [2^-126, 2^126].
+    A subnormal or zero value would make the reciprocal infinite and saturate every code; one past
+    FP32's range cannot be converted at all."""
+    value = fp32(global_scale_inv)
+    if not FLT_MIN <= value <= 1.0 / FLT_MIN:
+        raise ValueError(
+            f"global_scale_inv must be in [2^-126, 2^126] once rounded to FP32 (it and its reciprocal normal "
+            f"FP32 numbers), got {global_scale_inv!r} (FP32: {value!r})"
+        )
 
 
 def check_valid_rows(name: str, valid_rows: torch.Tensor, x: torch.Tensor) -> None:
@@ -233,12 +265,6 @@ def route_plan_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
     experts: the worst case `T*k + E*(block_m - 1)` of SPEC §5 (every expert ends in a partial block)
     rounded up to whole blocks, so that `expert_ids` has exactly `capacity / block_m` entries."""
     return round_up(num_pairs + num_experts * (block_m - 1), block_m)
-
-
-def check_finite_fp32(name: str, value: float) -> None:
-    """A Python float that stays finite once rounded to FP32 (the precision it is applied in)."""
-    if not (math.isfinite(value) and abs(value) <= FLT_MAX):
-        raise ValueError(f"{name} must be finite in FP32, got {value}")
 
 
 def check_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int, local_expert_offset: int) -> None:
@@ -489,8 +515,10 @@ def check_swiglu_parameters(activation: str, swiglu_alpha, swiglu_beta, swiglu_l
     for name, value in (("swiglu_alpha", swiglu_alpha), ("swiglu_beta", swiglu_beta)):
         if value is not None:
             check_finite_fp32(name, value)
-    if swiglu_limit is not None and not (math.isfinite(swiglu_limit) and swiglu_limit > 0):
-        raise ValueError(f"swiglu_limit must be finite and > 0, got {swiglu_limit}")
+    if swiglu_limit is not None:
+        check_finite_fp32("swiglu_limit", swiglu_limit)
+        if not fp32(swiglu_limit) > 0:
+            raise ValueError(f"swiglu_limit must be > 0 once rounded to FP32, got {swiglu_limit!r}")
 
 
 def check_gated_rows(activation: str, n: int, name: str) -> int:

@@ -234,8 +234,14 @@ MALFORMED = [
     (ValueError, "global_scale must hold exactly one element", lambda: ops.quantize(_X, torch.ones(2))),
     (ValueError, "sf_layout must be one of", lambda: ops.quantize(_X, _GS, sf_layout="tiled")),
     (ValueError, "four_over_six must be one of", lambda: ops.quantize(_X, _GS, four_over_six="max")),
-    (ValueError, "global_scale_inv must be finite and > 0", lambda: ops.quantize_per_token(_X, 0.0)),
-    (ValueError, "global_scale_inv must be finite and > 0", lambda: ops.quantize_per_token(_X, math.inf)),
+    (ValueError, r"global_scale_inv must be in \[2\^-126, 2\^126\] once rounded to FP32", lambda: ops.quantize_per_token(_X, 0.0)),
+    (ValueError, "global_scale_inv must be in", lambda: ops.quantize_per_token(_X, math.inf)),
+    (ValueError, "global_scale_inv must be in", lambda: ops.quantize_per_token(_X, math.nan)),
+    (ValueError, "global_scale_inv must be in", lambda: ops.quantize_per_token(_X, -1 / 2688)),
+    # Subnormal in FP32 (its reciprocal overflows: every code would saturate), and past FP32's range.
+    (ValueError, r"got 1e-40 \(FP32: 9\.99994610111476e-41\)", lambda: ops.quantize_per_token(_X, 1e-40)),
+    (ValueError, r"got 1e\+39 \(FP32: inf\)", lambda: ops.quantize_per_token(_X, 1e39)),
+    (ValueError, "global_scale_inv must be in", lambda: ops.quantize_per_token(_X, 2.0**127)),  # 1/x subnormal
     (ValueError, "sf_layout must be one of", lambda: ops.quantize_per_token(_X, sf_layout="Linear")),
     (ValueError, "four_over_six must be one of", lambda: ops.quantize_per_token(_X, four_over_six="on")),
     (TypeError, "input_amax must have x's dtype", lambda: ops.quantize_per_token(_X, input_amax=_AMAX.half())),
@@ -274,6 +280,21 @@ MALFORMED = [
 def test_malformed_calls_raise_clear_errors(error, message, call):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_global_scale_inv_is_checked_in_the_fp32_it_becomes():
+    """Accepted: [2^-126, 2^126] once rounded to FP32. A double just below 2^-126 rounds up to it and
+    quantizes exactly like it; one that stays subnormal in FP32 is refused."""
+    x = random_activations(8, 64, torch.bfloat16, "cpu", seed=10)
+    rounds_up = math.nextafter(2.0**-126, 0.0)
+    assert rounds_up < 2.0**-126
+    for name, a, b in zip(("codes", "block_scales", "per_token_scale"),
+                          ops.quantize_per_token(x, rounds_up), ops.quantize_per_token(x, 2.0**-126)):
+        assert_bitwise_equal(a, b, name)
+    _, _, per_token_scale = ops.quantize_per_token(x, 2.0**126)  # the largest accepted value, computed per SPEC §2
+    assert_bitwise_equal(per_token_scale, nvfp4.per_token_scales(x.float().abs().amax(dim=1), 2.0**126)[1])
+    with pytest.raises(ValueError, match="global_scale_inv must be in"):
+        ops.quantize_per_token(x, 2.0**-126 * (1 - 2.0**-22))  # 2^-126 - 2^-148: subnormal in FP32
 
 
 @pytest.mark.gpu
