@@ -23,6 +23,8 @@ AUX_AMAX_ROW_GROUP = 8
 
 FLT_MIN = torch.finfo(torch.float32).tiny
 """2^-126, the smallest normal FP32 number."""
+INT32_MAX = 2**31 - 1
+"""Kernels index rows, columns and plan entries in int32."""
 
 
 def _names(options) -> str:
@@ -191,8 +193,14 @@ def check_tile_amax(x: torch.Tensor, tile_n: int) -> None:
     check_dim("x", x, 2)
     if x.shape[1] == 0:
         raise ValueError("x.shape[1] must be positive")
-    if tile_n < 1:
-        raise ValueError(f"tile_n must be >= 1, got {tile_n}")
+    check_tile_width("tile_n", tile_n)
+
+
+def check_tile_width(name: str, tile_n: int) -> None:
+    """Columns per aux-amax tile: [1, 2^31 - 1] (a column index is int32). A tile wider than the
+    input is one tile over every column."""
+    if not 1 <= tile_n <= INT32_MAX:
+        raise ValueError(f"{name} must be in [1, 2^31 - 1], got {tile_n}")
 
 
 # --- Routing (SPEC §3.1) -----------------------------------------------------------------------
@@ -248,7 +256,6 @@ def check_route_deepseek_v3(
 
 # --- Aligned fused MoE and its route plan (SPEC §5) --------------------------------------------
 
-INT32_MAX = 2**31 - 1
 ALIGNED_MOE_DIM_MULTIPLE = 256
 """K (hidden size) and N (= 2I, gate and up rows of w1) must be positive multiples of this."""
 ALIGNED_MOE_BLOCK_M_MULTIPLE = 8
@@ -551,8 +558,8 @@ def check_moe_gemm1(
         if output_global_scale.numel() != 1:
             raise ValueError(f"output_global_scale must hold one element, got shape {tuple(output_global_scale.shape)}")
         check_same_device("output_global_scale", output_global_scale, "a", a)
-    if aux_amax_tile_n < 0:
-        raise ValueError(f"aux_amax_tile_n must be >= 0 (0: no aux-amax output), got {aux_amax_tile_n}")
+    if aux_amax_tile_n != 0:  # 0: no aux-amax output
+        check_tile_width("aux_amax_tile_n (0: no aux-amax output)", aux_amax_tile_n)
     if aux_amax_tile_n and output_global_scale is not None:
         raise ValueError("aux_amax_tile_n needs the bf16 output (output_global_scale=None)")
 

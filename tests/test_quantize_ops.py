@@ -130,6 +130,17 @@ def test_tile_amax_by_hand():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_tile_wider_than_the_input_is_one_tile_over_every_column(device):
+    # The widest accepted tile (2^31 - 1 columns) costs what a tile of N columns costs: nothing is
+    # allocated per tile column.
+    x = random_activations(13, 96, torch.bfloat16, device, seed=11)
+    widest = ops.tile_amax(x, 2**31 - 1)
+    assert widest.shape == (2, 1, 8)
+    assert_bitwise_equal(widest, ops.tile_amax(x, 96))
+    assert_bitwise_equal(widest, ops.tile_amax(x, 200))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,tile_n", [(1, 64), (13, 48), (64, 128), (203, 96)])
 @pytest.mark.parametrize("four_over_six", ["off", "mse"])
@@ -270,7 +281,8 @@ MALFORMED = [
     (ValueError, "per_token_scale must have shape", lambda: ops.dequantize(_CODES_L, _SF_L, "linear", None, _PTS[:3])),
     (TypeError, "out_dtype must be one of",
      lambda: ops.dequantize(_CODES, _SF, global_scale=_GS, out_dtype=torch.int32)),
-    (ValueError, "tile_n must be >= 1", lambda: ops.tile_amax(_X, 0)),
+    (ValueError, r"tile_n must be in \[1, 2\^31 - 1\], got 0", lambda: ops.tile_amax(_X, 0)),
+    (ValueError, r"tile_n must be in \[1, 2\^31 - 1\], got 1099511627776", lambda: ops.tile_amax(_X, 2**40)),
     (TypeError, "x must have dtype", lambda: ops.tile_amax(_X.to(torch.int64), 16)),
     (ValueError, "x must be 2-D", lambda: ops.tile_amax(_X[0], 16)),
 ]
