@@ -12,6 +12,7 @@ import struct
 
 import torch
 
+from fp4moe.dispatch import MOE_TILE_M_CHOICES
 from fp4moe.nvfp4 import BLOCK_SIZE, FLT_MAX, SF_LAYOUTS, ceil_div, round_up, swizzled_shape
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -274,17 +275,21 @@ def route_plan_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
     return round_up(num_pairs + num_experts * (block_m - 1), block_m)
 
 
+def check_local_experts(num_experts: int, local_expert_offset: int, name: str = "num_local_experts") -> None:
+    """This rank's experts `[offset, offset + E)`: global ids and local experts are int32 values."""
+    if num_experts < 1:
+        raise ValueError(f"{name} must be >= 1, got {num_experts}")
+    if not 0 <= local_expert_offset <= INT32_MAX - num_experts:
+        raise ValueError(
+            f"local_expert_offset must be in [0, 2^31 - 1 - {name}] (global ids are int32), got {local_expert_offset}"
+        )
+
+
 def check_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int, local_expert_offset: int) -> None:
     check_topk(topk_ids)
     if block_m < 1:
         raise ValueError(f"block_m must be >= 1, got {block_m}")
-    if num_experts < 1:
-        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-    if not 0 <= local_expert_offset <= INT32_MAX - num_experts:
-        raise ValueError(
-            "local_expert_offset must be in [0, 2^31 - 1 - num_experts] (global ids are int32), "
-            f"got {local_expert_offset}"
-        )
+    check_local_experts(num_experts, local_expert_offset, "num_experts")
     # Pair indices, the sentinel and num_tokens_post_padded are int32 values no larger than the capacity.
     capacity = route_plan_capacity(topk_ids.numel(), num_experts, block_m)
     if capacity > INT32_MAX:
@@ -449,14 +454,36 @@ def check_topk(topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None)
         check_same_device("topk_weights", topk_weights, "topk_ids", topk_ids)
 
 
+def moe_plan_sizes(num_pairs, num_local_experts: int, tile_m: int):
+    """Static worst-case (rows, tiles) of a plan, from host-known sizes only.
+
+    Each expert that receives a pair pads its segment by at most `tile_m - 1` rows, and at most
+    `min(E, pairs)` experts receive one: rows <= pairs + min(E, pairs) * (tile_m - 1), rounded up to
+    a whole tile. `num_pairs` may be symbolic (a dynamic token count).
+    """
+    bound = num_pairs + torch.sym_min(num_local_experts, num_pairs) * (tile_m - 1)
+    tiles = (bound + tile_m - 1) // tile_m
+    return tiles * tile_m, tiles
+
+
+def check_moe_plan_fits_int32(topk_ids: torch.Tensor, num_local_experts: int, tile_m: int, what: str) -> None:
+    """Pair indices and permuted rows of the plan are int32 values below its static row count."""
+    rows, _ = moe_plan_sizes(topk_ids.shape[0] * topk_ids.shape[1], num_local_experts, tile_m)
+    if rows > INT32_MAX:
+        raise ValueError(
+            f"{what} of topk_ids {tuple(topk_ids.shape)} over {num_local_experts} local experts needs "
+            f"up to {rows} int32 rows (> 2^31 - 1)"
+        )
+
+
 def check_moe_plan(topk_ids: torch.Tensor, num_local_experts: int, local_expert_offset: int, tile_m: int) -> None:
     check_topk(topk_ids)
-    if num_local_experts < 1:
-        raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
-    if local_expert_offset < 0:
-        raise ValueError(f"local_expert_offset must be >= 0, got {local_expert_offset}")
-    if tile_m < MOE_TILE_M_MULTIPLE or tile_m % MOE_TILE_M_MULTIPLE != 0:
-        raise ValueError(f"tile_m must be a positive multiple of {MOE_TILE_M_MULTIPLE}, got {tile_m}")
+    check_local_experts(num_local_experts, local_expert_offset)
+    if tile_m < MOE_TILE_M_MULTIPLE or tile_m % MOE_TILE_M_MULTIPLE != 0 or tile_m > INT32_MAX:
+        raise ValueError(
+            f"tile_m must be a positive multiple of {MOE_TILE_M_MULTIPLE} (at most 2^31 - 1), got {tile_m}"
+        )
+    check_moe_plan_fits_int32(topk_ids, num_local_experts, tile_m, f"the plan with tile_m = {tile_m}")
 
 
 def check_expert_weights(
@@ -615,8 +642,10 @@ def check_fused_moe(
         check_moe_activation_input("x", x, x_scales, None, tokens, hidden)
     if num_local_experts is not None and num_local_experts != experts:
         raise ValueError(f"num_local_experts ({num_local_experts}) must equal w1.shape[0] ({experts})")
-    if local_expert_offset < 0:
-        raise ValueError(f"local_expert_offset must be >= 0, got {local_expert_offset}")
+    check_local_experts(experts, local_expert_offset)
+    # Bounded with the largest tile fused_moe may choose: the dispatched tile depends on the token
+    # count, and a fake must not guard on a dynamic token count beyond a range.
+    check_moe_plan_fits_int32(topk_ids, experts, max(MOE_TILE_M_CHOICES), "fused_moe's route plan")
     per_tensor_w4a4 = quant_mode == "w4a4" and not per_token_activation
     if quant_mode == "w4a16" and per_token_activation:
         raise ValueError("per_token_activation applies to quant_mode='w4a4' only")
