@@ -2,6 +2,14 @@
 
 Both devices run the pure-torch reference (`fp4moe.reference.moe`) until the Hopper kernels replace
 the CUDA implementations stage by stage; `fp4moe.dispatch.moe_dispatch` reports the choice.
+
+Plan contract of the stage ops that consume a plan (`moe_gemm1`, `moe_gemm2`): their plan tensors
+are device data, which no op reads on the host, so entries outside their range are ignored rather
+than checked. A tile whose `tile_expert` is outside `[0, E)` contributes nothing (as an unused tile
+does), and a `permuted_to_pair` entry outside `[0, T*k)` is a padding row: GEMM1 writes zeros there
+(amax 0) and GEMM2 adds nothing. T is `a.shape[0]` for GEMM1 and `num_tokens` for GEMM2, so a
+`num_tokens` smaller than the plan's drops the pairs of the missing tokens. Every backend follows
+this contract, on the CPU and on CUDA alike: no out-of-bounds read, no device assert.
 """
 
 from __future__ import annotations
