@@ -384,10 +384,14 @@ def check_aligned_moe(
 
     if block_m < ALIGNED_MOE_BLOCK_M_MULTIPLE or block_m % ALIGNED_MOE_BLOCK_M_MULTIPLE != 0:
         raise ValueError(f"block_m must be a positive multiple of {ALIGNED_MOE_BLOCK_M_MULTIPLE}, got {block_m}")
-    if sorted_token_ids.numel() < expert_ids.numel() * block_m:
+    # The plan's shapes carry the block size it was built for (align_block_size, and vLLM's padded plan,
+    # size sorted_token_ids as expert_ids.numel() whole blocks): a block_m other than the plan's would
+    # read its blocks at the wrong offsets.
+    if sorted_token_ids.numel() != expert_ids.numel() * block_m:
         raise ValueError(
-            f"sorted_token_ids has {sorted_token_ids.numel()} entries, fewer than expert_ids.numel() * block_m = "
-            f"{expert_ids.numel()} * {block_m}"
+            f"sorted_token_ids has {sorted_token_ids.numel()} entries, but a plan for block_m = {block_m} has "
+            f"expert_ids.numel() * block_m = {expert_ids.numel()} * {block_m} = {expert_ids.numel() * block_m}: "
+            "pass the block_m the plan was built with (align_block_size's block_m)"
         )
     # The sentinel M * top_k and every plan position must be int32 values.
     if rows * top_k > INT32_MAX or sorted_token_ids.numel() > INT32_MAX:
