@@ -8,6 +8,8 @@ shapes/values/layouts, NotImplementedError for unsupported configurations, Runti
 from __future__ import annotations
 
 import math
+import numbers
+import reprlib
 import struct
 
 import torch
@@ -32,6 +34,26 @@ def _names(options) -> str:
     return ", ".join(repr(o) for o in options)
 
 
+def check_tensor(name: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a Tensor, got {type(value).__name__}")
+
+
+_PYTHON_SCALAR_TYPES = {int: numbers.Integral, float: numbers.Real, bool: bool, str: str}
+
+
+def check_python_scalar(name: str, value, kind: type, optional: bool = False) -> None:
+    """A Python argument of a public wrapper that becomes an op's `int`, `float`, `bool` or `str`
+    (`kind`): the wrapper raises a TypeError naming it, before the dispatcher's bare RuntimeError.
+    bool is refused as an int or a float (it is one in Python, but never what the caller meant)."""
+    if optional and value is None:
+        return
+    matches = isinstance(value, _PYTHON_SCALAR_TYPES[kind]) and (kind is bool or not isinstance(value, bool))
+    if not matches:
+        expected = f"{'None or ' if optional else ''}a Python {kind.__name__}"
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {reprlib.repr(value)}")
+
+
 def check_dtype(name: str, tensor: torch.Tensor, allowed) -> None:
     if tensor.dtype not in allowed:
         raise TypeError(f"{name} must have dtype in ({', '.join(str(d) for d in allowed)}), got {tensor.dtype}")
@@ -45,6 +67,12 @@ def check_dim(name: str, tensor: torch.Tensor, ndim: int) -> None:
 def check_shape(name: str, tensor: torch.Tensor, expected) -> None:
     if tuple(tensor.shape) != tuple(expected):
         raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(tensor.shape)}")
+
+
+def check_one_element(name: str, tensor: torch.Tensor, meaning: str = "") -> None:
+    """A scale tensor of exactly one element (any shape); `meaning` says what the element is."""
+    if tensor.numel() != 1:
+        raise ValueError(f"{name} must hold exactly one element{meaning}, got shape {tuple(tensor.shape)}")
 
 
 def check_same_device(name: str, tensor: torch.Tensor, reference_name: str, reference: torch.Tensor) -> None:
@@ -74,8 +102,7 @@ def check_finite_fp32(name: str, value: float) -> None:
 
 def check_activation(name: str, x: torch.Tensor, allowed=ACTIVATION_DTYPES) -> None:
     """A 2-D [M, K] activation with K a multiple of the NVFP4 block size."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a Tensor, got {type(x).__name__}")
+    check_tensor(name, x)
     check_dtype(name, x, allowed)
     check_dim(name, x, 2)
     if x.shape[1] == 0 or x.shape[1] % BLOCK_SIZE != 0:
@@ -85,8 +112,7 @@ def check_activation(name: str, x: torch.Tensor, allowed=ACTIVATION_DTYPES) -> N
 def check_quantize(x: torch.Tensor, global_scale: torch.Tensor, sf_layout: str, four_over_six: str) -> None:
     check_activation("x", x)
     check_dtype("global_scale", global_scale, (torch.float32,))
-    if global_scale.numel() != 1:
-        raise ValueError(f"global_scale must hold exactly one element, got shape {tuple(global_scale.shape)}")
+    check_one_element("global_scale", global_scale)
     check_same_device("global_scale", global_scale, "x", x)
     check_choice("sf_layout", sf_layout, SF_LAYOUTS)
     check_choice("four_over_six", four_over_six, FOUR_OVER_SIX_MODES)
@@ -176,8 +202,7 @@ def check_dequantize(
         raise ValueError("pass exactly one of global_scale and per_token_scale")
     if global_scale is not None:
         check_dtype("global_scale", global_scale, (torch.float32,))
-        if global_scale.numel() != 1:
-            raise ValueError(f"global_scale must hold exactly one element, got shape {tuple(global_scale.shape)}")
+        check_one_element("global_scale", global_scale)
         check_same_device("global_scale", global_scale, "codes", codes)
     else:
         check_dtype("per_token_scale", per_token_scale, (torch.float32,))
@@ -188,8 +213,7 @@ def check_dequantize(
 
 
 def check_tile_amax(x: torch.Tensor, tile_n: int) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a Tensor, got {type(x).__name__}")
+    check_tensor("x", x)
     check_dtype("x", x, ACTIVATION_DTYPES)
     check_dim("x", x, 2)
     if x.shape[1] == 0:
@@ -586,8 +610,7 @@ def check_moe_gemm1(
         check_same_device("router_weights", router_weights, "a", a)
     if output_global_scale is not None:
         check_dtype("output_global_scale", output_global_scale, (torch.float32,))
-        if output_global_scale.numel() != 1:
-            raise ValueError(f"output_global_scale must hold one element, got shape {tuple(output_global_scale.shape)}")
+        check_one_element("output_global_scale", output_global_scale)
         check_same_device("output_global_scale", output_global_scale, "a", a)
     if aux_amax_tile_n != 0:  # 0: no aux-amax output
         check_tile_width("aux_amax_tile_n (0: no aux-amax output)", aux_amax_tile_n)
@@ -667,6 +690,5 @@ def check_fused_moe(
             )
         if scale is not None:
             check_dtype(name, scale, (torch.float32,))
-            if scale.numel() != 1:
-                raise ValueError(f"{name} must hold one element, got shape {tuple(scale.shape)}")
+            check_one_element(name, scale)
             check_same_device(name, scale, "x", x)

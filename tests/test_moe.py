@@ -370,7 +370,7 @@ def _malformed_calls():
         (ValueError, "fc1_input_scale is only used by per-tensor w4a4", fused(per_token_activation=True, fc2_input_scale=None)),
         (ValueError, "fc2_input_scale is only used", fused(quant_mode="w4a16", fc1_input_scale=None)),
         (ValueError, "per_token_activation applies to quant_mode='w4a4' only", fused(quant_mode="w4a16", **per_token)),
-        (ValueError, "fc1_input_scale must hold one element", fused(fc1_input_scale=torch.ones(2))),
+        (ValueError, "fc1_input_scale must hold exactly one element", fused(fc1_input_scale=torch.ones(2))),
         (ValueError, "swiglu_limit must be > 0 once rounded to FP32", fused(swiglu_limit=-1.0)),
         (ValueError, r"swiglu_limit must be > 0 once rounded to FP32, got 1e-50", fused(swiglu_limit=1e-50)),
         (ValueError, "swiglu_limit must be finite in FP32, got 1e", fused(swiglu_limit=1e39)),
