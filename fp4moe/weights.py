@@ -98,6 +98,15 @@ def check_expert_shapes(w1: torch.Tensor, w2: torch.Tensor, activation: str, ele
     validation.check_shape("w2", w2, (experts, hidden, intermediate // elements_per_byte))
 
 
+def check_dense_experts(w1: torch.Tensor, w2: torch.Tensor, activation: str) -> None:
+    """What `quantize_moe_weights` takes: floating-point tensors `w1 [E, N1, H]`, `w2 [E, H, I]` on one device."""
+    for name, w in (("w1", w1), ("w2", w2)):
+        validation.check_tensor(name, w)
+        validation.check_dtype(name, w, validation.ACTIVATION_DTYPES)
+    validation.check_same_device("w2", w2, "w1", w1)
+    check_expert_shapes(w1, w2, activation, elements_per_byte=1)
+
+
 def _quantize_experts(weights: torch.Tensor):
     """Per-expert global scale from the expert's amax, then NVFP4 codes and linear scales."""
     global_scale = nvfp4.global_scale_from_amax(weights.float().abs().amax(dim=(1, 2)))
@@ -112,11 +121,7 @@ def _quantize_experts(weights: torch.Tensor):
 def quantize_moe_weights(w1: torch.Tensor, w2: torch.Tensor, activation: str = "swiglu") -> MoEWeights:
     """Quantize bf16/fp16/fp32 expert weights `w1 [E, N1, H]`, `w2 [E, H, I]` to NVFP4 with one
     global scale per expert and projection (the ModelOpt recipe)."""
-    for name, w in (("w1", w1), ("w2", w2)):
-        validation.check_tensor(name, w)
-        validation.check_dtype(name, w, validation.ACTIVATION_DTYPES)
-    validation.check_same_device("w2", w2, "w1", w1)
-    check_expert_shapes(w1, w2, activation, elements_per_byte=1)
+    check_dense_experts(w1, w2, activation)
     w1_codes, w1_scales, w1_gs = _quantize_experts(w1)
     w2_codes, w2_scales, w2_gs = _quantize_experts(w2)
     return MoEWeights(w1_codes, w1_scales, w1_gs, w2_codes, w2_scales, w2_gs, activation)
