@@ -36,14 +36,15 @@ def _compute_capability_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
-def quantize_backend(device: torch.device) -> str:
-    """The backend that runs the quantization ops on `device`.
+def quantize_backend(device: torch.device | str) -> str:
+    """The backend that runs the quantization ops on `device` (a torch.device or a string: "cuda:0").
 
     CUDA devices of compute capability 9.x (Hopper) run the CuTe DSL kernels (`CUTE_SM90_BACKEND`);
     configurations those kernels do not cover raise NotImplementedError there rather than falling
     back. Every other device — CPU, and CUDA architectures without kernels yet — runs the reference
     backend: its torch ops run anywhere and are the oracle the kernels are tested against.
     """
+    device = torch.device(device)
     if device.type == "cuda":
         index = torch.cuda.current_device() if device.index is None else device.index
         if _compute_capability_major(index) == 9:

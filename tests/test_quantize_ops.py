@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fp4moe
-from fp4moe import nvfp4
+from fp4moe import dispatch, nvfp4
 from tests.compare import assert_bitwise_equal
 from tests.devices import DEVICES
 from tests.opcheck import opcheck
@@ -307,6 +307,15 @@ def test_global_scale_inv_is_checked_in_the_fp32_it_becomes():
     assert_bitwise_equal(per_token_scale, nvfp4.per_token_scales(x.float().abs().amax(dim=1), 2.0**126)[1])
     with pytest.raises(ValueError, match="global_scale_inv must be in"):
         ops.quantize_per_token(x, 2.0**-126 * (1 - 2.0**-22))  # 2^-126 - 2^-148: subnormal in FP32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_backend_takes_devices_and_device_strings(device):
+    index = torch.cuda.current_device() if device == "cuda" else None
+    assert fp4moe.quantize_backend(device) == fp4moe.quantize_backend(torch.device(device, index))
+    assert fp4moe.quantize_backend(device) in (dispatch.REFERENCE_BACKEND, dispatch.CUTE_SM90_BACKEND)
+    if device == "cpu":
+        assert fp4moe.quantize_backend("cpu") == dispatch.REFERENCE_BACKEND
 
 
 @pytest.mark.gpu
