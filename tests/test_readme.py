@@ -1,20 +1,26 @@
-"""The README's "Using it" example, run verbatim: the first contact must work as written."""
+"""The README as a new user reads it: the "Using it" example runs verbatim, and CI runs the "Set up"
+commands verbatim."""
 
 import re
 from pathlib import Path
 
 import torch
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+REPOSITORY = Path(__file__).resolve().parent.parent
+README = REPOSITORY / "README.md"
+
+
+def first_block(heading: str, language: str) -> str:
+    """The first fenced `language` block under the README's `## heading`."""
+    text = README.read_text()
+    section = text[text.index(f"\n## {heading}\n") :]
+    match = re.search(rf"```{language}\n(.*?)```\n", section, re.DOTALL)
+    assert match, f"no ```{language} block under ## {heading}"
+    return match.group(1)
 
 
 def using_it_example() -> str:
-    """The first fenced Python block under the README's "## Using it" heading."""
-    text = README.read_text()
-    section = text[text.index("\n## Using it\n") :]
-    match = re.search(r"```python\n(.*?)```\n", section, re.DOTALL)
-    assert match, "no ```python block under ## Using it"
-    return match.group(1)
+    return first_block("Using it", "python")
 
 
 def test_the_using_it_example_runs_as_written():
@@ -28,3 +34,11 @@ def test_the_using_it_example_runs_as_written():
         assert torch.equal(y, namespace["moe"](hidden_states))  # compiled == eager
     x, x_hat = namespace["x"].float(), namespace["x_hat"].float()
     assert torch.linalg.norm(x_hat - x) / torch.linalg.norm(x) < 0.15  # one NVFP4 round trip
+
+
+def test_ci_runs_the_set_up_commands_verbatim():
+    commands = [line.split("  #")[0].strip() for line in first_block("Set up", "bash").splitlines()]
+    assert len(commands) == 2 and all(commands)
+    ci_lines = [line.strip() for line in (REPOSITORY / ".ci" / "run").read_text().splitlines()]
+    for command in commands:
+        assert command in ci_lines, command
