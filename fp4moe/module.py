@@ -225,7 +225,7 @@ class FusedMoE(nn.Module):
         hidden_size = self.router_weight.shape[1]
         if hidden_states.dim() < 1 or hidden_states.shape[-1] != hidden_size:
             raise ValueError(f"hidden_states must be [..., H = {hidden_size}], got {tuple(hidden_states.shape)}")
-        validation.check_same_device("hidden_states", hidden_states, "the module's weights", self.w1)
+        validation.check_same_device("hidden_states", hidden_states, "the module's w1", self.w1)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1]).to(torch.bfloat16)
         logits = torch.nn.functional.linear(x, self.router_weight).float()
