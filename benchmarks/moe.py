@@ -7,9 +7,14 @@ FAIL and not timed), and times the median of many replays. Each time is judged a
 measured in the same run: effective bandwidth over the bytes the layer must move as a percentage of the
 device's read bandwidth, and the FLOP rate as a percentage of its bf16 GEMM rate.
 
-Outputs: a progress line on stderr, markdown tables on stdout, and under the output directory
+On the CPU there is no device to judge: a CPU run is a smoke test of the harness and of every
+implementation's correctness, and it measures no ceilings and reports times without ratios.
+
+Outputs: a progress line on stderr, markdown tables on stdout, and under the output directory (`--out-dir`;
+default a new temporary folder, so that a run writes into `benchmarks/results/` only when asked)
 `moe_<date>_<device>.json` (environment, ceilings, every cell; rewritten after each shape, so an
-interrupted run keeps what it measured), `.md` (the tables) and `.png` (the plot; needs matplotlib).
+interrupted run keeps what it measured), `.md` (the tables) and `.png` (the plot of a GPU run; needs
+matplotlib).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from benchmarks.moe_checks import SpotCheck
 from benchmarks.moe_implementations import REGISTRY, Implementation
 from benchmarks.moe_report import header, shape_table, write_plot
 from benchmarks.progress import Progress
-from benchmarks.report import RESULTS_DIR, environment, result_stem, write_json
+from benchmarks.report import environment, output_directory, result_stem, write_json
 from benchmarks.timing import PreparedCall, l2_flush_bytes, time_replays
 from fp4moe.dispatch import REFERENCE_BACKEND
 
@@ -85,7 +90,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--cold-l2", action=argparse.BooleanOptionalAction, default=True,
         help="flush the L2 between replays, outside the timing (CUDA only; default on)",
     )
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="where the JSON, markdown and plot go")
+    parser.add_argument(
+        "--out-dir", type=Path,
+        help="where the JSON, markdown and plot go (default: a new temporary folder; "
+        "benchmarks/results keeps them with the repository)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights, tokens and routing")
     args = parser.parse_args(argv)
@@ -99,8 +108,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def run_cell(implementation: Implementation, case: MoECase, spot: SpotCheck, ceilings: Ceilings, args) -> dict:
-    """Build, capture, spot-check, then time one implementation on one case."""
+def run_cell(
+    implementation: Implementation, case: MoECase, spot: SpotCheck, ceilings: Ceilings | None, args
+) -> dict:
+    """Build, capture, spot-check, then time one implementation on one case (judged against the
+    ceilings where there are any)."""
     dispatch = implementation.dispatch(case)
     result = {"backend": dispatch["backend"], "dispatch": dispatch}
     on_reference = dispatch["backend"] == REFERENCE_BACKEND
@@ -120,25 +132,25 @@ def run_cell(implementation: Implementation, case: MoECase, spot: SpotCheck, cei
             timing = time_replays(call, device, replays, warmup, args.cold_l2)
     except Exception as error:  # one broken implementation must not end the sweep: its cells say why
         return {**result, "status": "error", "error": f"{type(error).__name__}: {error}"}
-    return {
-        **result,
-        "status": "ok",
-        **dataclasses.asdict(timing),
-        "bandwidth_pct": 100 * case.bytes_moved / timing.median_s / ceilings.read_bytes_per_s,
-        "flops_pct": 100 * case.flops / timing.median_s / ceilings.gemm_flops_per_s,
-    }
+    result = {**result, "status": "ok", **dataclasses.asdict(timing)}
+    if ceilings is not None:
+        result["bandwidth_pct"] = 100 * case.bytes_moved / timing.median_s / ceilings.read_bytes_per_s
+        result["flops_pct"] = 100 * case.flops / timing.median_s / ceilings.gemm_flops_per_s
+    return result
 
 
-def case_row(case: MoECase, ceilings: Ceilings) -> dict:
-    return {
+def case_row(case: MoECase, ceilings: Ceilings | None) -> dict:
+    row = {
         "num_tokens": case.num_tokens,
         "local_pairs": case.local_pairs,
         "touched_experts": case.touched_experts,
         "bytes": case.bytes_moved,
         "flops": case.flops,
-        "floor_s": max(case.bytes_moved / ceilings.read_bytes_per_s, case.flops / ceilings.gemm_flops_per_s),
         "results": {},
     }
+    if ceilings is not None:
+        row["floor_s"] = max(case.bytes_moved / ceilings.read_bytes_per_s, case.flops / ceilings.gemm_flops_per_s)
+    return row
 
 
 def _free_device_memory(device: torch.device) -> None:
@@ -156,7 +168,9 @@ def run(argv: list[str] | None = None) -> dict:
     shapes = [all_shapes[name] for name in args.shapes]
     implementations = [REGISTRY[name] for name in args.impls]
     env = environment(device, MODULE, argv)
-    stem = result_stem(args.out_dir, "moe", env)
+    stem = result_stem(output_directory(args.out_dir, "moe"), "moe", env)
+    # Only a GPU has ceilings worth judging by; a CPU run is a smoke test (see the module docstring).
+    judged = device.type == "cuda"
     cold_l2_applied = args.cold_l2 and device.type == "cuda"
     results = {
         "benchmark": "moe",
@@ -174,6 +188,7 @@ def run(argv: list[str] | None = None) -> dict:
             "cold_l2_applied": cold_l2_applied,
             "l2_flush_bytes": l2_flush_bytes(device) if cold_l2_applied else None,
             "seed": args.seed,
+            "smoke_test_only": not judged,
         },
         "implementations": args.impls,
         "shapes": [],
@@ -181,9 +196,11 @@ def run(argv: list[str] | None = None) -> dict:
     progress = Progress(len(shapes) * len(args.tokens) * len(implementations))
     tables = []
     with torch.inference_mode():
-        progress.note("measuring the ceilings")
-        ceilings = measure_ceilings(device, args.read_buffer_bytes, args.gemm_size, args.ceiling_replays)
-        results["ceilings"] = ceilings.to_json()
+        ceilings = None
+        if judged:
+            progress.note("measuring the ceilings")
+            ceilings = measure_ceilings(device, args.read_buffer_bytes, args.gemm_size, args.ceiling_replays)
+        results["ceilings"] = None if ceilings is None else ceilings.to_json()
         tables.append(header(results))
         for shape in shapes:
             progress.note(f"{shape.name}: building the problem ({shape.describe()})")
@@ -209,9 +226,9 @@ def run(argv: list[str] | None = None) -> dict:
             _free_device_memory(device)
     progress.close()
     print("\n\n".join(tables))
-    if write_plot(results, stem.with_suffix(".png")):
+    if judged and write_plot(results, stem.with_suffix(".png")):
         print(f"\nplot: {stem.with_suffix('.png')}", file=sys.stderr)
-    print(f"results: {stem.with_suffix('.json')}", file=sys.stderr)
+    print(f"results: {stem.with_suffix('.json')} and .md", file=sys.stderr)
     return results
 
 

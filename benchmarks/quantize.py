@@ -1,6 +1,8 @@
 """Effective bandwidth of the NVFP4 activation quantizers, as a share of the GPU's read bandwidth.
 
-    python -m benchmarks.quantize [--out-dir benchmarks/results] [--replays 100]
+    python -m benchmarks.quantize [--out-dir benchmarks/results] [--replays 100] [--host-only]
+
+It times the CuTe DSL kernels, so it needs a Hopper (sm_90) GPU; elsewhere it says so and exits.
 
 For each quantizer (per-tensor `quantize`, per-token legacy rescan, per-token aux-amax, and the
 legacy path with 4-over-6 `mse`), bfloat16 input, swizzled scales, M in {1, 16, 128, 1024, 8192,
@@ -30,7 +32,8 @@ It also measures the host time of one eager call (op path and launch layer alone
 20 batches of 250 back-to-back calls, the cases' batches interleaved, with the host launcher
 `FP4MOE_HOST_LAUNCHER` selects (C++ by default; `python` for the Python launch path,
 `fp4moe.kernels.host_launcher`). Prints a markdown table and writes it, with the JSON (environment,
-command, numbers), to `--out-dir`.
+command, numbers), to `--out-dir` (default: a new temporary folder; `benchmarks/results` keeps them
+with the repository).
 """
 
 from __future__ import annotations
@@ -45,13 +48,12 @@ from pathlib import Path
 import torch
 
 from benchmarks.ceilings import measure_read_bandwidth
-from benchmarks.report import RESULTS_DIR, environment, markdown_table, result_stem, write_json
+from benchmarks.report import environment, markdown_table, output_directory, result_stem, write_json
 from benchmarks.gpu_state import GpuStateSampler
 from benchmarks.progress import Progress
 from benchmarks.timing import PreparedCall, cycled, time_interleaved
-from fp4moe import nvfp4
-from fp4moe.kernels import host_launcher
-from fp4moe.kernels.sm90 import quantize_launch as launch
+import fp4moe
+from fp4moe import dispatch, nvfp4
 from fp4moe.op_outputs import quantize_per_token_outputs
 from fp4moe.reference import quantize as reference
 
@@ -173,6 +175,8 @@ def bench_shape(rows: int, k: int, replays: int, read_bytes_per_s: float) -> tup
 
 def host_overhead_us() -> dict:
     """Host time per eager call (M=1, K=2048): GPU work is ~2 us, so the host is the bound."""
+    from fp4moe.kernels.sm90 import quantize_launch as launch  # the CuTe DSL: imported only where it runs
+
     x = torch.randn(1, 2048, device="cuda").to(DTYPE)
     amax = torch.ops.fp4moe.tile_amax(x, AUX_TILE_N)
     outputs = quantize_per_token_outputs(x, SF_LAYOUT)
@@ -257,13 +261,36 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def check_hopper_gpu() -> None:
+    """Exit with a plain message where the quantizer kernels cannot run: they need a Hopper GPU."""
+    if not torch.cuda.is_available():
+        raise SystemExit(
+            f"benchmarks.quantize times fp4moe's CuTe DSL quantizer kernels, which need a CUDA GPU (Hopper, "
+            f"sm_90); this machine has none (torch {torch.__version__}). On a CPU, `python -m benchmarks.moe "
+            "--smoke` checks the benchmark harness."
+        )
+    backend = fp4moe.quantize_backend("cuda")
+    if backend != dispatch.CUTE_SM90_BACKEND:
+        raise SystemExit(
+            f"benchmarks.quantize times fp4moe's CuTe DSL quantizer kernels, which need a Hopper (sm_90) GPU; "
+            f"{torch.cuda.get_device_name()} runs the {backend!r} backend, which this benchmark does not time."
+        )
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument(
+        "--out-dir", type=Path,
+        help="where the JSON and markdown go (default: a new temporary folder; benchmarks/results keeps them)",
+    )
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--host-only", action="store_true", help="measure only the host time per eager call")
     args = parser.parse_args(argv)
+    check_hopper_gpu()
+    from fp4moe.kernels import host_launcher
+    from fp4moe.kernels.sm90 import quantize_launch as launch  # the CuTe DSL: imported only where it runs
+
     device = torch.device("cuda")
     torch.manual_seed(0)
     env = environment(device, "benchmarks.quantize", argv)
@@ -295,7 +322,8 @@ def main(argv=None) -> None:
         }
         table = markdown(report)
     print(table)
-    stem = result_stem(args.out_dir, "quantize_host" if args.host_only else "quantize", env)
+    benchmark = "quantize_host" if args.host_only else "quantize"
+    stem = result_stem(output_directory(args.out_dir, benchmark), benchmark, env)
     write_json(stem.with_suffix(".json"), report)
     stem.with_suffix(".md").write_text(table + "\n")
     print(f"\nwrote {stem}.json and .md")

@@ -12,6 +12,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -20,6 +21,15 @@ import fp4moe
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+"""Where measured results are kept with the repository; a run writes there only when asked
+(`--out-dir benchmarks/results`)."""
+
+
+def output_directory(out_dir: Path | None, benchmark: str) -> Path:
+    """`out_dir`, or a new temporary folder: a run writes into the repository only when asked."""
+    if out_dir is not None:
+        return out_dir
+    return Path(tempfile.mkdtemp(prefix=f"fp4moe-{benchmark}-"))
 
 
 def _command_output(*command: str) -> str | None:

@@ -12,14 +12,17 @@ from pathlib import Path
 def _import_mapped_package(name: str):
     """Import `fp4moe.<name>`, which pyproject.toml maps from the top-level folder `<name>/`.
 
-    Installed wheels and setuptools' editable finder provide the mapping. Running from a source checkout
-    without them (PYTHONPATH at the repository root, or an editable install by a setuptools too old to
-    map package folders) finds only `fp4moe/`; then the sibling folder is loaded under the same name.
+    In a source checkout (`pyproject.toml` and `<name>/` beside `fp4moe/`: PYTHONPATH at the
+    repository root, or an editable install) the sibling folder is loaded under the qualified name, so
+    that `fp4moe` and its ops always come from the same checkout: setuptools' editable finder maps
+    `fp4moe.<name>` to the folder of the checkout it was installed from, which for a second checkout
+    on PYTHONPATH would be another one's. Installed wheels have no such sibling and provide the mapping.
     """
     qualified = f"{__name__}.{name}"
-    if importlib.util.find_spec(qualified) is not None:
+    checkout = Path(__file__).resolve().parent.parent
+    folder = checkout / name
+    if not ((checkout / "pyproject.toml").is_file() and (folder / "__init__.py").is_file()):
         return importlib.import_module(qualified)
-    folder = Path(__file__).resolve().parent.parent / name
     spec = importlib.util.spec_from_file_location(qualified, folder / "__init__.py", submodule_search_locations=[str(folder)])
     module = importlib.util.module_from_spec(spec)
     sys.modules[qualified] = module

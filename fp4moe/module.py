@@ -2,14 +2,96 @@
 
 from __future__ import annotations
 
+import inspect
+import math
+
 import torch
 from torch import nn
 
-from fp4moe import nvfp4
+from fp4moe import nvfp4, validation
 from fp4moe import weight_layout as weight_layouts
-from fp4moe.weights import MoEWeights, quantize_moe_weights
+from fp4moe.weights import MoEWeights, check_dense_experts, quantize_moe_weights
 
 ROUTINGS = ("softmax", "deepseek_v3")
+DEEPSEEK_V3_ONLY = ("correction_bias", "n_group", "topk_group", "routed_scaling_factor")
+"""Routing arguments that only `routing="deepseek_v3"` uses: given with softmax routing, they raise."""
+_PYTHON_OPTIONS = {
+    "top_k": (int, False),
+    "routing": (str, False),
+    "renormalize": (bool, False),
+    "n_group": (int, True),
+    "topk_group": (int, True),
+    "routed_scaling_factor": (float, True),
+    "quant_mode": (str, False),
+    "per_token_activation": (bool, False),
+    "swiglu_alpha": (float, True),
+    "swiglu_beta": (float, True),
+    "swiglu_limit": (float, True),
+    "apply_router_weight_on_input": (bool, False),
+    "deterministic": (bool, False),
+    "local_expert_offset": (int, False),
+}
+"""The module's Python-valued arguments: (type, whether None is allowed)."""
+
+
+def _check_options(router_weight: torch.Tensor, num_local_experts: int, hidden_size: int, options: dict) -> None:
+    """Everything about the module's arguments that needs no quantized weights: their Python types,
+    the router's shape, and the routing, checked by the routing op's own validation on an empty
+    batch of the FP32 logits `forward` routes."""
+    for name, (kind, optional) in _PYTHON_OPTIONS.items():
+        validation.check_python_scalar(name, options[name], kind, optional)
+    validation.check_tensor("router_weight", router_weight)
+    if not router_weight.is_floating_point():
+        raise TypeError(f"router_weight must have a floating-point dtype, got {router_weight.dtype}")
+    validation.check_dim("router_weight", router_weight, 2)
+    if router_weight.shape[1] != hidden_size:
+        raise ValueError(f"router_weight must be [E, H = {hidden_size}], got {tuple(router_weight.shape)}")
+    experts, offset = router_weight.shape[0], options["local_expert_offset"]
+    if experts < offset + num_local_experts:
+        end = offset + num_local_experts
+        raise ValueError(
+            f"router_weight has {experts} rows (one per expert), but the expert weights are experts "
+            f"[{offset}, {end}) of the router's: it needs at least {end} rows"
+        )
+    validation.check_choice("routing", options["routing"], ROUTINGS)
+    validation.check_choice("quant_mode", options["quant_mode"], validation.MOE_QUANT_MODES)
+    logits = router_weight.new_empty((0, experts), dtype=torch.float32)
+    if options["routing"] == "softmax":
+        ignored = [name for name in DEEPSEEK_V3_ONLY if options[name] is not None]
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)} only apply to routing='deepseek_v3', got routing='softmax'")
+        validation.check_route_softmax_topk(logits, options["top_k"])
+        return
+    missing = [name for name in ("correction_bias", "n_group", "topk_group") if options[name] is None]
+    if missing:
+        raise ValueError(f"routing='deepseek_v3' needs {', '.join(missing)}")
+    bias = options["correction_bias"]
+    validation.check_tensor("correction_bias", bias)
+    if not bias.is_floating_point():
+        raise TypeError(f"correction_bias must have a floating-point dtype, got {bias.dtype}")
+    validation.check_route_deepseek_v3(
+        logits, bias.float(), options["top_k"], options["n_group"], options["topk_group"],
+        _routed_scaling_factor(options["routed_scaling_factor"]),
+    )
+
+
+def _routed_scaling_factor(value: float | None) -> float:
+    return 1.0 if value is None else float(value)
+
+
+def _input_scale_from_amax(name: str, amax: float | None, device: torch.device) -> torch.Tensor | None:
+    """The encode-direction global scale `2688 / amax` (FP32 [1]) of a calibrated activation maximum."""
+    validation.check_python_scalar(name, amax, float, optional=True)
+    if amax is None:
+        return None
+    amax32 = validation.fp32(amax)
+    global_scale = validation.fp32(nvfp4.GLOBAL_SCALE_NUMERATOR / amax32) if amax32 > 0 else math.inf
+    if not (math.isfinite(amax32) and math.isfinite(global_scale)):
+        raise ValueError(
+            f"{name} must be a finite activation maximum > 0 whose global scale 2688 / amax is finite in FP32, "
+            f"got {amax!r}"
+        )
+    return nvfp4.global_scale_from_amax(torch.tensor([amax32], device=device))
 
 
 class FusedMoE(nn.Module):
@@ -22,6 +104,11 @@ class FusedMoE(nn.Module):
     Build it from `MoEWeights`
     (`fp4moe.moe_weights_from_nvfp4` adopts a checkpoint's NVFP4 tensors) or quantize bf16 experts
     with `from_dense`.
+
+    `router_weight` is `[E, H]` over the global experts; the expert weights are experts
+    `[local_expert_offset, local_expert_offset + E_local)` of them (expert parallelism; all of them
+    by default). `correction_bias`, `n_group`, `topk_group` and `routed_scaling_factor` (default 1.0)
+    apply to `routing="deepseek_v3"` only. Every argument is checked here, before the first forward.
     """
 
     def __init__(
@@ -35,7 +122,7 @@ class FusedMoE(nn.Module):
         correction_bias: torch.Tensor | None = None,
         n_group: int | None = None,
         topk_group: int | None = None,
-        routed_scaling_factor: float = 1.0,
+        routed_scaling_factor: float | None = None,
         quant_mode: str = "w4a4",
         per_token_activation: bool = False,
         fc1_input_scale: torch.Tensor | None = None,
@@ -49,17 +136,38 @@ class FusedMoE(nn.Module):
         weight_layout: str = weight_layouts.SM90,
     ):
         super().__init__()
-        if routing not in ROUTINGS:
-            raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
-        if routing == "deepseek_v3" and (correction_bias is None or n_group is None or topk_group is None):
-            raise ValueError("routing='deepseek_v3' needs correction_bias, n_group and topk_group")
-        if router_weight.dim() != 2 or router_weight.shape[1] != weights.hidden_size:
-            raise ValueError(f"router_weight must be [E, H = {weights.hidden_size}], got {tuple(router_weight.shape)}")
+        if not isinstance(weights, MoEWeights):
+            raise TypeError(f"weights must be MoEWeights (fp4moe.moe_weights_from_nvfp4), got {type(weights).__name__}")
+        options = dict(
+            top_k=top_k, routing=routing, renormalize=renormalize, correction_bias=correction_bias, n_group=n_group,
+            topk_group=topk_group, routed_scaling_factor=routed_scaling_factor, quant_mode=quant_mode,
+            per_token_activation=per_token_activation, swiglu_alpha=swiglu_alpha, swiglu_beta=swiglu_beta,
+            swiglu_limit=swiglu_limit, apply_router_weight_on_input=apply_router_weight_on_input,
+            deterministic=deterministic, local_expert_offset=local_expert_offset,
+        )
+        _check_options(router_weight, weights.num_experts, weights.hidden_size, options)
+        validation.check_same_device("router_weight", router_weight, "w1", weights.w1)
+        validation.check_choice("weight_layout", weight_layout, weight_layouts.WEIGHT_LAYOUTS)
+        if weight_layout == weight_layouts.SM90:
+            weights = weights.prepared()
+        elif weights.layout != weight_layouts.LINEAR:
+            raise ValueError("weight_layout='linear' needs MoEWeights in the linear layout")
+        self.weight_layout = weight_layout
+        w1_alpha, w2_alpha = weights.alphas(fc1_input_scale, fc2_input_scale)
+        # The op's own contract, on an empty batch: quantization mode, scales, SwiGLU parameters, shapes.
+        x = weights.w1.new_empty((0, weights.hidden_size), dtype=torch.bfloat16)
+        topk_ids = weights.w1.new_empty((0, top_k), dtype=torch.int32)
+        validation.check_fused_moe(
+            x, topk_ids, topk_ids.float(), weights.w1, weights.w1_scales, w1_alpha, weights.w2, weights.w2_scales,
+            w2_alpha, fc1_input_scale, fc2_input_scale, quant_mode, per_token_activation, weights.activation,
+            swiglu_alpha, swiglu_beta, swiglu_limit, apply_router_weight_on_input, deterministic, local_expert_offset,
+            None, None, weight_layout,
+        )
         self.top_k = top_k
         self.routing = routing
         self.renormalize = renormalize
         self.n_group, self.topk_group = n_group, topk_group
-        self.routed_scaling_factor = routed_scaling_factor
+        self.routed_scaling_factor = _routed_scaling_factor(routed_scaling_factor)
         self.quant_mode = quant_mode
         self.per_token_activation = per_token_activation
         self.activation = weights.activation
@@ -71,14 +179,6 @@ class FusedMoE(nn.Module):
         self.register_buffer("correction_bias", None if correction_bias is None else correction_bias.float())
         self.register_buffer("fc1_input_scale", fc1_input_scale)
         self.register_buffer("fc2_input_scale", fc2_input_scale)
-        if weight_layout not in weight_layouts.WEIGHT_LAYOUTS:
-            raise ValueError(f"weight_layout must be one of {weight_layouts.WEIGHT_LAYOUTS}, got {weight_layout!r}")
-        if weight_layout == weight_layouts.SM90:
-            weights = weights.prepared()
-        elif weights.layout != weight_layouts.LINEAR:
-            raise ValueError("weight_layout='linear' needs linear MoEWeights")
-        self.weight_layout = weight_layout
-        w1_alpha, w2_alpha = weights.alphas(fc1_input_scale, fc2_input_scale)
         for name in ("w1", "w1_scales", "w2", "w2_scales"):
             self.register_buffer(name, getattr(weights, name))
         self.register_buffer("w1_alpha", w1_alpha)
@@ -98,18 +198,44 @@ class FusedMoE(nn.Module):
         **options,
     ) -> FusedMoE:
         """Quantize bf16 experts `w1 [E, N1, H]` (`[gate; up]` rows for SwiGLU) and `w2 [E, H, I]`.
-        Per-tensor W4A4 needs the calibrated activation maxima `fc1_input_amax` / `fc2_input_amax`."""
+        Per-tensor W4A4 needs the calibrated activation maxima `fc1_input_amax` / `fc2_input_amax`
+        (Python floats); other modes take none. `options` are the constructor's keyword arguments.
+        Every argument is checked before the weights are quantized."""
+        parameters = inspect.signature(cls.__init__).parameters
+        accepted = set(parameters) - {"self", "router_weight", "weights", "top_k", "fc1_input_scale", "fc2_input_scale"}
+        unknown = sorted(set(options) - accepted)
+        if unknown:
+            raise TypeError(
+                f"FusedMoE.from_dense got unexpected keyword arguments {', '.join(unknown)} (it takes the "
+                "constructor's options, and fc1_input_amax / fc2_input_amax instead of the input scales)"
+            )
+        check_dense_experts(w1, w2, activation)
+        # The constructor's checks that need no quantized weights, with its defaults, before quantizing.
+        all_options = {name: options.get(name, parameters[name].default) for name in accepted}
+        _check_options(router_weight, w1.shape[0], w1.shape[2], {**all_options, "top_k": top_k})
+        per_tensor_w4a4 = all_options["quant_mode"] == "w4a4" and not all_options["per_token_activation"]
+        for name, amax in (("fc1_input_amax", fc1_input_amax), ("fc2_input_amax", fc2_input_amax)):
+            if per_tensor_w4a4 and amax is None:
+                raise ValueError(f"per-tensor w4a4 needs the calibrated activation maximum {name} (a Python float)")
+            if not per_tensor_w4a4 and amax is not None:
+                raise ValueError(
+                    f"{name} is only used by per-tensor w4a4; got quant_mode={all_options['quant_mode']!r}, "
+                    f"per_token_activation={all_options['per_token_activation']}"
+                )
+        fc1_input_scale = _input_scale_from_amax("fc1_input_amax", fc1_input_amax, w1.device)
+        fc2_input_scale = _input_scale_from_amax("fc2_input_amax", fc2_input_amax, w1.device)
         weights = quantize_moe_weights(w1, w2, activation)
-
-        def input_scale(amax):
-            return None if amax is None else nvfp4.global_scale_from_amax(torch.tensor([amax], device=w1.device))
-
         return cls(
-            router_weight, weights, top_k,
-            fc1_input_scale=input_scale(fc1_input_amax), fc2_input_scale=input_scale(fc2_input_amax), **options,
+            router_weight, weights, top_k, fc1_input_scale=fc1_input_scale, fc2_input_scale=fc2_input_scale, **options
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        validation.check_tensor("hidden_states", hidden_states)
+        validation.check_dtype("hidden_states", hidden_states, validation.ACTIVATION_DTYPES)
+        hidden_size = self.router_weight.shape[1]
+        if hidden_states.dim() < 1 or hidden_states.shape[-1] != hidden_size:
+            raise ValueError(f"hidden_states must be [..., H = {hidden_size}], got {tuple(hidden_states.shape)}")
+        validation.check_same_device("hidden_states", hidden_states, "the module's w1", self.w1)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1]).to(torch.bfloat16)
         logits = torch.nn.functional.linear(x, self.router_weight).float()

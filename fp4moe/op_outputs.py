@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from fp4moe.nvfp4 import BLOCK_SIZE, ceil_div, swizzled_shape
-from fp4moe.validation import AUX_AMAX_ROW_GROUP, route_plan_capacity
+from fp4moe.validation import AUX_AMAX_ROW_GROUP, moe_plan_sizes, route_plan_capacity
 
 
 def block_scales_shape(rows: int, k: int, sf_layout: str) -> tuple[int, int]:
@@ -62,18 +62,6 @@ def align_block_size_outputs(
 # ---------------------------------------------------------------------------------------------------
 # MoE stages
 # ---------------------------------------------------------------------------------------------------
-def moe_plan_sizes(num_pairs, num_local_experts: int, tile_m: int):
-    """Static worst-case (rows, tiles) of a plan, from host-known sizes only.
-
-    Each expert that receives a pair pads its segment by at most `tile_m - 1` rows, and at most
-    `min(E, pairs)` experts receive one: rows <= pairs + min(E, pairs) * (tile_m - 1), rounded up to
-    a whole tile. `num_pairs` may be symbolic (a dynamic token count).
-    """
-    bound = num_pairs + torch.sym_min(num_local_experts, num_pairs) * (tile_m - 1)
-    tiles = (bound + tile_m - 1) // tile_m
-    return tiles * tile_m, tiles
-
-
 def moe_plan_outputs(topk_ids: torch.Tensor, num_local_experts: int, tile_m: int):
     """permuted_to_pair int32 [R], pair_to_permuted int32 [T*k], tile_expert int32 [R/tile_m],
     tile_valid_rows int32 [R/tile_m], totals int32 [3] = (local pairs, padded rows, used tiles)."""

@@ -8,9 +8,13 @@ shapes/values/layouts, NotImplementedError for unsupported configurations, Runti
 from __future__ import annotations
 
 import math
+import numbers
+import reprlib
+import struct
 
 import torch
 
+from fp4moe.dispatch import MOE_TILE_M_CHOICES
 from fp4moe.nvfp4 import BLOCK_SIZE, FLT_MAX, SF_LAYOUTS, ceil_div, round_up, swizzled_shape
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -20,8 +24,34 @@ AUX_AMAX_ROW_GROUP = 8
 """Rows per group in the blocked-8 aux-amax layout `[ceil(M/8), num_tiles, 8]`."""
 
 
+FLT_MIN = torch.finfo(torch.float32).tiny
+"""2^-126, the smallest normal FP32 number."""
+INT32_MAX = 2**31 - 1
+"""Kernels index rows, columns and plan entries in int32."""
+
+
 def _names(options) -> str:
     return ", ".join(repr(o) for o in options)
+
+
+def check_tensor(name: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a Tensor, got {type(value).__name__}")
+
+
+_PYTHON_SCALAR_TYPES = {int: numbers.Integral, float: numbers.Real, bool: bool, str: str}
+
+
+def check_python_scalar(name: str, value, kind: type, optional: bool = False) -> None:
+    """A Python argument of a public wrapper that becomes an op's `int`, `float`, `bool` or `str`
+    (`kind`): the wrapper raises a TypeError naming it, before the dispatcher's bare RuntimeError.
+    bool is refused as an int or a float (it is one in Python, but never what the caller meant)."""
+    if optional and value is None:
+        return
+    matches = isinstance(value, _PYTHON_SCALAR_TYPES[kind]) and (kind is bool or not isinstance(value, bool))
+    if not matches:
+        expected = f"{'None or ' if optional else ''}a Python {kind.__name__}"
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {reprlib.repr(value)}")
 
 
 def check_dtype(name: str, tensor: torch.Tensor, allowed) -> None:
@@ -39,6 +69,12 @@ def check_shape(name: str, tensor: torch.Tensor, expected) -> None:
         raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(tensor.shape)}")
 
 
+def check_one_element(name: str, tensor: torch.Tensor, meaning: str = "") -> None:
+    """A scale tensor of exactly one element (any shape); `meaning` says what the element is."""
+    if tensor.numel() != 1:
+        raise ValueError(f"{name} must hold exactly one element{meaning}, got shape {tuple(tensor.shape)}")
+
+
 def check_same_device(name: str, tensor: torch.Tensor, reference_name: str, reference: torch.Tensor) -> None:
     if tensor.device != reference.device:
         raise ValueError(f"{name} is on {tensor.device} but {reference_name} is on {reference.device}")
@@ -49,10 +85,24 @@ def check_choice(name: str, value: str, options) -> None:
         raise ValueError(f"{name} must be one of {_names(options)}, got {value!r}")
 
 
+def fp32(value: float) -> float:
+    """`value` rounded to the nearest FP32 number, as a Python float; ±inf where it rounds past FP32's range."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def check_finite_fp32(name: str, value: float) -> None:
+    """A Python float that stays finite once rounded to FP32 (the precision it is applied in). Values
+    past FLT_MAX are refused even where they would round down to it: torch refuses to convert them."""
+    if not (math.isfinite(value) and abs(value) <= FLT_MAX):
+        raise ValueError(f"{name} must be finite in FP32, got {value}")
+
+
 def check_activation(name: str, x: torch.Tensor, allowed=ACTIVATION_DTYPES) -> None:
     """A 2-D [M, K] activation with K a multiple of the NVFP4 block size."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a Tensor, got {type(x).__name__}")
+    check_tensor(name, x)
     check_dtype(name, x, allowed)
     check_dim(name, x, 2)
     if x.shape[1] == 0 or x.shape[1] % BLOCK_SIZE != 0:
@@ -62,8 +112,7 @@ def check_activation(name: str, x: torch.Tensor, allowed=ACTIVATION_DTYPES) -> N
 def check_quantize(x: torch.Tensor, global_scale: torch.Tensor, sf_layout: str, four_over_six: str) -> None:
     check_activation("x", x)
     check_dtype("global_scale", global_scale, (torch.float32,))
-    if global_scale.numel() != 1:
-        raise ValueError(f"global_scale must hold exactly one element, got shape {tuple(global_scale.shape)}")
+    check_one_element("global_scale", global_scale)
     check_same_device("global_scale", global_scale, "x", x)
     check_choice("sf_layout", sf_layout, SF_LAYOUTS)
     check_choice("four_over_six", four_over_six, FOUR_OVER_SIX_MODES)
@@ -78,8 +127,7 @@ def check_quantize_per_token(
     input_amax_valid_rows: torch.Tensor | None,
 ) -> None:
     check_activation("x", x)
-    if not (math.isfinite(global_scale_inv) and global_scale_inv > 0):
-        raise ValueError(f"global_scale_inv must be finite and > 0, got {global_scale_inv}")
+    check_global_scale_inv(global_scale_inv)
     check_choice("sf_layout", sf_layout, SF_LAYOUTS)
     check_choice("four_over_six", four_over_six, FOUR_OVER_SIX_MODES)
     if input_amax is None:
@@ -98,6 +146,19 @@ def check_quantize_per_token(
     check_same_device("input_amax", input_amax, "x", x)
     if input_amax_valid_rows is not None:
         check_valid_rows("input_amax_valid_rows", input_amax_valid_rows, x)
+
+
+def check_global_scale_inv(global_scale_inv: float) -> None:
+    """The per-token quantizer's decode-direction scale, checked in the FP32 it is rounded to (semantics §2):
+    it and its reciprocal `RN(1/global_scale_inv)` must be normal FP32 numbers, so [2^-126, 2^126].
+    A subnormal or zero value would make the reciprocal infinite and saturate every code; one past
+    FP32's range cannot be converted at all."""
+    value = fp32(global_scale_inv)
+    if not FLT_MIN <= value <= 1.0 / FLT_MIN:
+        raise ValueError(
+            f"global_scale_inv must be in [2^-126, 2^126] once rounded to FP32 (it and its reciprocal normal "
+            f"FP32 numbers), got {global_scale_inv!r} (FP32: {value!r})"
+        )
 
 
 def check_valid_rows(name: str, valid_rows: torch.Tensor, x: torch.Tensor) -> None:
@@ -141,8 +202,7 @@ def check_dequantize(
         raise ValueError("pass exactly one of global_scale and per_token_scale")
     if global_scale is not None:
         check_dtype("global_scale", global_scale, (torch.float32,))
-        if global_scale.numel() != 1:
-            raise ValueError(f"global_scale must hold exactly one element, got shape {tuple(global_scale.shape)}")
+        check_one_element("global_scale", global_scale)
         check_same_device("global_scale", global_scale, "codes", codes)
     else:
         check_dtype("per_token_scale", per_token_scale, (torch.float32,))
@@ -153,14 +213,19 @@ def check_dequantize(
 
 
 def check_tile_amax(x: torch.Tensor, tile_n: int) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a Tensor, got {type(x).__name__}")
+    check_tensor("x", x)
     check_dtype("x", x, ACTIVATION_DTYPES)
     check_dim("x", x, 2)
     if x.shape[1] == 0:
         raise ValueError("x.shape[1] must be positive")
-    if tile_n < 1:
-        raise ValueError(f"tile_n must be >= 1, got {tile_n}")
+    check_tile_width("tile_n", tile_n)
+
+
+def check_tile_width(name: str, tile_n: int) -> None:
+    """Columns per aux-amax tile: [1, 2^31 - 1] (a column index is int32). A tile wider than the
+    input is one tile over every column."""
+    if not 1 <= tile_n <= INT32_MAX:
+        raise ValueError(f"{name} must be in [1, 2^31 - 1], got {tile_n}")
 
 
 # --- Routing (semantics §3.1) ------------------------------------------------------------------
@@ -216,7 +281,6 @@ def check_route_deepseek_v3(
 
 # --- Aligned fused MoE and its route plan (semantics §5) ---------------------------------------
 
-INT32_MAX = 2**31 - 1
 ALIGNED_MOE_DIM_MULTIPLE = 256
 """K (hidden size) and N (= 2I, gate and up rows of w1) must be positive multiples of this."""
 ALIGNED_MOE_BLOCK_M_MULTIPLE = 8
@@ -235,23 +299,21 @@ def route_plan_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
     return round_up(num_pairs + num_experts * (block_m - 1), block_m)
 
 
-def check_finite_fp32(name: str, value: float) -> None:
-    """A Python float that stays finite once rounded to FP32 (the precision it is applied in)."""
-    if not (math.isfinite(value) and abs(value) <= FLT_MAX):
-        raise ValueError(f"{name} must be finite in FP32, got {value}")
+def check_local_experts(num_experts: int, local_expert_offset: int, name: str = "num_local_experts") -> None:
+    """This rank's experts `[offset, offset + E)`: global ids and local experts are int32 values."""
+    if num_experts < 1:
+        raise ValueError(f"{name} must be >= 1, got {num_experts}")
+    if not 0 <= local_expert_offset <= INT32_MAX - num_experts:
+        raise ValueError(
+            f"local_expert_offset must be in [0, 2^31 - 1 - {name}] (global ids are int32), got {local_expert_offset}"
+        )
 
 
 def check_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int, local_expert_offset: int) -> None:
     check_topk(topk_ids)
     if block_m < 1:
         raise ValueError(f"block_m must be >= 1, got {block_m}")
-    if num_experts < 1:
-        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-    if not 0 <= local_expert_offset <= INT32_MAX - num_experts:
-        raise ValueError(
-            "local_expert_offset must be in [0, 2^31 - 1 - num_experts] (global ids are int32), "
-            f"got {local_expert_offset}"
-        )
+    check_local_experts(num_experts, local_expert_offset, "num_experts")
     # Pair indices, the sentinel and num_tokens_post_padded are int32 values no larger than the capacity.
     capacity = route_plan_capacity(topk_ids.numel(), num_experts, block_m)
     if capacity > INT32_MAX:
@@ -346,10 +408,14 @@ def check_aligned_moe(
 
     if block_m < ALIGNED_MOE_BLOCK_M_MULTIPLE or block_m % ALIGNED_MOE_BLOCK_M_MULTIPLE != 0:
         raise ValueError(f"block_m must be a positive multiple of {ALIGNED_MOE_BLOCK_M_MULTIPLE}, got {block_m}")
-    if sorted_token_ids.numel() < expert_ids.numel() * block_m:
+    # The plan's shapes carry the block size it was built for (align_block_size, and vLLM's padded plan,
+    # size sorted_token_ids as expert_ids.numel() whole blocks): a block_m other than the plan's would
+    # read its blocks at the wrong offsets.
+    if sorted_token_ids.numel() != expert_ids.numel() * block_m:
         raise ValueError(
-            f"sorted_token_ids has {sorted_token_ids.numel()} entries, fewer than expert_ids.numel() * block_m = "
-            f"{expert_ids.numel()} * {block_m}"
+            f"sorted_token_ids has {sorted_token_ids.numel()} entries, but a plan for block_m = {block_m} has "
+            f"expert_ids.numel() * block_m = {expert_ids.numel()} * {block_m} = {expert_ids.numel() * block_m}: "
+            "pass the block_m the plan was built with (align_block_size's block_m)"
         )
     # The sentinel M * top_k and every plan position must be int32 values.
     if rows * top_k > INT32_MAX or sorted_token_ids.numel() > INT32_MAX:
@@ -416,14 +482,36 @@ def check_topk(topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None)
         check_same_device("topk_weights", topk_weights, "topk_ids", topk_ids)
 
 
+def moe_plan_sizes(num_pairs, num_local_experts: int, tile_m: int):
+    """Static worst-case (rows, tiles) of a plan, from host-known sizes only.
+
+    Each expert that receives a pair pads its segment by at most `tile_m - 1` rows, and at most
+    `min(E, pairs)` experts receive one: rows <= pairs + min(E, pairs) * (tile_m - 1), rounded up to
+    a whole tile. `num_pairs` may be symbolic (a dynamic token count).
+    """
+    bound = num_pairs + torch.sym_min(num_local_experts, num_pairs) * (tile_m - 1)
+    tiles = (bound + tile_m - 1) // tile_m
+    return tiles * tile_m, tiles
+
+
+def check_moe_plan_fits_int32(topk_ids: torch.Tensor, num_local_experts: int, tile_m: int, what: str) -> None:
+    """Pair indices and permuted rows of the plan are int32 values below its static row count."""
+    rows, _ = moe_plan_sizes(topk_ids.shape[0] * topk_ids.shape[1], num_local_experts, tile_m)
+    if rows > INT32_MAX:
+        raise ValueError(
+            f"{what} of topk_ids {tuple(topk_ids.shape)} over {num_local_experts} local experts needs "
+            f"up to {rows} int32 rows (> 2^31 - 1)"
+        )
+
+
 def check_moe_plan(topk_ids: torch.Tensor, num_local_experts: int, local_expert_offset: int, tile_m: int) -> None:
     check_topk(topk_ids)
-    if num_local_experts < 1:
-        raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
-    if local_expert_offset < 0:
-        raise ValueError(f"local_expert_offset must be >= 0, got {local_expert_offset}")
-    if tile_m < MOE_TILE_M_MULTIPLE or tile_m % MOE_TILE_M_MULTIPLE != 0:
-        raise ValueError(f"tile_m must be a positive multiple of {MOE_TILE_M_MULTIPLE}, got {tile_m}")
+    check_local_experts(num_local_experts, local_expert_offset)
+    if tile_m < MOE_TILE_M_MULTIPLE or tile_m % MOE_TILE_M_MULTIPLE != 0 or tile_m > INT32_MAX:
+        raise ValueError(
+            f"tile_m must be a positive multiple of {MOE_TILE_M_MULTIPLE} (at most 2^31 - 1), got {tile_m}"
+        )
+    check_moe_plan_fits_int32(topk_ids, num_local_experts, tile_m, f"the plan with tile_m = {tile_m}")
 
 
 def check_expert_weights(
@@ -489,8 +577,10 @@ def check_swiglu_parameters(activation: str, swiglu_alpha, swiglu_beta, swiglu_l
     for name, value in (("swiglu_alpha", swiglu_alpha), ("swiglu_beta", swiglu_beta)):
         if value is not None:
             check_finite_fp32(name, value)
-    if swiglu_limit is not None and not (math.isfinite(swiglu_limit) and swiglu_limit > 0):
-        raise ValueError(f"swiglu_limit must be finite and > 0, got {swiglu_limit}")
+    if swiglu_limit is not None:
+        check_finite_fp32("swiglu_limit", swiglu_limit)
+        if not fp32(swiglu_limit) > 0:
+            raise ValueError(f"swiglu_limit must be > 0 once rounded to FP32, got {swiglu_limit!r}")
 
 
 def check_gated_rows(activation: str, n: int, name: str) -> int:
@@ -520,11 +610,10 @@ def check_moe_gemm1(
         check_same_device("router_weights", router_weights, "a", a)
     if output_global_scale is not None:
         check_dtype("output_global_scale", output_global_scale, (torch.float32,))
-        if output_global_scale.numel() != 1:
-            raise ValueError(f"output_global_scale must hold one element, got shape {tuple(output_global_scale.shape)}")
+        check_one_element("output_global_scale", output_global_scale)
         check_same_device("output_global_scale", output_global_scale, "a", a)
-    if aux_amax_tile_n < 0:
-        raise ValueError(f"aux_amax_tile_n must be >= 0 (0: no aux-amax output), got {aux_amax_tile_n}")
+    if aux_amax_tile_n != 0:  # 0: no aux-amax output
+        check_tile_width("aux_amax_tile_n (0: no aux-amax output)", aux_amax_tile_n)
     if aux_amax_tile_n and output_global_scale is not None:
         raise ValueError("aux_amax_tile_n needs the bf16 output (output_global_scale=None)")
 
@@ -636,8 +725,10 @@ def check_fused_moe(
         check_moe_activation_input("x", x, x_scales, None, tokens, hidden)
     if num_local_experts is not None and num_local_experts != experts:
         raise ValueError(f"num_local_experts ({num_local_experts}) must equal w1.shape[0] ({experts})")
-    if local_expert_offset < 0:
-        raise ValueError(f"local_expert_offset must be >= 0, got {local_expert_offset}")
+    check_local_experts(experts, local_expert_offset)
+    # Bounded with the largest tile fused_moe may choose: the dispatched tile depends on the token
+    # count, and a fake must not guard on a dynamic token count beyond a range.
+    check_moe_plan_fits_int32(topk_ids, experts, max(MOE_TILE_M_CHOICES), "fused_moe's route plan")
     per_tensor_w4a4 = quant_mode == "w4a4" and not per_token_activation
     if quant_mode == "w4a16" and per_token_activation:
         raise ValueError("per_token_activation applies to quant_mode='w4a4' only")
@@ -655,6 +746,5 @@ def check_fused_moe(
             )
         if scale is not None:
             check_dtype(name, scale, (torch.float32,))
-            if scale.numel() != 1:
-                raise ValueError(f"{name} must hold one element, got shape {tuple(scale.shape)}")
+            check_one_element(name, scale)
             check_same_device(name, scale, "x", x)

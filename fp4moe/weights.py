@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp4moe import nvfp4, weight_layout
+from fp4moe import nvfp4, validation, weight_layout
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,10 @@ class MoEWeights:
         scale (per-token W4A4, W4A16, pre-quantized activations) alpha is the weight decode scale alone.
         """
 
+        for name, scale in (("fc1_input_scale", fc1_input_scale), ("fc2_input_scale", fc2_input_scale)):
+            if scale is not None:
+                check_input_scale(name, scale, self.w1_global_scale)
+
         def alpha(weight_gs, input_gs):
             decode = nvfp4.decode_scale_from_global_scale(weight_gs)
             if input_gs is None:
@@ -82,6 +86,44 @@ class MoEWeights:
 _TENSOR_FIELDS = ("w1", "w1_scales", "w1_global_scale", "w2", "w2_scales", "w2_global_scale")
 
 
+def check_input_scale(name: str, scale: torch.Tensor, w1_global_scale: torch.Tensor) -> None:
+    """A per-tensor W4A4 activation scale: encode direction, FP32, one element, on the weights' device."""
+    validation.check_tensor(name, scale)
+    validation.check_dtype(name, scale, (torch.float32,))
+    validation.check_one_element(
+        name, scale,
+        " (the per-tensor activation scale; reduce a checkpoint's per-expert input scales to one first, "
+        "e.g. the largest decode scale, which covers every expert's amax)",
+    )
+    validation.check_same_device(name, scale, "w1_global_scale", w1_global_scale)
+
+
+def check_expert_shapes(w1: torch.Tensor, w2: torch.Tensor, activation: str, elements_per_byte: int) -> None:
+    """`w1 [E, N1, H / elements_per_byte]` (N1 = 2I, `[gate; up]`, for SwiGLU; I for relu2) and
+    `w2 [E, H, I / elements_per_byte]`, with H and I multiples of the NVFP4 block."""
+    validation.check_python_scalar("activation", activation, str)
+    validation.check_choice("activation", activation, validation.MOE_ACTIVATIONS)
+    validation.check_dim("w1", w1, 3)
+    validation.check_dim("w2", w2, 3)
+    experts, n1, hidden = w1.shape[0], w1.shape[1], w1.shape[2] * elements_per_byte
+    if experts < 1 or n1 < 1 or hidden == 0 or hidden % nvfp4.BLOCK_SIZE:
+        raise ValueError(
+            f"w1 must be [E >= 1, N1 >= 1, H{'/2' if elements_per_byte == 2 else ''}] with H a positive multiple of "
+            f"{nvfp4.BLOCK_SIZE}, got {tuple(w1.shape)}"
+        )
+    intermediate = validation.check_gated_rows(activation, n1, "w1")
+    validation.check_shape("w2", w2, (experts, hidden, intermediate // elements_per_byte))
+
+
+def check_dense_experts(w1: torch.Tensor, w2: torch.Tensor, activation: str) -> None:
+    """What `quantize_moe_weights` takes: floating-point tensors `w1 [E, N1, H]`, `w2 [E, H, I]` on one device."""
+    for name, w in (("w1", w1), ("w2", w2)):
+        validation.check_tensor(name, w)
+        validation.check_dtype(name, w, validation.ACTIVATION_DTYPES)
+    validation.check_same_device("w2", w2, "w1", w1)
+    check_expert_shapes(w1, w2, activation, elements_per_byte=1)
+
+
 def _quantize_experts(weights: torch.Tensor):
     """Per-expert global scale from the expert's amax, then NVFP4 codes and linear scales."""
     global_scale = nvfp4.global_scale_from_amax(weights.float().abs().amax(dim=(1, 2)))
@@ -96,25 +138,34 @@ def _quantize_experts(weights: torch.Tensor):
 def quantize_moe_weights(w1: torch.Tensor, w2: torch.Tensor, activation: str = "swiglu") -> MoEWeights:
     """Quantize bf16/fp16/fp32 expert weights `w1 [E, N1, H]`, `w2 [E, H, I]` to NVFP4 with one
     global scale per expert and projection (the ModelOpt recipe)."""
-    if w1.dim() != 3 or w2.dim() != 3 or w1.shape[0] != w2.shape[0] or w1.shape[2] != w2.shape[1]:
-        raise ValueError(f"expected w1 [E, N1, H] and w2 [E, H, I], got {tuple(w1.shape)} and {tuple(w2.shape)}")
+    check_dense_experts(w1, w2, activation)
     w1_codes, w1_scales, w1_gs = _quantize_experts(w1)
     w2_codes, w2_scales, w2_gs = _quantize_experts(w2)
     return MoEWeights(w1_codes, w1_scales, w1_gs, w2_codes, w2_scales, w2_gs, activation)
 
 
-def _linear_scales(scales: torch.Tensor, rows: int, cols: int, sf_layout: str, name: str) -> torch.Tensor:
+def _linear_scales(scales: torch.Tensor, codes: torch.Tensor, sf_layout: str, name: str) -> torch.Tensor:
+    experts, rows, cols = codes.shape[0], codes.shape[1], codes.shape[2] * 2 // nvfp4.BLOCK_SIZE
+    validation.check_dtype(name, scales, (torch.float8_e4m3fn,))
     expected = (rows, cols) if sf_layout == "linear" else nvfp4.swizzled_shape(rows, cols)
-    if scales.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"{name} must be float8_e4m3fn, got {scales.dtype}")
-    if scales.dim() != 3 or tuple(scales.shape[1:]) != expected:
-        raise ValueError(f"{name} ({sf_layout}) must be [E, {expected[0]}, {expected[1]}], got {tuple(scales.shape)}")
+    validation.check_shape(f"{name} ({sf_layout})", scales, (experts, *expected))
     return torch.stack([nvfp4.to_linear(s, sf_layout, rows, cols) for s in scales])
 
 
-def _global_scale(global_scale, decode_scale, name: str) -> torch.Tensor:
+def _global_scale(global_scale, decode_scale, name: str, num_experts: int) -> torch.Tensor:
+    """Per-expert encode-direction global scales, FP32 [E], from either direction (one scale per
+    expert, in any shape holding E elements: [E] or ModelOpt's stacked [E, 1])."""
     if (global_scale is None) == (decode_scale is None):
         raise ValueError(f"pass exactly one of {name}_global_scale (encode direction) and {name}_decode_scale")
+    given, argument = (global_scale, f"{name}_global_scale") if global_scale is not None else (
+        decode_scale, f"{name}_decode_scale"
+    )
+    if not given.is_floating_point():
+        raise TypeError(f"{argument} must have a floating-point dtype, got {given.dtype}")
+    if given.numel() != num_experts:
+        raise ValueError(
+            f"{argument} must hold one scale per expert (E = {num_experts} elements), got shape {tuple(given.shape)}"
+        )
     if global_scale is not None:
         return global_scale.float().reshape(-1)
     return nvfp4.global_scale_from_decode_scale(decode_scale).reshape(-1)
@@ -137,19 +188,26 @@ def moe_weights_from_nvfp4(
     scales in the `linear` or `swizzled` (128x4) layout, and per-expert global scales in either
     direction: `*_global_scale` (encode, `2688 / amax`) or `*_decode_scale` (ModelOpt's
     `weight_scale_2 = amax / 2688`)."""
-    if sf_layout not in nvfp4.SF_LAYOUTS:
-        raise ValueError(f"sf_layout must be one of {nvfp4.SF_LAYOUTS}, got {sf_layout!r}")
-    w1 = nvfp4.codes_from_float4_e2m1fn_x2(w1) if w1.dtype == torch.float4_e2m1fn_x2 else w1
-    w2 = nvfp4.codes_from_float4_e2m1fn_x2(w2) if w2.dtype == torch.float4_e2m1fn_x2 else w2
+    validation.check_python_scalar("sf_layout", sf_layout, str)
+    validation.check_choice("sf_layout", sf_layout, nvfp4.SF_LAYOUTS)
+    required = dict(w1=w1, w1_scales=w1_scales, w2=w2, w2_scales=w2_scales)
+    global_scales = dict(w1_global_scale=w1_global_scale, w1_decode_scale=w1_decode_scale,
+                         w2_global_scale=w2_global_scale, w2_decode_scale=w2_decode_scale)
+    given = {**required, **{name: scale for name, scale in global_scales.items() if scale is not None}}
+    for name, tensor in given.items():
+        validation.check_tensor(name, tensor)
+        validation.check_same_device(name, tensor, "w1", w1)
     for name, w in (("w1", w1), ("w2", w2)):
-        if w.dtype != torch.uint8 or w.dim() != 3:
-            raise ValueError(f"{name} must be uint8 (or float4_e2m1fn_x2) [E, N, K/2], got {w.dtype} {tuple(w.shape)}")
+        validation.check_dtype(name, w, (torch.uint8, torch.float4_e2m1fn_x2))
+    w1, w2 = (nvfp4.codes_from_float4_e2m1fn_x2(w) if w.dtype == torch.float4_e2m1fn_x2 else w for w in (w1, w2))
+    check_expert_shapes(w1, w2, activation, elements_per_byte=2)
+    experts = w1.shape[0]
     return MoEWeights(
         w1=w1,
-        w1_scales=_linear_scales(w1_scales, w1.shape[1], w1.shape[2] * 2 // nvfp4.BLOCK_SIZE, sf_layout, "w1_scales"),
-        w1_global_scale=_global_scale(w1_global_scale, w1_decode_scale, "w1"),
+        w1_scales=_linear_scales(w1_scales, w1, sf_layout, "w1_scales"),
+        w1_global_scale=_global_scale(w1_global_scale, w1_decode_scale, "w1", experts),
         w2=w2,
-        w2_scales=_linear_scales(w2_scales, w2.shape[1], w2.shape[2] * 2 // nvfp4.BLOCK_SIZE, sf_layout, "w2_scales"),
-        w2_global_scale=_global_scale(w2_global_scale, w2_decode_scale, "w2"),
+        w2_scales=_linear_scales(w2_scales, w2, sf_layout, "w2_scales"),
+        w2_global_scale=_global_scale(w2_global_scale, w2_decode_scale, "w2", experts),
         activation=activation,
     )

@@ -5,6 +5,14 @@
 backend (`fp4moe.dispatch.device_backend`); the stage ops `moe_gemm1` and `moe_gemm2` keep the
 reference on every device (their contract takes `linear` weights and returns the reference's
 outputs: they are the pipeline's stages exposed for testing and composition, not its fast path).
+
+Plan contract of the stage ops that consume a plan (`moe_gemm1`, `moe_gemm2`): their plan tensors
+are device data, which no op reads on the host, so entries outside their range are ignored rather
+than checked. A tile whose `tile_expert` is outside `[0, E)` contributes nothing (as an unused tile
+does), and a `permuted_to_pair` entry outside `[0, T*k)` is a padding row: GEMM1 writes zeros there
+(amax 0) and GEMM2 adds nothing. T is `a.shape[0]` for GEMM1 and `num_tokens` for GEMM2, so a
+`num_tokens` smaller than the plan's drops the pairs of the missing tokens. Every backend follows
+this contract, on the CPU and on CUDA alike: no out-of-bounds read, no device assert.
 """
 
 from __future__ import annotations

@@ -372,8 +372,9 @@ BAD_ALIGNED_MOE_CALLS = [
     (edit(expert_ids=lambda t, c: t[None]), ValueError, "expert_ids must be 1-D"),
     (edit(block_m=4), ValueError, "block_m must be a positive multiple of 8, got 4"),
     (edit(block_m=12), ValueError, "block_m must be a positive multiple of 8, got 12"),
-    (edit(block_m=16), ValueError, "fewer than expert_ids.numel"),
-    (edit(sorted_token_ids=lambda t, c: t[:-1]), ValueError, "fewer than expert_ids.numel"),
+    (edit(block_m=16), ValueError, r"but a plan for block_m = 16 has expert_ids.numel\(\) \* block_m"),
+    (edit(sorted_token_ids=lambda t, c: t[:-1]), ValueError, "but a plan for block_m = 8 has"),
+    (edit(sorted_token_ids=lambda t, c: torch.cat((t, t[:8]))), ValueError, "but a plan for block_m = 8 has"),
     (edit(routed_scaling_factor=float("nan")), ValueError, "routed_scaling_factor must be finite"),
     (edit(routed_scaling_factor=float("-inf")), ValueError, "routed_scaling_factor must be finite"),
     (edit(routed_scaling_factor=1e39), ValueError, "routed_scaling_factor must be finite in FP32, got 1e"),
@@ -405,6 +406,18 @@ def test_aligned_moe_rejects_a_broken_contract(change, error, match):
     change(call)
     out_before = call["out"].clone()
     with pytest.raises(error, match=match):
+        ops.aligned_moe_(**call)
+    assert_bitwise_equal(call["out"], out_before, "out after a rejected call")
+
+
+@pytest.mark.parametrize("plan_block_m,block_m", [(16, 8), (32, 8), (64, 16), (8, 16)])
+def test_a_plan_built_for_another_block_size_is_refused(plan_block_m, block_m):
+    """A block_m smaller than the plan's passed every check and read the plan's blocks at the wrong
+    offsets; the plan's shapes carry its block size, so any other block_m is refused before a write."""
+    call = valid_call(tokens=19, block_m=plan_block_m)
+    call["block_m"] = block_m
+    out_before = call["out"].clone()
+    with pytest.raises(ValueError, match="pass the block_m the plan was built with"):
         ops.aligned_moe_(**call)
     assert_bitwise_equal(call["out"], out_before, "out after a rejected call")
 

@@ -1,10 +1,12 @@
-"""The benchmark harness on the CPU: the MoE benchmark end to end (its smoke preset into a temporary
-directory, with a deliberately wrong and a broken implementation registered beside the real ones), the
-interleaved timing the quantizer benchmark uses, and the quantizer benchmark's report."""
+"""The benchmark harness: the MoE benchmark end to end (its smoke preset into a temporary directory, with a
+deliberately wrong and a broken implementation registered beside the real ones; on the CPU a smoke test
+without ceilings or ratios), where results go by default, the interleaved timing the quantizer benchmark
+uses, the quantizer benchmark's report, and its refusal to run without a GPU."""
 
 import contextlib
 import io
 import json
+import tempfile
 import time
 
 import pytest
@@ -14,6 +16,7 @@ from benchmarks import moe, moe_implementations, report, timing
 from benchmarks import quantize as quantize_benchmark
 from benchmarks.moe_cases import W4A16
 from benchmarks.moe_implementations import FUSED_MOE_TOLERANCE, REGISTRY, Implementation
+from tests.devices import DEVICES
 
 REFERENCE_CAP = 4
 
@@ -28,10 +31,11 @@ def _build_broken(case):
     raise RuntimeError("this kernel does not exist")
 
 
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    """One run serves every test: (exit status, JSON results, stdout, output directory)."""
-    out_dir = tmp_path_factory.mktemp("moe_benchmark")
+@pytest.fixture(scope="module", params=DEVICES)
+def smoke_run(request, tmp_path_factory):
+    """One run per device serves every test: (exit status, JSON results, stdout, output directory)."""
+    device = request.param
+    out_dir = tmp_path_factory.mktemp(f"moe_benchmark_{device}")
     stdout = io.StringIO()
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout):
         for implementation in (
@@ -40,7 +44,8 @@ def smoke_run(tmp_path_factory):
         ):
             patch.setitem(moe_implementations.REGISTRY, implementation.name, implementation)
         status = moe.main(
-            ["--smoke", "--out-dir", str(out_dir), "--reference-max-tokens", str(REFERENCE_CAP), "--impls", *REGISTRY]
+            ["--smoke", "--device", device, "--out-dir", str(out_dir), "--reference-max-tokens", str(REFERENCE_CAP),
+             "--impls", *REGISTRY]
         )
     (json_path,) = out_dir.glob("moe_*.json")
     return status, json.loads(json_path.read_text()), stdout.getvalue(), out_dir
@@ -49,18 +54,26 @@ def smoke_run(tmp_path_factory):
 def test_smoke_run_measures_every_implementation(smoke_run):
     status, results, _, _ = smoke_run
     assert status == 1  # the wrong and the broken implementation
+    on_gpu = results["config"]["device"] == "cuda"
     ceilings = results["ceilings"]
-    assert ceilings["read_bytes_per_s"] > 0 and ceilings["gemm_flops_per_s"] > 0
+    if on_gpu:
+        assert ceilings["read_bytes_per_s"] > 0 and ceilings["gemm_flops_per_s"] > 0
+    else:  # a CPU run is a smoke test: nothing to judge by
+        assert ceilings is None and results["config"]["smoke_test_only"] is True
     env = results["environment"]
     assert "--smoke" in env["command"] and env["torch"] == torch.__version__ and env["date"]
-    assert results["config"]["cold_l2_applied"] is False  # CPU
+    assert results["config"]["cold_l2_applied"] is on_gpu
 
     assert [s["shape"]["name"] for s in results["shapes"]] == ["smoke", "smoke_ep"]
     cells = 0
     for shape in results["shapes"]:
         assert [row["num_tokens"] for row in shape["rows"]] == moe.SMOKE["tokens"]
         for row in shape["rows"]:
-            assert row["bytes"] > 0 and row["flops"] >= 0 and row["floor_s"] > 0
+            assert row["bytes"] > 0 and row["flops"] >= 0
+            if on_gpu:
+                assert row["floor_s"] > 0
+            else:
+                assert "floor_s" not in row
             assert 0 <= row["touched_experts"] <= row["local_pairs"] <= row["num_tokens"] * shape["shape"]["top_k"]
             for name in ("bf16_grouped_mm", "fused_moe_w4a4_tensor", "fused_moe_w4a4_token", "fused_moe_w4a16"):
                 cell = row["results"][name]
@@ -71,7 +84,10 @@ def test_smoke_run_measures_every_implementation(smoke_run):
                 assert cell["status"] == "ok", cell
                 assert cell["rel_err"] <= cell["tolerance"]
                 assert cell["median_s"] > 0 and cell["min_s"] <= cell["median_s"] <= cell["max_s"]
-                assert cell["bandwidth_pct"] > 0 and cell["flops_pct"] >= 0
+                if on_gpu:
+                    assert cell["bandwidth_pct"] > 0 and cell["flops_pct"] >= 0
+                else:
+                    assert "bandwidth_pct" not in cell and "flops_pct" not in cell
                 replays = "reference_replays" if cell["backend"] == "reference" else "replays"
                 assert cell["replays"] == results["config"][replays]
                 cells += 1
@@ -97,7 +113,30 @@ def test_smoke_run_writes_the_tables(smoke_run):
         assert f"## {shape['shape']['name']}" in stdout
     (md_path,) = out_dir.glob("moe_*.md")
     assert md_path.read_text().strip() == stdout.strip()
-    assert len(list(out_dir.glob("moe_*.png"))) == (report.pyplot() is not None)  # the plot needs matplotlib
+    on_gpu = results["config"]["device"] == "cuda"
+    # The plot (it needs matplotlib) draws ratios: a GPU run's only.
+    assert len(list(out_dir.glob("moe_*.png"))) == (on_gpu and report.pyplot() is not None)
+    if not on_gpu:
+        assert "Smoke test: on cpu" in stdout and "not performance numbers" in stdout
+        assert "%" not in stdout and "floor us" not in stdout and "Ceilings" not in stdout
+
+
+def test_results_go_to_a_temporary_folder_unless_asked(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    kept = set(report.RESULTS_DIR.iterdir())
+    args = ["--smoke", "--device", "cpu", "--shapes", "smoke", "--tokens", "1", "--impls", "fused_moe_w4a16"]
+    assert moe.main(args) == 0
+    (folder,) = tmp_path.glob("fp4moe-moe-*")
+    assert len(list(folder.glob("moe_*.json"))) == 1 and len(list(folder.glob("moe_*.md"))) == 1
+    assert str(folder) in capsys.readouterr().err  # the run says where its results went
+    assert set(report.RESULTS_DIR.iterdir()) == kept
+
+
+def test_quantizer_benchmark_says_plainly_that_it_needs_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv in ([], ["--host-only"]):
+        with pytest.raises(SystemExit, match=r"need a CUDA GPU \(Hopper, sm_90\); this machine has none"):
+            quantize_benchmark.main(argv)
 
 
 def test_interleaved_timing_rotates_the_calls_and_times_each_once_per_round():

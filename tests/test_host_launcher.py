@@ -198,8 +198,11 @@ def test_calls_outside_the_fast_path_go_to_python(hopper):
         ops.quantize_per_token(x, input_amax=amax[:-1])
     with pytest.raises(TypeError, match="input_amax must have x's dtype"):
         ops.quantize_per_token(x, input_amax=amax.half())
-    with pytest.raises(ValueError, match="global_scale_inv must be finite"):
+    with pytest.raises(ValueError, match="global_scale_inv must be in"):
         ops.quantize_per_token(x, global_scale_inv=float("inf"))
+    ops.quantize_per_token(x)  # registers the rescan configuration, so a valid scale would stay in C++
+    with pytest.raises(ValueError, match="global_scale_inv must be in"):  # subnormal in FP32
+        ops.quantize_per_token(x, global_scale_inv=1e-40)
     empty = ops.quantize_per_token(x[:0], sf_layout="linear")
     assert [tuple(t.shape) for t in empty] == [(0, k // 2), (0, k // 16), (0,)]
 

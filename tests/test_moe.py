@@ -186,6 +186,65 @@ def test_gemm_stages_match_per_row_loops():
             torch.testing.assert_close(expanded[pair], down * w2_alpha[e] * i_pts[row], rtol=1e-6, atol=1e-6)
 
 
+def _stage_outputs(p, quantized_x, intermediate, permuted_to_pair, tile_expert, num_tokens):
+    """GEMM1 (bf16 out, aux amax) over `quantized_x` and both GEMM2 finalize modes over `intermediate`,
+    all on one plan."""
+    w = p.weights
+    w1_alpha, w2_alpha = p.alphas
+    inter, _, aux = ops.moe_gemm1(*quantized_x, permuted_to_pair, tile_expert, w.w1, w.w1_scales, w1_alpha, 2,
+                                  router_weights=p.topk_weights, aux_amax_tile_n=16)
+    gemm2 = (intermediate, None, None, permuted_to_pair, tile_expert, w.w2, w.w2_scales, w2_alpha,
+             p.topk_weights[:num_tokens], num_tokens, 2)
+    return inter, aux, ops.moe_gemm2(*gemm2, "expanded"), ops.moe_gemm2(*gemm2, "fused")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stage_ops_ignore_plan_entries_outside_their_range(device):
+    """The stage ops' contract (ops/moe.py): a tile whose expert is outside [0, E) and a row whose pair
+    is outside [0, T*k) are padding. A corrupted plan must give exactly what the plan with those
+    entries replaced by padding (-1) gives: no IndexError, no device assert, no row computed with
+    another expert. GEMM2 with num_tokens below the plan's ignores the pairs of the missing tokens."""
+    tokens, top_k, experts = 10, 2, 4
+    p = make_problem(tokens=tokens, top_k=top_k, num_experts=experts, mode="w4a4_per_token", device=device, seed=14)
+    quantized_x = ops.quantize_per_token(p.x, sf_layout="linear")
+    permuted_to_pair, _, tile_expert, _, totals = ops.moe_plan(p.topk_ids, experts, 0, 8)
+    assert int(totals[2]) >= 3 and int(tile_expert[1]) != 0
+    # GEMM2 reads the intermediate of the well-formed plan: the rows a corrupted plan ignores hold values.
+    w1_alpha = p.alphas[0]
+    intermediate = ops.moe_gemm1(*quantized_x, permuted_to_pair, tile_expert, p.weights.w1, p.weights.w1_scales,
+                                 w1_alpha, top_k)[0]
+
+    bad_pairs, bad_experts = permuted_to_pair.clone(), tile_expert.clone()
+    bad_experts[0] = experts  # one past the last expert, on a tile with rows
+    bad_experts[1] = -1  # a negative expert on a tile with rows: not computed with expert 0
+    live_rows = (bad_pairs[16:24] >= 0).nonzero().flatten() + 16  # rows of the third tile
+    bad_pairs[live_rows[0]] = tokens * top_k  # one past the last pair
+    bad_pairs[live_rows[-1]] = 10**6
+    padding = bad_pairs.clone()
+    padding[:16] = -1
+    padding[live_rows[0]] = padding[live_rows[-1]] = -1
+    padding_experts = torch.where((bad_experts < 0) | (bad_experts >= experts), -1, bad_experts)
+
+    corrupted = _stage_outputs(p, quantized_x, intermediate, bad_pairs, bad_experts, tokens)
+    padded = _stage_outputs(p, quantized_x, intermediate, padding, padding_experts, tokens)
+    for name, got, want in zip(("gemm1", "aux_amax", "expanded"), corrupted[:3], padded[:3]):
+        assert_bitwise_equal(got, want, name)
+    assert_moe_close(corrupted[3], padded[3])  # fused finalize: the FP32 addition order may vary on CUDA
+    ignored = padding < 0
+    assert corrupted[0][ignored].eq(0).all() and corrupted[0][~ignored].ne(0).any()
+
+    clean = _stage_outputs(p, quantized_x, intermediate, permuted_to_pair, tile_expert, tokens)
+    fewer = _stage_outputs(p, quantized_x, intermediate, permuted_to_pair, tile_expert, tokens - 1)
+    assert fewer[2].shape == ((tokens - 1) * top_k, p.weights.hidden_size)
+    assert_bitwise_equal(fewer[2], clean[2][: (tokens - 1) * top_k], "expanded, one token fewer")
+    assert_moe_close(fewer[3], clean[3][: tokens - 1])
+    assert clean[2][(tokens - 1) * top_k :].ne(0).any()  # the dropped token had local pairs
+
+    no_tokens = tuple(t[:0] for t in quantized_x)  # every pair of the plan is then out of range
+    out = ops.moe_gemm1(*no_tokens, permuted_to_pair, tile_expert, p.weights.w1, p.weights.w1_scales, w1_alpha, top_k)[0]
+    assert out.shape == intermediate.shape and out.eq(0).all()
+
+
 # ---------------------------------------------------------------------------------------------------
 # Dispatch (semantics §4)
 # ---------------------------------------------------------------------------------------------------
@@ -329,23 +388,45 @@ def _malformed_calls():
         (ValueError, "fc1_input_scale is only used by per-tensor w4a4", fused(per_token_activation=True, fc2_input_scale=None)),
         (ValueError, "fc2_input_scale is only used", fused(quant_mode="w4a16", fc1_input_scale=None)),
         (ValueError, "per_token_activation applies to quant_mode='w4a4' only", fused(quant_mode="w4a16", **per_token)),
-        (ValueError, "fc1_input_scale must hold one element", fused(fc1_input_scale=torch.ones(2))),
-        (ValueError, "swiglu_limit must be finite and > 0", fused(swiglu_limit=-1.0)),
+        (ValueError, "fc1_input_scale must hold exactly one element", fused(fc1_input_scale=torch.ones(2))),
+        (ValueError, "swiglu_limit must be > 0 once rounded to FP32", fused(swiglu_limit=-1.0)),
+        (ValueError, r"swiglu_limit must be > 0 once rounded to FP32, got 1e-50", fused(swiglu_limit=1e-50)),
+        (ValueError, "swiglu_limit must be finite in FP32, got 1e", fused(swiglu_limit=1e39)),
+        (ValueError, "swiglu_limit must be finite in FP32", fused(swiglu_limit=float("inf"))),
         (ValueError, "swiglu_alpha must be finite", fused(swiglu_alpha=float("nan"))),
+        (ValueError, "swiglu_alpha must be finite in FP32, got 1e", fused(swiglu_alpha=1e39)),
+        (ValueError, "swiglu_beta must be finite in FP32, got -1e", fused(swiglu_beta=-1e39)),
         (ValueError, "only apply to activation='swiglu'",
          fused(activation="relu2", swiglu_alpha=1.0, replace={3: w.w1[:, :32], 4: w.w1_scales[:, :32]})),
         (ValueError, r"num_local_experts \(3\) must equal w1.shape\[0\] \(4\)", fused(num_local_experts=3)),
-        (ValueError, "local_expert_offset must be >= 0", fused(local_expert_offset=-1)),
+        (ValueError, r"local_expert_offset must be in \[0, 2\^31 - 1 - num_local_experts\]", fused(local_expert_offset=-1)),
+        (ValueError, "local_expert_offset must be in", fused(local_expert_offset=2**31 - 4)),
+        (ValueError, r"fused_moe's route plan of topk_ids \(536870912, 8\) over 4 local experts needs up to",
+         lambda: ops.fused_moe(torch.empty(2**29, 64, dtype=torch.bfloat16, device="meta"),
+                               torch.empty(2**29, 8, dtype=torch.int32, device="meta"),
+                               torch.empty(2**29, 8, device="meta"), *(t.to("meta") for t in args[3:]),
+                               **{**kwargs, "fc1_input_scale": p.fc1_input_scale.to("meta"),
+                                  "fc2_input_scale": p.fc2_input_scale.to("meta")})),
         (NotImplementedError, "pre-quantized x", fused(x_scales=scales, replace={0: codes}, **per_token)),
         (ValueError, "tile_m must be a positive multiple of 8", lambda: ops.moe_plan(p.topk_ids, 4, 0, 12)),
         (ValueError, "num_local_experts must be >= 1", lambda: ops.moe_plan(p.topk_ids, 0)),
+        (ValueError, "local_expert_offset must be in", lambda: ops.moe_plan(p.topk_ids, 4, 2**31 - 4)),
+        (ValueError, r"the plan with tile_m = 8 of topk_ids \(536870912, 8\) over 4 local experts needs up to",
+         lambda: ops.moe_plan(torch.empty(2**29, 8, dtype=torch.int32, device="meta"), 4, 0, 8)),
+        (ValueError, r"the plan with tile_m = 1073741824 of topk_ids \(5, 2\) .* needs up to 5368709120 int32 rows",
+         lambda: ops.moe_plan(p.topk_ids, 4, 0, 2**30)),
+        (ValueError, r"tile_m must be a positive multiple of 8 \(at most 2\^31 - 1\), got 2147483648",
+         lambda: ops.moe_plan(p.topk_ids, 4, 0, 2**31)),
         (ValueError, "topk_ids must be 2-D", lambda: ops.moe_plan(p.topk_ids[0], 4)),
         (ValueError, "must split into tile_expert.numel", lambda: ops.moe_gemm1(*gemm1[:3], plan[0][:-3], *gemm1[4:])),
         (TypeError, "permuted_to_pair must have dtype", lambda: ops.moe_gemm1(*gemm1[:3], plan[0].long(), *gemm1[4:])),
         (ValueError, "a_per_token_scale must have shape", lambda: ops.moe_gemm1(codes, scales, torch.ones(2), *gemm1[3:])),
         (ValueError, "aux_amax_tile_n needs the bf16 output",
          lambda: ops.moe_gemm1(*gemm1, output_global_scale=torch.ones(1), aux_amax_tile_n=16)),
-        (ValueError, "aux_amax_tile_n must be >= 0", lambda: ops.moe_gemm1(*gemm1, aux_amax_tile_n=-1)),
+        (ValueError, r"aux_amax_tile_n \(0: no aux-amax output\) must be in \[1, 2\^31 - 1\], got -1",
+         lambda: ops.moe_gemm1(*gemm1, aux_amax_tile_n=-1)),
+        (ValueError, r"aux_amax_tile_n .* got 1099511627776", lambda: ops.moe_gemm1(*gemm1, aux_amax_tile_n=2**40)),
+        (ValueError, "swiglu_limit must be finite in FP32", lambda: ops.moe_gemm1(*gemm1, swiglu_limit=1e39)),
         (ValueError, "router_weights must have shape", lambda: ops.moe_gemm1(*gemm1, router_weights=p.topk_weights[:2])),
         (ValueError, "finalize must be one of",
          lambda: ops.moe_gemm2(torch.zeros(plan[0].shape[0], 32, dtype=torch.bfloat16), None, None, plan[0], plan[2],

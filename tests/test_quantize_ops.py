@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fp4moe
-from fp4moe import nvfp4
+from fp4moe import dispatch, nvfp4
 from tests.compare import assert_bitwise_equal
 from tests.devices import DEVICES
 from tests.opcheck import opcheck
@@ -130,6 +130,17 @@ def test_tile_amax_by_hand():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_tile_wider_than_the_input_is_one_tile_over_every_column(device):
+    # The widest accepted tile (2^31 - 1 columns) costs what a tile of N columns costs: nothing is
+    # allocated per tile column.
+    x = random_activations(13, 96, torch.bfloat16, device, seed=11)
+    widest = ops.tile_amax(x, 2**31 - 1)
+    assert widest.shape == (2, 1, 8)
+    assert_bitwise_equal(widest, ops.tile_amax(x, 96))
+    assert_bitwise_equal(widest, ops.tile_amax(x, 200))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,tile_n", [(1, 64), (13, 48), (64, 128), (203, 96)])
 @pytest.mark.parametrize("four_over_six", ["off", "mse"])
@@ -234,8 +245,14 @@ MALFORMED = [
     (ValueError, "global_scale must hold exactly one element", lambda: ops.quantize(_X, torch.ones(2))),
     (ValueError, "sf_layout must be one of", lambda: ops.quantize(_X, _GS, sf_layout="tiled")),
     (ValueError, "four_over_six must be one of", lambda: ops.quantize(_X, _GS, four_over_six="max")),
-    (ValueError, "global_scale_inv must be finite and > 0", lambda: ops.quantize_per_token(_X, 0.0)),
-    (ValueError, "global_scale_inv must be finite and > 0", lambda: ops.quantize_per_token(_X, math.inf)),
+    (ValueError, r"global_scale_inv must be in \[2\^-126, 2\^126\] once rounded to FP32", lambda: ops.quantize_per_token(_X, 0.0)),
+    (ValueError, "global_scale_inv must be in", lambda: ops.quantize_per_token(_X, math.inf)),
+    (ValueError, "global_scale_inv must be in", lambda: ops.quantize_per_token(_X, math.nan)),
+    (ValueError, "global_scale_inv must be in", lambda: ops.quantize_per_token(_X, -1 / 2688)),
+    # Subnormal in FP32 (its reciprocal overflows: every code would saturate), and past FP32's range.
+    (ValueError, r"got 1e-40 \(FP32: 9\.99994610111476e-41\)", lambda: ops.quantize_per_token(_X, 1e-40)),
+    (ValueError, r"got 1e\+39 \(FP32: inf\)", lambda: ops.quantize_per_token(_X, 1e39)),
+    (ValueError, "global_scale_inv must be in", lambda: ops.quantize_per_token(_X, 2.0**127)),  # 1/x subnormal
     (ValueError, "sf_layout must be one of", lambda: ops.quantize_per_token(_X, sf_layout="Linear")),
     (ValueError, "four_over_six must be one of", lambda: ops.quantize_per_token(_X, four_over_six="on")),
     (TypeError, "input_amax must have x's dtype", lambda: ops.quantize_per_token(_X, input_amax=_AMAX.half())),
@@ -264,7 +281,8 @@ MALFORMED = [
     (ValueError, "per_token_scale must have shape", lambda: ops.dequantize(_CODES_L, _SF_L, "linear", None, _PTS[:3])),
     (TypeError, "out_dtype must be one of",
      lambda: ops.dequantize(_CODES, _SF, global_scale=_GS, out_dtype=torch.int32)),
-    (ValueError, "tile_n must be >= 1", lambda: ops.tile_amax(_X, 0)),
+    (ValueError, r"tile_n must be in \[1, 2\^31 - 1\], got 0", lambda: ops.tile_amax(_X, 0)),
+    (ValueError, r"tile_n must be in \[1, 2\^31 - 1\], got 1099511627776", lambda: ops.tile_amax(_X, 2**40)),
     (TypeError, "x must have dtype", lambda: ops.tile_amax(_X.to(torch.int64), 16)),
     (ValueError, "x must be 2-D", lambda: ops.tile_amax(_X[0], 16)),
 ]
@@ -274,6 +292,30 @@ MALFORMED = [
 def test_malformed_calls_raise_clear_errors(error, message, call):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_global_scale_inv_is_checked_in_the_fp32_it_becomes():
+    """Accepted: [2^-126, 2^126] once rounded to FP32. A double just below 2^-126 rounds up to it and
+    quantizes exactly like it; one that stays subnormal in FP32 is refused."""
+    x = random_activations(8, 64, torch.bfloat16, "cpu", seed=10)
+    rounds_up = math.nextafter(2.0**-126, 0.0)
+    assert rounds_up < 2.0**-126
+    for name, a, b in zip(("codes", "block_scales", "per_token_scale"),
+                          ops.quantize_per_token(x, rounds_up), ops.quantize_per_token(x, 2.0**-126)):
+        assert_bitwise_equal(a, b, name)
+    _, _, per_token_scale = ops.quantize_per_token(x, 2.0**126)  # the largest accepted value, computed per semantics §2
+    assert_bitwise_equal(per_token_scale, nvfp4.per_token_scales(x.float().abs().amax(dim=1), 2.0**126)[1])
+    with pytest.raises(ValueError, match="global_scale_inv must be in"):
+        ops.quantize_per_token(x, 2.0**-126 * (1 - 2.0**-22))  # 2^-126 - 2^-148: subnormal in FP32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_backend_takes_devices_and_device_strings(device):
+    index = torch.cuda.current_device() if device == "cuda" else None
+    assert fp4moe.quantize_backend(device) == fp4moe.quantize_backend(torch.device(device, index))
+    assert fp4moe.quantize_backend(device) in (dispatch.REFERENCE_BACKEND, dispatch.CUTE_SM90_BACKEND)
+    if device == "cpu":
+        assert fp4moe.quantize_backend("cpu") == dispatch.REFERENCE_BACKEND
 
 
 @pytest.mark.gpu

@@ -58,15 +58,98 @@ def test_alphas_are_products_of_decode_scales():
     assert_bitwise_equal(weights.alphas()[0], 1.0 / weights.w1_global_scale)
 
 
-def test_bad_checkpoint_tensors_are_refused():
+def _checkpoint():
     reference = fp4moe.quantize_moe_weights(*_experts(seed=3))
     args = (reference.w1, reference.w1_scales, reference.w2, reference.w2_scales)
     scales = dict(w1_global_scale=reference.w1_global_scale, w2_global_scale=reference.w2_global_scale)
-    with pytest.raises(ValueError, match="exactly one of w1_global_scale"):
-        fp4moe.moe_weights_from_nvfp4(*args, w2_global_scale=reference.w2_global_scale)
-    with pytest.raises(ValueError, match=r"w1_scales \(swizzled\) must be"):
-        fp4moe.moe_weights_from_nvfp4(*args, sf_layout="swizzled", **scales)
-    with pytest.raises(TypeError, match="w2_scales must be float8_e4m3fn"):
-        fp4moe.moe_weights_from_nvfp4(*args[:3], reference.w2_scales.view(torch.uint8), **scales)
-    with pytest.raises(ValueError, match="sf_layout must be one of"):
-        fp4moe.moe_weights_from_nvfp4(*args, sf_layout="blocked", **scales)
+    return reference, args, scales
+
+
+def _adopt(args=None, **overrides):
+    """moe_weights_from_nvfp4 on a valid checkpoint with positional `args` and keyword `overrides` replaced."""
+    reference, valid_args, scales = _checkpoint()
+    call_args = list(valid_args)
+    for index, value in (args or {}).items():
+        call_args[index] = value
+    return lambda: fp4moe.moe_weights_from_nvfp4(*call_args, **{**scales, **overrides})
+
+
+_E = 3  # experts of _experts()
+BAD_CHECKPOINTS = [
+    (ValueError, "exactly one of w1_global_scale", _adopt(w1_global_scale=None)),
+    (ValueError, "exactly one of w2_global_scale", _adopt(w2_decode_scale=torch.ones(_E))),
+    (ValueError, r"w1_scales \(swizzled\) must have shape", _adopt(sf_layout="swizzled")),
+    (TypeError, "w2_scales must have dtype", _adopt({3: _checkpoint()[1][3].view(torch.uint8)})),
+    (ValueError, "sf_layout must be one of", _adopt(sf_layout="blocked")),
+    (TypeError, "sf_layout must be a Python str, got int", _adopt(sf_layout=0)),
+    (ValueError, "activation must be one of", _adopt(activation="gelu")),
+    # Global scales: one per expert, in either direction, as tensors.
+    (ValueError, r"w1_global_scale must hold one scale per expert \(E = 3 elements\), got shape \(4,\)",
+     _adopt(w1_global_scale=torch.ones(_E + 1))),
+    (ValueError, r"w2_global_scale must hold one scale per expert .* got shape \(3, 2\)",
+     _adopt(w2_global_scale=torch.ones(_E, 2))),
+    (ValueError, r"w1_decode_scale must hold one scale per expert",
+     _adopt(w1_global_scale=None, w1_decode_scale=torch.ones(1))),
+    (TypeError, "w1_global_scale must be a Tensor, got float", _adopt(w1_global_scale=0.5)),
+    (TypeError, "w2_decode_scale must be a Tensor, got float", _adopt(w2_global_scale=None, w2_decode_scale=1e-3)),
+    (TypeError, "w1_global_scale must have a floating-point dtype", _adopt(w1_global_scale=torch.ones(_E, dtype=torch.int32))),
+    # Codes: a dtype error is a TypeError, a shape error a ValueError; w1 and w2 must agree.
+    (TypeError, "w1 must have dtype", _adopt({0: _checkpoint()[1][0].view(torch.int8)})),
+    (TypeError, "w1 must be a Tensor, got list", _adopt({0: _checkpoint()[1][0].tolist()})),
+    (TypeError, "w2_scales must be a Tensor, got float", _adopt({3: 1.0})),
+    (ValueError, "w1 must be 3-D", _adopt({0: _checkpoint()[1][0][0]})),
+    (ValueError, "w2 must have shape", _adopt({2: _checkpoint()[1][2][:2], 3: _checkpoint()[1][3][:2]})),
+    (ValueError, "w2 must have shape", _adopt(activation="relu2")),  # w1 holds 2I rows, relu2 expects I
+    (ValueError, "w1_scales is on meta but w1 is on cpu", _adopt({1: _checkpoint()[1][1].to("meta")})),
+]
+
+
+@pytest.mark.parametrize("error,match,call", BAD_CHECKPOINTS, ids=[m[:50] for _, m, _ in BAD_CHECKPOINTS])
+def test_bad_checkpoint_tensors_are_refused(error, match, call):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_stacked_per_expert_global_scales_are_accepted():
+    """ModelOpt stores one scale per expert; stacked, that is [E] or [E, 1]."""
+    reference, args, _ = _checkpoint()
+    adopted = fp4moe.moe_weights_from_nvfp4(*args, w1_global_scale=reference.w1_global_scale[:, None],
+                                            w2_decode_scale=1.0 / reference.w2_global_scale[:, None])
+    assert_bitwise_equal(adopted.w1_global_scale, reference.w1_global_scale)
+    assert adopted.w2_global_scale.shape == (_E,)
+
+
+BAD_DENSE_EXPERTS = [
+    (TypeError, "w1 must be a Tensor, got list", lambda w1, w2: (w1.tolist(), w2)),
+    (TypeError, "w2 must be a Tensor, got ndarray", lambda w1, w2: (w1, w2.numpy())),
+    (TypeError, "w1 must have dtype", lambda w1, w2: (w1.to(torch.int64), w2)),
+    (ValueError, "w2 must have shape", lambda w1, w2: (w1, w2[:, :-16])),
+    (ValueError, "w2 must have shape", lambda w1, w2: (w1[:2], w2)),
+    (ValueError, r"w1 must be \[E >= 1, N1 >= 1, H\] with H a positive multiple of 16", lambda w1, w2: (w1[..., :40], w2)),
+    (ValueError, "must be even", lambda w1, w2: (w1[:, :-1], w2)),
+    (ValueError, "w1 must be 3-D", lambda w1, w2: (w1[0], w2)),
+]
+
+
+@pytest.mark.parametrize("error,match,change", BAD_DENSE_EXPERTS, ids=[m for _, m, _ in BAD_DENSE_EXPERTS])
+def test_bad_dense_experts_are_refused(error, match, change):
+    with pytest.raises(error, match=match):
+        fp4moe.quantize_moe_weights(*change(*_experts()))
+
+
+ALPHA_SCALES = [
+    (ValueError, r"fc2_input_scale must hold exactly one element \(the per-tensor activation scale; reduce",
+     dict(fc2_input_scale=torch.ones(_E))),
+    (ValueError, "fc1_input_scale must hold exactly one element", dict(fc1_input_scale=torch.ones(0))),
+    (TypeError, "fc1_input_scale must have dtype", dict(fc1_input_scale=torch.ones(1, dtype=torch.float64))),
+    (TypeError, "fc2_input_scale must be a Tensor, got float", dict(fc2_input_scale=2.0)),
+    (ValueError, "fc1_input_scale is on meta but w1_global_scale is on cpu",
+     dict(fc1_input_scale=torch.ones(1, device="meta"))),
+]
+
+
+@pytest.mark.parametrize("error,match,scales", ALPHA_SCALES, ids=[m[:40] for _, m, _ in ALPHA_SCALES])
+def test_alphas_refuse_scales_that_are_not_per_tensor(error, match, scales):
+    weights = fp4moe.quantize_moe_weights(*_experts(seed=4))
+    with pytest.raises(error, match=match):
+        weights.alphas(**scales)

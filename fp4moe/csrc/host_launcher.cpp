@@ -49,6 +49,10 @@ constexpr int64_t kSwizzleCols = 4;        // nvfp4.SWIZZLE_COLS
 constexpr int64_t kAmaxRowGroup = 8;       // validation.AUX_AMAX_ROW_GROUP
 constexpr int64_t kVectorBytes = 16;       // quantize_launch.VECTOR_BYTES
 constexpr int64_t kMaxElements = (int64_t{1} << 31) - 1;  // quantize_launch.MAX_ELEMENTS
+// validation.check_global_scale_inv: global_scale_inv and its reciprocal are normal FP32 numbers.
+// Compared in double, so a value that only rounds into the range goes to Python, which accepts it.
+constexpr double kMinGlobalScaleInv = 1.1754943508222875e-38;  // 2^-126
+constexpr double kMaxGlobalScaleInv = 8.507059173023462e+37;   // 2^126
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
@@ -298,7 +302,8 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, const at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_per_token(
     const at::Tensor& x, double global_scale_inv, c10::string_view sf_layout, c10::string_view four_over_six,
     const std::optional<at::Tensor>& input_amax, const std::optional<at::Tensor>& input_amax_valid_rows) {
-  bool fast = launchable_activation(x) && vector_rows(x) && std::isfinite(global_scale_inv) && global_scale_inv > 0;
+  bool fast = launchable_activation(x) && vector_rows(x) && global_scale_inv >= kMinGlobalScaleInv &&
+              global_scale_inv <= kMaxGlobalScaleInv;
   int64_t amax_tiles = 0;
   if (fast && input_amax.has_value()) {
     const at::Tensor& amax = *input_amax;

@@ -5,6 +5,9 @@ Everything is static-shaped torch on the device: no host reads of routing data, 
 allocation, so the reference itself runs inside CUDA graphs and compiled graphs. Inputs are assumed
 validated (`fp4moe.validation`); outputs come from `fp4moe.op_outputs`, the allocators the fakes use.
 
+Plan entries outside their range are padding (the stage ops' contract, `ops/moe.py`): `plan_rows`
+turns them into masks, and dead rows read in-bounds placeholders whose results are discarded.
+
 GEMM arithmetic: NVFP4 operands are decoded exactly (`e2m1 * sf` is exact, semantics §3.8) and
 multiplied in FP64, then rounded once to the FP32 accumulator, so the reference is at least as exact
 as any FP32 accumulation order a kernel may choose. The epilogues then follow the FP32 operation order
@@ -79,11 +82,35 @@ def decode_activation(a: torch.Tensor, a_scales: torch.Tensor | None) -> torch.T
     return a.float() if a_scales is None else nvfp4.dequantize_blocks(a, a_scales)
 
 
+def plan_rows(permuted_to_pair: torch.Tensor, tile_expert: torch.Tensor, num_experts: int, num_pairs: int):
+    """The stage ops' reading of a plan: `(live, pair, tile_expert_in_range, row_expert)` per permuted row.
+
+    A row is live when its pair is in `[0, num_pairs)` and its tile's expert in `[0, E)`; every other
+    row is a padding row, whatever the plan holds there (the contract documented in `ops/moe.py`).
+    Dead rows get pair 0 and dead tiles expert 0, always in bounds; callers discard what they compute.
+    Masks only: no host read, no data-dependent shape.
+    """
+    num_rows = permuted_to_pair.shape[0]
+    tile_m = num_rows // max(tile_expert.shape[0], 1)
+    tile_live = (tile_expert >= 0) & (tile_expert < num_experts)
+    tile_expert_in_range = torch.where(tile_live, tile_expert, 0)
+    live = tile_live.repeat_interleave(tile_m) & (permuted_to_pair >= 0) & (permuted_to_pair < num_pairs)
+    pair = torch.where(live, permuted_to_pair, 0).long()
+    return live, pair, tile_expert_in_range, tile_expert_in_range.repeat_interleave(tile_m)
+
+
+def gather_live(values: torch.Tensor, index: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """`values[index]` on live rows and 0 on the others, through a zero scratch row appended to
+    `values`, so that even an empty `values` (no tokens) is gathered from in bounds."""
+    padded = torch.cat((values, values.new_zeros((1, *values.shape[1:]))))
+    return padded[torch.where(live, index, values.shape[0])]
+
+
 def grouped_gemm(rows: torch.Tensor, tile_expert: torch.Tensor, weights: torch.Tensor, weight_scales: torch.Tensor):
     """`rows [R, K] @ w[tile_expert[tile]]^T` per tile of `R / num_tiles` rows -> FP32 [R, N].
 
-    Unused tiles (expert -1) read expert 0 against their all-zero rows. Tiles are processed in chunks
-    of a static size, so the decoded weights of at most GEMM_CHUNK_ELEMENTS elements exist at once.
+    `tile_expert` must lie in `[0, E)` (`plan_rows` maps dead tiles to expert 0). Tiles are processed
+    in chunks of a static size, so the decoded weights of at most GEMM_CHUNK_ELEMENTS elements exist at once.
     """
     num_rows, k = rows.shape
     num_tiles = tile_expert.shape[0]
@@ -96,21 +123,10 @@ def grouped_gemm(rows: torch.Tensor, tile_expert: torch.Tensor, weights: torch.T
     tiled_rows = rows.double().view(num_tiles, tile_m, k)
     tiled_out = out.view(num_tiles, tile_m, n)
     for start in range(0, num_tiles, chunk):
-        experts = tile_expert[start : start + chunk].clamp(min=0)
+        experts = tile_expert[start : start + chunk]
         decoded = nvfp4.dequantize_blocks(weights[experts], weight_scales[experts]).double()
         tiled_out[start : start + chunk] = torch.bmm(tiled_rows[start : start + chunk], decoded.transpose(1, 2)).float()
     return out
-
-
-def _row_expert(tile_expert: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """The local expert of every permuted row (0 for rows of unused tiles, whose values are zero)."""
-    tile_m = num_rows // max(tile_expert.shape[0], 1)
-    return tile_expert.clamp(min=0).repeat_interleave(tile_m)
-
-
-def _gather_pairs(values: torch.Tensor, permuted_to_pair: torch.Tensor, divisor: int) -> torch.Tensor:
-    """values[pair // divisor] for every permuted row; padding rows (pair -1) read row 0 (masked later)."""
-    return values[(permuted_to_pair.clamp(min=0) // divisor).long()]
 
 
 def apply_activation(y, activation, swiglu_alpha, swiglu_beta, swiglu_limit):
@@ -154,16 +170,17 @@ def moe_gemm1(
         a, permuted_to_pair, w1, activation, output_global_scale is not None, aux_amax_tile_n
     )
     num_rows = permuted_to_pair.shape[0]
-    is_row = (permuted_to_pair >= 0)[:, None]
-    rows = torch.where(is_row, _gather_pairs(decode_activation(a, a_scales), permuted_to_pair, top_k), 0.0)
+    live, pair, tile_expert, row_expert = plan_rows(permuted_to_pair, tile_expert, w1.shape[0], a.shape[0] * top_k)
+    token = pair // top_k
+    rows = gather_live(decode_activation(a, a_scales), token, live)
     y = grouped_gemm(rows, tile_expert, w1, w1_scales)
-    y = y * w1_alpha[_row_expert(tile_expert, num_rows)][:, None]
+    y = y * w1_alpha[row_expert][:, None]
     if a_per_token_scale is not None:
-        y = y * _gather_pairs(a_per_token_scale, permuted_to_pair, top_k)[:, None]
+        y = y * gather_live(a_per_token_scale, token, live)[:, None]
     act = apply_activation(y, activation, swiglu_alpha, swiglu_beta, swiglu_limit)
     if router_weights is not None:
-        act = act * _gather_pairs(router_weights.reshape(-1), permuted_to_pair, 1)[:, None]
-    act = torch.where(is_row, act, 0.0)  # padding rows are exact zeros (amax 0, codes +0)
+        act = act * gather_live(router_weights.reshape(-1), pair, live)[:, None]
+    act = torch.where(live[:, None], act, 0.0)  # padding rows are exact zeros (amax 0, codes +0)
 
     if output_global_scale is not None:
         gs = output_global_scale.reshape(()).float().expand(num_rows)
@@ -222,25 +239,25 @@ def gemm2(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w2, w2_scales, w2_alpha, layout,
     router_weights, num_tokens, top_k, hidden, accumulator,
 ):
-    """The pipeline's GEMM2 stage: adds every row's FP32 output into `accumulator` [T, hidden] at its
-    token (fused finalize), or, without one, returns the FP32 [T*k, hidden] per-pair rows (zeros for
-    non-local pairs)."""
+    """The pipeline's GEMM2 stage: adds every live row's FP32 output into `accumulator` [T, hidden] at
+    its token (fused finalize), or, without one, returns the FP32 [T*k, hidden] per-pair rows (zeros
+    for non-local pairs)."""
     w2, w2_scales = weight_layout.as_linear(w2, w2_scales, layout, gated=False, rows=hidden, k=_input_k(a, a_scales))
-    num_rows = permuted_to_pair.shape[0]
+    num_pairs = num_tokens * top_k
+    live, pair, tile_expert, row_expert = plan_rows(permuted_to_pair, tile_expert, w2.shape[0], num_pairs)
     y = grouped_gemm(decode_activation(a, a_scales), tile_expert, w2, w2_scales)
-    y = y * w2_alpha[_row_expert(tile_expert, num_rows)][:, None]
+    y = y * w2_alpha[row_expert][:, None]
     if a_per_token_scale is not None:
         y = y * a_per_token_scale[:, None]
     if router_weights is not None:
-        y = y * _gather_pairs(router_weights.reshape(-1), permuted_to_pair, 1)[:, None]
-    is_row = permuted_to_pair >= 0
-    pair = torch.where(is_row, permuted_to_pair, num_tokens * top_k).long()  # padding -> a dropped slot
+        y = y * gather_live(router_weights.reshape(-1), pair, live)[:, None]
+    # Dead rows (padding, or entries outside the plan's range) land in a scratch slot past the end.
     if accumulator is None:
-        expanded = y.new_zeros((num_tokens * top_k + 1, y.shape[1]))
-        expanded.index_copy_(0, pair, y)
+        expanded = y.new_zeros((num_pairs + 1, y.shape[1]))
+        expanded.index_copy_(0, torch.where(live, pair, num_pairs), y)
         return expanded[:-1]
     scratch = torch.cat((accumulator, accumulator.new_zeros((1, accumulator.shape[1]))))
-    scratch.index_add_(0, torch.where(is_row, pair // top_k, num_tokens), y)
+    scratch.index_add_(0, torch.where(live, pair // top_k, num_tokens), y)
     accumulator.copy_(scratch[:-1])
     return accumulator
 

@@ -107,6 +107,7 @@ def tile_amax(x: torch.Tensor, tile_n: int) -> torch.Tensor:
     out = tile_amax_output(x, tile_n)
     rows, cols = x.shape
     groups, tiles, _ = out.shape
+    tile_n = min(tile_n, cols)  # a wider tile is one tile over every column: pad to N, not to tile_n
     magnitude = nvfp4.nan_ignoring_abs(x)
     padded = magnitude.new_zeros(groups * AUX_AMAX_ROW_GROUP, tiles * tile_n)
     padded[:rows, :cols] = magnitude
