@@ -14,16 +14,28 @@ ROUTINGS = ("softmax", "deepseek_v3")
 class FusedMoE(nn.Module):
     """Router (bf16 linear, FP32 logits) -> `route_softmax_topk` or `route_deepseek_v3` -> `fused_moe`.
 
-    `forward(hidden_states [..., H]) -> [..., H]` in bf16, like the MoE block of a HF DeepSeek/Qwen model
-    (which returns only the hidden states; shared experts stay outside this block). Expert weights are
-    buffers, so `.to(device)` and `state_dict()` carry them. Build it from `MoEWeights`
-    (`fp4moe.moe_weights_from_nvfp4` adopts a checkpoint's NVFP4 tensors) or quantize bf16 experts
-    with `from_dense`.
+    `forward(hidden_states [..., H], router_logits=None) -> [..., H]` in the input's dtype (the experts run
+    on bf16 activations), like the MoE block of a HF DeepSeek/Qwen model (which returns only the hidden
+    states; shared experts stay outside this block). Expert weights are buffers, so `.to(device)` and
+    `state_dict()` carry them; `.to(dtype)` / `.half()` / `.bfloat16()` leave the buffers whose dtype is
+    part of the op contract as they are (`FIXED_DTYPE_BUFFERS`). Build it from `MoEWeights`
+    (`fp4moe.moe_weights_from_nvfp4` adopts a checkpoint's NVFP4 tensors, `fp4moe.checkpoint` reads whole
+    checkpoints) or quantize bf16 experts with `from_dense`.
+
+    `router_weight=None` builds the block without a router of its own: `forward` then takes the
+    `router_logits [..., E]` of a router that stays outside, in its own precision (`fp4moe.hf` passes the
+    model's own router module's logits).
     """
+
+    FIXED_DTYPE_BUFFERS = (
+        "w1", "w1_scales", "w1_alpha", "w2", "w2_scales", "w2_alpha", "correction_bias", "fc1_input_scale",
+        "fc2_input_scale",
+    )
+    """uint8 codes, E4M3 block scales and FP32 alphas, routing bias and activation global scales."""
 
     def __init__(
         self,
-        router_weight: torch.Tensor,
+        router_weight: torch.Tensor | None,
         weights: MoEWeights,
         top_k: int,
         *,
@@ -49,7 +61,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
         if routing == "deepseek_v3" and (correction_bias is None or n_group is None or topk_group is None):
             raise ValueError("routing='deepseek_v3' needs correction_bias, n_group and topk_group")
-        if router_weight.dim() != 2 or router_weight.shape[1] != weights.hidden_size:
+        if router_weight is not None and (router_weight.dim() != 2 or router_weight.shape[1] != weights.hidden_size):
             raise ValueError(f"router_weight must be [E, H = {weights.hidden_size}], got {tuple(router_weight.shape)}")
         self.top_k = top_k
         self.routing = routing
@@ -63,7 +75,7 @@ class FusedMoE(nn.Module):
         self.apply_router_weight_on_input = apply_router_weight_on_input
         self.deterministic = deterministic
         self.local_expert_offset = local_expert_offset
-        self.register_buffer("router_weight", router_weight.to(torch.bfloat16))
+        self.register_buffer("router_weight", None if router_weight is None else router_weight.to(torch.bfloat16))
         self.register_buffer("correction_bias", None if correction_bias is None else correction_bias.float())
         self.register_buffer("fc1_input_scale", fc1_input_scale)
         self.register_buffer("fc2_input_scale", fc2_input_scale)
@@ -98,10 +110,28 @@ class FusedMoE(nn.Module):
             fc1_input_scale=input_scale(fc1_input_amax), fc2_input_scale=input_scale(fc2_input_amax), **options,
         )
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def _apply(self, fn, recurse=True):
+        # `Module.to(dtype)` converts every floating-point tensor, float8 included, which would turn the
+        # E4M3 scales into bf16 and round the FP32 alphas. The contract buffers keep their dtype and only
+        # follow device moves: where `fn` changed a dtype, the original tensor is moved instead.
+        kept = {name: self._buffers[name] for name in self.FIXED_DTYPE_BUFFERS if self._buffers.get(name) is not None}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if after.dtype != before.dtype:
+                self._buffers[name] = before.to(after.device)
+        return self
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
         shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1]).to(torch.bfloat16)
-        logits = torch.nn.functional.linear(x, self.router_weight).float()
+        tokens = hidden_states.reshape(-1, shape[-1])
+        x = tokens.to(torch.bfloat16)
+        if router_logits is not None:
+            logits = router_logits.reshape(tokens.shape[0], -1).float()
+        elif self.router_weight is None:
+            raise ValueError("this FusedMoE has no router (router_weight=None): pass router_logits to forward")
+        else:  # in the router's own dtype (bf16 unless the module was converted)
+            logits = torch.nn.functional.linear(tokens.to(self.router_weight.dtype), self.router_weight).float()
         ops = torch.ops.fp4moe
         if self.routing == "softmax":
             topk_ids, topk_weights = ops.route_softmax_topk(logits, self.top_k, self.renormalize)
@@ -115,4 +145,4 @@ class FusedMoE(nn.Module):
             self.fc1_input_scale, self.fc2_input_scale, self.quant_mode, self.per_token_activation, self.activation,
             *self.swiglu, self.apply_router_weight_on_input, self.deterministic, self.local_expert_offset,
         )
-        return out.reshape(shape)
+        return out.reshape(shape).to(hidden_states.dtype)
