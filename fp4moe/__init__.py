@@ -15,11 +15,18 @@ def _import_mapped_package(name: str):
     Installed wheels and setuptools' editable finder provide the mapping. Running from a source checkout
     without them (PYTHONPATH at the repository root, or an editable install by a setuptools too old to
     map package folders) finds only `fp4moe/`; then the sibling folder is loaded under the same name.
+    The sibling folder also wins over a mapping into another checkout: with one checkout on PYTHONPATH
+    and an editable install of another, the editable finder would otherwise pair this `fp4moe/` with the
+    other checkout's ops.
     """
     qualified = f"{__name__}.{name}"
-    if importlib.util.find_spec(qualified) is not None:
-        return importlib.import_module(qualified)
-    folder = Path(__file__).resolve().parent.parent / name
+    package = Path(__file__).resolve().parent
+    folder = package.parent / name
+    spec = importlib.util.find_spec(qualified)
+    if spec is not None:
+        origin = Path(spec.origin).resolve().parent if spec.origin else folder
+        if origin == folder or origin.is_relative_to(package) or not (folder / "__init__.py").exists():
+            return importlib.import_module(qualified)
     spec = importlib.util.spec_from_file_location(qualified, folder / "__init__.py", submodule_search_locations=[str(folder)])
     module = importlib.util.module_from_spec(spec)
     sys.modules[qualified] = module
