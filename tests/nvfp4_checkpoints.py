@@ -26,6 +26,8 @@ from torch import nn
 
 import pytest
 
+import fp4moe  # noqa: F401  (registers torch.ops.fp4moe, whose encoder writes the codes)
+
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 FORMATS = ("compressed-tensors", "modelopt")
@@ -317,3 +319,64 @@ def save(path: Path, tensors: dict[str, torch.Tensor], shards: int = 1) -> None:
         weight_map.update({n: file for n in part})
     with open(path / "model.safetensors.index.json", "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+# ---------------------------------------------------------------------------------------------------
+# W4A4: the reference with NVFP4 expert activations
+# ---------------------------------------------------------------------------------------------------
+def decode_activation(packed: torch.Tensor, block_scales: torch.Tensor) -> torch.Tensor:
+    """FP32 `e2m1 * block_scale` of activation codes [M, K/2] with linear scales [M, K/16]."""
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], packed.shape[1] * 2)
+    return _E2M1[codes.long()] * block_scales.float().repeat_interleave(16, dim=1)
+
+
+def fake_quantize(x: torch.Tensor, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """x through NVFP4 and back: per-tensor with an encode-direction `global_scale`, else per-token."""
+    ops = torch.ops.fp4moe
+    if global_scale is None:
+        codes, scales, per_token_scale = ops.quantize_per_token(x.to(torch.bfloat16), sf_layout="linear")
+        return decode_activation(codes, scales) * per_token_scale[:, None]
+    codes, scales = ops.quantize(x, global_scale.reshape(1), sf_layout="linear")
+    return decode_activation(codes, scales) * (1.0 / global_scale.reshape(()))
+
+
+def activation_quantized_reference(ck: TinyCheckpoint, fmt: str, per_token: bool) -> nn.Module:
+    """`ck.reference` with each MoE layer's expert activations through NVFP4 as a W4A4 MoE computes them:
+    the bf16 layer input and every expert's SwiGLU output quantized (per token, the intermediate first
+    materialized in bf16; or per tensor with one scale per layer and GEMM: the largest amax any expert
+    of the layer was calibrated with, from the written tensors), FP32 GEMMs over the dequantized weights,
+    the routed sum rounded once to bf16."""
+    reference = copy.deepcopy(ck.reference)
+    suffix = "input_global_scale" if fmt == "compressed-tensors" else "input_scale"
+    for name, module in reference.named_modules():
+        if hasattr(module, "gate_up_proj"):
+            scales = None
+            if not per_token:
+                stored = [(k, v.reshape(-1)) for k, v in ck.tensors.items() if k.startswith(f"{name}.") and k.endswith(suffix)]
+                fc1 = torch.cat([v for k, v in stored if not k.endswith(f"down_proj.{suffix}")])
+                fc2 = torch.cat([v for k, v in stored if k.endswith(f"down_proj.{suffix}")])
+                if fmt == "modelopt":  # decode-direction scales
+                    fc1, fc2 = 1.0 / fc1, 1.0 / fc2
+                scales = (fc1.min(), fc2.min())
+            module.forward = _nvfp4_activation_experts(module, scales)
+    return reference
+
+
+def _nvfp4_activation_experts(experts: nn.Module, scales):
+    fc1_scale, fc2_scale = (None, None) if scales is None else scales
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        x = fake_quantize(hidden_states.to(torch.bfloat16).float(), fc1_scale)
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        intermediate = experts.intermediate_dim
+        for e in range(experts.num_experts):
+            token, slot = torch.where(top_k_index == e)
+            gate_up = x[token] @ experts.gate_up_proj[e].float().T
+            act = torch.nn.functional.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+            if fc2_scale is None:
+                act = act.to(torch.bfloat16).float()  # per-token W4A4 materializes the intermediate in bf16
+            down = fake_quantize(act, fc2_scale) @ experts.down_proj[e].float().T
+            out.index_add_(0, token, down * top_k_weights[token, slot, None].float())
+        return out.to(torch.bfloat16).to(hidden_states.dtype)
+
+    return forward
