@@ -8,8 +8,8 @@ numbers mean:
 |---|---|---|
 | E2M1 codes `uint8 [N, K/2]` (element 2i in the low nibble) | `<p>.weight_packed` | `<p>.weight` |
 | E4M3 block scales `[N, K/16]`, linear layout | `<p>.weight_scale` | `<p>.weight_scale` |
-| weight global scale, FP32, one element | `<p>.weight_global_scale`: **encode**, `2688 / amax` | `<p>.weight_scale_2`: **decode**, `amax / 2688` |
-| activation global scale, FP32, one element (W4A4 only) | `<p>.input_global_scale`: **encode** | `<p>.input_scale`: **decode** |
+| weight global scale, FP32 | `<p>.weight_global_scale`, encode `2688/amax` | `<p>.weight_scale_2`, decode `amax/2688` |
+| activation global scale (W4A4 only) | `<p>.input_global_scale`, encode | `<p>.input_scale`, decode |
 
 The format is read from the checkpoint's `config.json` (`quantization_config`) or, for ModelOpt exports
 that carry it, `hf_quant_config.json`; layers left in high precision are listed in `ignore`
@@ -46,6 +46,8 @@ from fp4moe.weights import MoEWeights, moe_weights_from_nvfp4
 CHECKPOINT_FORMATS = ("compressed-tensors", "modelopt")
 COMPRESSED_TENSORS_NVFP4 = "nvfp4-pack-quantized"
 MODELOPT_NVFP4 = "NVFP4"
+NVFP4_SPEC = (4, "float", nvfp4.BLOCK_SIZE)
+"""compressed-tensors' (num_bits, type, group_size) of NVFP4 weights and activations."""
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 MODELOPT_CONFIG = "hf_quant_config.json"
 
@@ -63,7 +65,9 @@ class TensorNames:
 
 
 TENSOR_NAMES = {
-    "compressed-tensors": TensorNames("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale", False),
+    "compressed-tensors": TensorNames(
+        "weight_packed", "weight_scale", "weight_global_scale", "input_global_scale", False
+    ),
     "modelopt": TensorNames("weight", "weight_scale", "weight_scale_2", "input_scale", True),
 }
 
@@ -143,16 +147,17 @@ def _compressed_tensors_format(config: dict) -> NVFP4Format:
                 f"fp4moe reads '{COMPRESSED_TENSORS_NVFP4}'"
             )
         weights = group.get("weights") or {}
-        nvfp4_weights = (weights.get("num_bits"), weights.get("type"), weights.get("group_size")) == (4, "float", 16)
-        if not nvfp4_weights:
-            raise NotImplementedError(f"config group {group_name!r}: weights {weights} are not NVFP4 (4-bit float, group 16)")
+        if (weights.get("num_bits"), weights.get("type"), weights.get("group_size")) != NVFP4_SPEC:
+            raise NotImplementedError(
+                f"config group {group_name!r}: weights {weights} are not NVFP4 (4-bit float, group 16)"
+            )
         inputs = group.get("input_activations")
-        if inputs is not None and (inputs.get("num_bits"), inputs.get("type"), inputs.get("group_size")) != (4, "float", 16):
+        if inputs is not None and (inputs.get("num_bits"), inputs.get("type"), inputs.get("group_size")) != NVFP4_SPEC:
             raise NotImplementedError(f"config group {group_name!r}: input activations {inputs} are not NVFP4")
         activation_scales.add(inputs is not None)
         targets += list(group.get("targets") or ["Linear"])
     if len(activation_scales) != 1:
-        raise NotImplementedError("config groups mix W4A4 and W4A16 NVFP4; fp4moe serves one activation mode per checkpoint")
+        raise NotImplementedError("config groups mix W4A4 and W4A16 NVFP4; fp4moe serves one activation mode")
     return NVFP4Format("compressed-tensors", activation_scales.pop(), tuple(config.get("ignore") or ()), tuple(targets))
 
 
@@ -160,10 +165,10 @@ def _modelopt_format(config: dict, hf_quant_config: dict) -> NVFP4Format:
     section = hf_quant_config.get("quantization", {})
     algo = config.get("quant_algo", section.get("quant_algo"))
     if algo != MODELOPT_NVFP4:
-        raise NotImplementedError(f"ModelOpt quant_algo {algo!r} is not served; fp4moe reads quant_algo '{MODELOPT_NVFP4}'")
+        raise NotImplementedError(f"ModelOpt quant_algo {algo!r} is not served; fp4moe reads '{MODELOPT_NVFP4}'")
     group_size = config.get("group_size", section.get("group_size", nvfp4.BLOCK_SIZE))
     if group_size != nvfp4.BLOCK_SIZE:
-        raise NotImplementedError(f"ModelOpt NVFP4 group_size {group_size}; NVFP4 blocks are {nvfp4.BLOCK_SIZE} elements")
+        raise NotImplementedError(f"ModelOpt NVFP4 group_size {group_size}; NVFP4 blocks have {nvfp4.BLOCK_SIZE}")
     ignore = config.get("exclude_modules", config.get("ignore", section.get("exclude_modules", ())))
     return NVFP4Format("modelopt", True, tuple(ignore or ()))
 
@@ -206,7 +211,7 @@ class SafetensorsFiles:
             self._file_of = dict(index["weight_map"])
             for file in sorted(set(self._file_of.values())):
                 if not (self.directory / file).exists():
-                    raise FileNotFoundError(f"{SAFETENSORS_INDEX} names shard {file!r}, which is not in {self.directory}")
+                    raise FileNotFoundError(f"{SAFETENSORS_INDEX} names shard {file!r}, not in {self.directory}")
         else:
             files = sorted(p.name for p in self.directory.glob("*.safetensors"))
             if not files:
@@ -235,7 +240,8 @@ class SafetensorsFiles:
 def _check_dtype(name: str, tensor: torch.Tensor, dtypes: tuple) -> None:
     if tensor.dtype not in dtypes:
         expected = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise TypeError(f"checkpoint tensor {name!r} must be {expected}, got {str(tensor.dtype).removeprefix('torch.')}")
+        actual = str(tensor.dtype).removeprefix("torch.")
+        raise TypeError(f"checkpoint tensor {name!r} must be {expected}, got {actual}")
 
 
 def _check_shape(name: str, tensor: torch.Tensor, shape: tuple) -> None:
@@ -247,12 +253,13 @@ def _scalar_scales(name: str, tensor: torch.Tensor, count: int, decode_direction
     """`count` global scales (FP32, stored `[]`, `[1]`, `[count]` or `[count, 1]`) in the encode direction."""
     _check_dtype(name, tensor, (torch.float32,))
     if tensor.numel() != count:
-        raise ValueError(f"checkpoint tensor {name!r} must hold {count} global scale(s), got shape {list(tensor.shape)}")
+        raise ValueError(f"checkpoint tensor {name!r} must hold {count} global scale(s), got {list(tensor.shape)}")
     scales = tensor.reshape(count).float()
     if decode_direction:
         scales = nvfp4.global_scale_from_decode_scale(scales)
     if torch.isnan(scales).any() or (scales <= 0).any():
-        raise ValueError(f"checkpoint tensor {name!r} holds a non-positive or NaN global scale: {tensor.reshape(-1).tolist()}")
+        values = tensor.reshape(-1)[:8].tolist()
+        raise ValueError(f"checkpoint tensor {name!r} holds a non-positive or NaN global scale: {values}")
     return scales
 
 
@@ -411,7 +418,8 @@ class NVFP4Checkpoint:
         _check_dtype(scales_name, block_scales, (torch.float8_e4m3fn,))
         _check_shape(scales_name, block_scales, (rows, cols // nvfp4.BLOCK_SIZE))
         gs_name = f"{prefix}.{names.weight_global_scale}"
-        global_scale = _scalar_scales(gs_name, self.tensor(gs_name, f"the NVFP4 layer {prefix}"), 1, names.decode_direction)
+        stored = self.tensor(gs_name, f"the NVFP4 layer {prefix}")
+        global_scale = _scalar_scales(gs_name, stored, 1, names.decode_direction)
         input_global_scale = None
         if input_scale:
             in_name = f"{prefix}.{names.input_global_scale}"
@@ -438,8 +446,9 @@ class NVFP4Checkpoint:
             activation_scales = self.format.activation_scales
         if activation_scales and not self.format.activation_scales:
             raise ValueError(f"activation scales were asked for, but this {self.format.name} checkpoint is W4A16")
-        projections = [f"{experts_prefix}.{e}.{p}" for e in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
-        ignored = [name for name in projections if self.format.is_ignored(name)]
+        projections = ("gate_proj", "up_proj", "down_proj")
+        names = [f"{experts_prefix}.{e}.{p}" for e in range(num_experts) for p in projections]
+        ignored = [name for name in names if self.format.is_ignored(name)]
         if ignored:
             raise ValueError(
                 f"{ignored[0]} is in the checkpoint's ignore list (not quantized); fp4moe serves NVFP4 experts only"
@@ -499,9 +508,8 @@ class NVFP4Checkpoint:
             w1_scales = w1_scales.clone()  # the memory-mapped tensor stays read-only
             w1_gs = torch.empty(experts)
             for e in range(experts):
-                gate_scales, up_scales, w1_gs[e] = join_gate_up(
-                    w1_scales[e, :intermediate], halves[e, :1], w1_scales[e, intermediate:], halves[e, 1:], f"{prefix}.{e}"
-                )
+                gate, up = w1_scales[e, :intermediate], w1_scales[e, intermediate:]
+                gate_scales, up_scales, w1_gs[e] = join_gate_up(gate, halves[e, :1], up, halves[e, 1:], f"{prefix}.{e}")
                 w1_scales[e, :intermediate], w1_scales[e, intermediate:] = gate_scales, up_scales
         w2_gs_name = f"{prefix}.down_proj.{names.weight_global_scale}"
         w2_gs = _scalar_scales(
@@ -523,7 +531,8 @@ class NVFP4Checkpoint:
         count = stored.numel()
         if count not in (1, experts, experts * halves):
             raise ValueError(
-                f"checkpoint tensor {name!r} must hold 1, {experts} or {experts * halves} scales, got shape {list(stored.shape)}"
+                f"checkpoint tensor {name!r} must hold 1, {experts} or {experts * halves} scales, "
+                f"got {list(stored.shape)}"
             )
         scales = _scalar_scales(name, stored, count, self.names.decode_direction)
         if count == experts * halves:

@@ -182,6 +182,8 @@ def _quant_mode(ckpt: NVFP4Checkpoint, quant_mode: str | None, per_token_activat
         quant_mode = "w4a4" if ckpt.format.activation_scales or per_token_activation else "w4a16"
     if quant_mode not in ("w4a4", "w4a16"):
         raise ValueError(f"quant_mode must be 'w4a4' or 'w4a16', got {quant_mode!r}")
+    if quant_mode == "w4a16" and per_token_activation:
+        raise ValueError("per_token_activation applies to quant_mode='w4a4' only")
     if quant_mode == "w4a4" and not per_token_activation and not ckpt.format.activation_scales:
         raise ValueError(
             f"per-tensor W4A4 needs the checkpoint's activation scales, and this {ckpt.format.name} checkpoint "
@@ -221,7 +223,10 @@ def _load_dense_tensors(model, ckpt: NVFP4Checkpoint, expert_prefixes: tuple, de
             else:
                 value = ckpt.tensor(name, f"{type(model).__name__}.{name}")
                 if tuple(value.shape) != tuple(current.shape):
-                    raise ValueError(f"checkpoint tensor {name!r} has shape {list(value.shape)}, the model expects {list(current.shape)}")
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} has shape {list(value.shape)}, "
+                        f"the model expects {list(current.shape)}"
+                    )
                 if value.is_floating_point() != current.is_floating_point():
                     raise TypeError(f"checkpoint tensor {name!r} is {value.dtype}, the model expects {current.dtype}")
             _assign(module, attr, value.to(device=_target_device(current, device), dtype=current.dtype, copy=True))

@@ -79,7 +79,7 @@ def quantize_weight(weight: torch.Tensor, global_scale: torch.Tensor):
     return torch.ops.fp4moe.quantize(weight.float().contiguous(), global_scale.reshape(1).float(), sf_layout="linear")
 
 
-def dequantize_weight(packed: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor, fmt: str) -> torch.Tensor:
+def dequantize_weight(packed: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor, fmt: str):
     """FP32 weight of the written bytes (low nibble = even element) by each format's documented decode:
     compressed-tensors `e2m1 * (block_scale / weight_global_scale)`, ModelOpt
     `e2m1 * block_scale * weight_scale_2` (`global_scale` is the stored tensor of `fmt`)."""
@@ -184,7 +184,7 @@ class TinyCheckpoint:
 
 def quantization_config(fmt: str, w4a4: bool, ignore: list[str]) -> dict:
     if fmt == "compressed-tensors":
-        nvfp4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True, "dynamic": False}
+        nvfp4 = dict(num_bits=4, type="float", strategy="tensor_group", group_size=16, symmetric=True, dynamic=False)
         inputs = {**nvfp4, "dynamic": "local"} if w4a4 else None
         group = {"targets": ["Linear"], "weights": nvfp4, "input_activations": inputs, "format": "nvfp4-pack-quantized"}
         return {
@@ -293,7 +293,8 @@ def expert_tensors(name: str, per_expert: list, fmt: str, fused: bool) -> dict[s
             for projection, q in zip(("gate_proj", "up_proj", "down_proj"), layers):
                 out.update(q.tensors(f"{name}.{e}.{projection}", fmt))
         return out
-    for projection, parts in (("gate_up_proj", [(g, u) for g, u, _ in per_expert]), ("down_proj", [(d,) for *_, d in per_expert])):
+    kinds = (("gate_up_proj", [(g, u) for g, u, _ in per_expert]), ("down_proj", [(d,) for *_, d in per_expert]))
+    for projection, parts in kinds:
         stacked = [
             QuantizedLinear(torch.cat([q.codes for q in p]), torch.cat([q.block_scales for q in p]),
                             p[0].decode_scale, p[0].input_amax).tensors(f"{name}.{projection}", fmt)
@@ -352,7 +353,9 @@ def activation_quantized_reference(ck: TinyCheckpoint, fmt: str, per_token: bool
         if hasattr(module, "gate_up_proj"):
             scales = None
             if not per_token:
-                stored = [(k, v.reshape(-1)) for k, v in ck.tensors.items() if k.startswith(f"{name}.") and k.endswith(suffix)]
+                stored = [
+                    (k, v.reshape(-1)) for k, v in ck.tensors.items() if k.startswith(f"{name}.") and k.endswith(suffix)
+                ]
                 fc1 = torch.cat([v for k, v in stored if not k.endswith(f"down_proj.{suffix}")])
                 fc2 = torch.cat([v for k, v in stored if k.endswith(f"down_proj.{suffix}")])
                 if fmt == "modelopt":  # decode-direction scales

@@ -177,7 +177,7 @@ def test_blocks_are_swapped_with_the_models_routing(checkpoint):
     assert (moe.routing, moe.renormalize, moe.n_group, moe.topk_group, moe.routed_scaling_factor) == (
         "deepseek_v3", True, 4, 2, 2.5)
     assert_bitwise_equal(moe.correction_bias, ck.tensors["model.layers.1.mlp.gate.e_score_correction_bias"])
-    assert isinstance(block.shared_experts, torch.nn.Module) and block.shared_experts.gate_proj.weight.dtype == torch.float32
+    assert block.shared_experts.gate_proj.weight.dtype == torch.float32  # dense, dequantized
     assert not isinstance(deepseek.model.layers[0].mlp, fp4moe.hf.NVFP4MoEBlock)  # the dense first layer
     assert deepseek.lm_head.weight is deepseek.model.embed_tokens.weight  # tie_word_embeddings
 
@@ -244,7 +244,8 @@ def test_dense_layers_can_be_left_to_the_caller(checkpoint):
     assert set(model.fp4moe_skipped_layers) == {
         f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in ("q", "v", "o")
     }  # k_proj is in the ignore list: loaded as stored
-    assert_bitwise_equal(model.model.layers[0].self_attn.k_proj.weight, ck.tensors["model.layers.0.self_attn.k_proj.weight"])
+    k_proj = "model.layers.0.self_attn.k_proj.weight"
+    assert_bitwise_equal(model.get_parameter(k_proj), ck.tensors[k_proj])
     assert isinstance(model.model.layers[0].mlp, fp4moe.hf.NVFP4MoEBlock)
 
 
@@ -297,6 +298,8 @@ def test_unsupported_requests_raise(checkpoint):
     ck = checkpoint("qwen3_moe", "compressed-tensors", w4a4=False)
     with pytest.raises(ValueError, match="per-tensor W4A4 needs the checkpoint's activation scales"):
         load(ck, quant_mode="w4a4")
+    with pytest.raises(ValueError, match="per_token_activation applies to quant_mode='w4a4' only"):
+        load(ck, quant_mode="w4a16", per_token_activation=True)
     with pytest.raises(ValueError, match="dense_layers must be one of"):
         load(ck, dense_layers="keep")
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
