@@ -34,12 +34,16 @@ _PYTHON_OPTIONS = {
 """The module's Python-valued arguments: (type, whether None is allowed)."""
 
 
-def _check_options(router_weight: torch.Tensor, num_local_experts: int, hidden_size: int, options: dict) -> None:
+def _check_options(router_weight: torch.Tensor | None, num_local_experts: int, hidden_size: int, options: dict) -> None:
     """Everything about the module's arguments that needs no quantized weights: their Python types,
     the router's shape, and the routing, checked by the routing op's own validation on an empty
-    batch of the FP32 logits `forward` routes."""
+    batch of the FP32 logits `forward` routes (without a router of its own, logits over the experts
+    up to the last local one)."""
     for name, (kind, optional) in _PYTHON_OPTIONS.items():
         validation.check_python_scalar(name, options[name], kind, optional)
+    if router_weight is None:
+        _check_routing(options, options["local_expert_offset"] + num_local_experts, torch.device("cpu"))
+        return
     validation.check_tensor("router_weight", router_weight)
     if not router_weight.is_floating_point():
         raise TypeError(f"router_weight must have a floating-point dtype, got {router_weight.dtype}")
@@ -53,9 +57,13 @@ def _check_options(router_weight: torch.Tensor, num_local_experts: int, hidden_s
             f"router_weight has {experts} rows (one per expert), but the expert weights are experts "
             f"[{offset}, {end}) of the router's: it needs at least {end} rows"
         )
+    _check_routing(options, experts, router_weight.device)
+
+
+def _check_routing(options: dict, experts: int, device: torch.device) -> None:
     validation.check_choice("routing", options["routing"], ROUTINGS)
     validation.check_choice("quant_mode", options["quant_mode"], validation.MOE_QUANT_MODES)
-    logits = router_weight.new_empty((0, experts), dtype=torch.float32)
+    logits = torch.empty((0, experts), dtype=torch.float32, device=device)
     if options["routing"] == "softmax":
         ignored = [name for name in DEEPSEEK_V3_ONLY if options[name] is not None]
         if ignored:
@@ -97,23 +105,34 @@ def _input_scale_from_amax(name: str, amax: float | None, device: torch.device) 
 class FusedMoE(nn.Module):
     """Router (bf16 linear, FP32 logits) -> `route_softmax_topk` or `route_deepseek_v3` -> `fused_moe`.
 
-    `forward(hidden_states [..., H]) -> [..., H]` in bf16, like the MoE block of a HF DeepSeek/Qwen model
-    (which returns only the hidden states; shared experts stay outside this block). Expert weights are
-    buffers, so `.to(device)` and `state_dict()` carry them; by default they are kept in the prepared
-    layout the Hopper kernels stream (`weight_layout="sm90"`, made once here; every backend reads it).
-    Build it from `MoEWeights`
-    (`fp4moe.moe_weights_from_nvfp4` adopts a checkpoint's NVFP4 tensors) or quantize bf16 experts
+    `forward(hidden_states [..., H], router_logits=None) -> [..., H]` in the input's dtype (the experts run
+    on bf16 activations), like the MoE block of a HF DeepSeek/Qwen model (which returns only the hidden
+    states; shared experts stay outside this block). Expert weights are buffers, so `.to(device)` and
+    `state_dict()` carry them; by default they are kept in the prepared layout the Hopper kernels stream
+    (`weight_layout="sm90"`, made once here; every backend reads it). `.to(dtype)` / `.half()` /
+    `.bfloat16()` leave the buffers whose dtype is part of the op contract as they are
+    (`FIXED_DTYPE_BUFFERS`). Build it from `MoEWeights` (`fp4moe.moe_weights_from_nvfp4` adopts a
+    checkpoint's NVFP4 tensors, `fp4moe.checkpoint` reads whole checkpoints) or quantize bf16 experts
     with `from_dense`.
 
     `router_weight` is `[E, H]` over the global experts; the expert weights are experts
     `[local_expert_offset, local_expert_offset + E_local)` of them (expert parallelism; all of them
     by default). `correction_bias`, `n_group`, `topk_group` and `routed_scaling_factor` (default 1.0)
     apply to `routing="deepseek_v3"` only. Every argument is checked here, before the first forward.
+    `router_weight=None` builds the block without a router of its own: `forward` then takes the
+    `router_logits [..., E]` of a router that stays outside, in its own precision (`fp4moe.hf` passes the
+    model's own router module's logits).
     """
+
+    FIXED_DTYPE_BUFFERS = (
+        "w1", "w1_scales", "w1_alpha", "w2", "w2_scales", "w2_alpha", "correction_bias", "fc1_input_scale",
+        "fc2_input_scale",
+    )
+    """uint8 codes, E4M3 block scales and FP32 alphas, routing bias and activation global scales."""
 
     def __init__(
         self,
-        router_weight: torch.Tensor,
+        router_weight: torch.Tensor | None,
         weights: MoEWeights,
         top_k: int,
         *,
@@ -146,7 +165,8 @@ class FusedMoE(nn.Module):
             deterministic=deterministic, local_expert_offset=local_expert_offset,
         )
         _check_options(router_weight, weights.num_experts, weights.hidden_size, options)
-        validation.check_same_device("router_weight", router_weight, "w1", weights.w1)
+        if router_weight is not None:
+            validation.check_same_device("router_weight", router_weight, "w1", weights.w1)
         validation.check_choice("weight_layout", weight_layout, weight_layouts.WEIGHT_LAYOUTS)
         if weight_layout == weight_layouts.SM90:
             weights = weights.prepared()
@@ -175,7 +195,8 @@ class FusedMoE(nn.Module):
         self.apply_router_weight_on_input = apply_router_weight_on_input
         self.deterministic = deterministic
         self.local_expert_offset = local_expert_offset
-        self.register_buffer("router_weight", router_weight.to(torch.bfloat16))
+        self.hidden_size = weights.hidden_size
+        self.register_buffer("router_weight", None if router_weight is None else router_weight.to(torch.bfloat16))
         self.register_buffer("correction_bias", None if correction_bias is None else correction_bias.float())
         self.register_buffer("fc1_input_scale", fc1_input_scale)
         self.register_buffer("fc2_input_scale", fc2_input_scale)
@@ -229,16 +250,33 @@ class FusedMoE(nn.Module):
             router_weight, weights, top_k, fc1_input_scale=fc1_input_scale, fc2_input_scale=fc2_input_scale, **options
         )
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def _apply(self, fn, recurse=True):
+        # `Module.to(dtype)` converts every floating-point tensor, float8 included, which would turn the
+        # E4M3 scales into bf16 and round the FP32 alphas. The contract buffers keep their dtype and only
+        # follow device moves: where `fn` changed a dtype, the original tensor is moved instead.
+        kept = {name: self._buffers[name] for name in self.FIXED_DTYPE_BUFFERS if self._buffers.get(name) is not None}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if after.dtype != before.dtype:
+                self._buffers[name] = before.to(after.device)
+        return self
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
         validation.check_tensor("hidden_states", hidden_states)
         validation.check_dtype("hidden_states", hidden_states, validation.ACTIVATION_DTYPES)
-        hidden_size = self.router_weight.shape[1]
-        if hidden_states.dim() < 1 or hidden_states.shape[-1] != hidden_size:
-            raise ValueError(f"hidden_states must be [..., H = {hidden_size}], got {tuple(hidden_states.shape)}")
+        if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states must be [..., H = {self.hidden_size}], got {tuple(hidden_states.shape)}")
         validation.check_same_device("hidden_states", hidden_states, "the module's w1", self.w1)
         shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1]).to(torch.bfloat16)
-        logits = torch.nn.functional.linear(x, self.router_weight).float()
+        tokens = hidden_states.reshape(-1, shape[-1])
+        x = tokens.to(torch.bfloat16)
+        if router_logits is not None:
+            logits = router_logits.reshape(tokens.shape[0], -1).float()
+        elif self.router_weight is None:
+            raise ValueError("this FusedMoE has no router (router_weight=None): pass router_logits to forward")
+        else:  # in the router's own dtype (bf16 unless the module was converted)
+            logits = torch.nn.functional.linear(tokens.to(self.router_weight.dtype), self.router_weight).float()
         ops = torch.ops.fp4moe
         if self.routing == "softmax":
             topk_ids, topk_weights = ops.route_softmax_topk(logits, self.top_k, self.renormalize)
@@ -253,4 +291,4 @@ class FusedMoE(nn.Module):
             *self.swiglu, self.apply_router_weight_on_input, self.deterministic, self.local_expert_offset,
             weight_layout=self.weight_layout,
         )
-        return out.reshape(shape)
+        return out.reshape(shape).to(hidden_states.dtype)

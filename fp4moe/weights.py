@@ -59,8 +59,11 @@ class MoEWeights:
         )
 
     def alphas(self, fc1_input_scale: torch.Tensor | None = None, fc2_input_scale: torch.Tensor | None = None):
-        """Per-expert GEMM alphas `(w1_alpha, w2_alpha)`, FP32 [E].
+        """Per-expert GEMM alphas `(w1_alpha, w2_alpha)`, FP32 [E] each, what `fused_moe` multiplies each
+        expert's GEMM1 / GEMM2 accumulator by.
 
+        `fc1_input_scale`, `fc2_input_scale`: FP32, one element (shape [1] or []), encode direction
+        (`2688 / amax` of the activation / of the intermediate), the per-tensor W4A4 scales; or None.
         alpha = decode(weight) * decode(activation) = RN(RN(1/w_gs) * RN(1/in_gs)) with the per-tensor
         input scales of W4A4 (the ModelOpt product `weight_scale_2 * input_scale`); without an input
         scale (per-token W4A4, W4A16, pre-quantized activations) alpha is the weight decode scale alone.
@@ -184,10 +187,23 @@ def moe_weights_from_nvfp4(
     sf_layout: str = "linear",
     activation: str = "swiglu",
 ) -> MoEWeights:
-    """Adopt standard NVFP4 expert tensors: codes `uint8` (or `float4_e2m1fn_x2`) `[E, N, K/2]`, block
-    scales in the `linear` or `swizzled` (128x4) layout, and per-expert global scales in either
-    direction: `*_global_scale` (encode, `2688 / amax`) or `*_decode_scale` (ModelOpt's
-    `weight_scale_2 = amax / 2688`)."""
+    """Adopt standard NVFP4 expert tensors (already stacked per layer) as `MoEWeights`.
+
+    - `w1`: codes `uint8` (or `float4_e2m1fn_x2`, viewed without a copy) `[E, N1, H/2]`, two E2M1 values
+      per byte, element 2i in the low nibble; `N1 = 2I` with `[gate; up]` rows for SwiGLU, `I` for relu2.
+    - `w1_scales`: E4M3 (`float8_e4m3fn`) block scales, one per 16 elements along H: `[E, N1, H/16]` in
+      the `linear` layout, or `[E, round_up(N1, 128), round_up(H/16, 4)]` in the `swizzled` 128x4 layout.
+    - `w2`, `w2_scales`: the same for the down projection, `[E, H, I/2]` and `[E, H, I/16]` (linear).
+    - `w1_global_scale` / `w2_global_scale`: FP32 `[E]`, one per expert, **encode** direction
+      (`2688 / amax`, compressed-tensors' `weight_global_scale`); or instead
+    - `w1_decode_scale` / `w2_decode_scale`: FP32 `[E]`, **decode** direction (`amax / 2688`, ModelOpt's
+      `weight_scale_2`), converted to `RN(1 / decode)`. Exactly one of the two per projection.
+    - `sf_layout`: `"linear"` or `"swizzled"`, the layout of both scale tensors (stored linear).
+    - `activation`: `"swiglu"` or `"relu2"`.
+
+    The value of weight element `(e, n, k)` is `e2m1 * sf / global_scale`. Activation scales are not part
+    of `MoEWeights`: they go to `alphas` and `FusedMoE`. `fp4moe.checkpoint` builds these arguments from
+    whole checkpoints (per-expert 2-D tensors stacked, gate and up joined)."""
     validation.check_python_scalar("sf_layout", sf_layout, str)
     validation.check_choice("sf_layout", sf_layout, nvfp4.SF_LAYOUTS)
     required = dict(w1=w1, w1_scales=w1_scales, w2=w2, w2_scales=w2_scales)
