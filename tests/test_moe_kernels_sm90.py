@@ -159,3 +159,30 @@ def test_no_host_synchronization():
         ops.fused_moe(*args, **{**kwargs, "deterministic": True})
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_gemm_stages_ignore_plan_entries_outside_their_range():
+    # The stage contract (ops/moe.py): an expert outside [0, E) is an unused tile, a pair outside
+    # [0, T*k) a padding row. The kernels read no weights or rows for them and write nothing for them.
+    from fp4moe.kernels.sm90 import moe_launch
+    from fp4moe.reference import moe as reference
+
+    p = make_problem(tokens=20, top_k=2, num_experts=4, hidden=128, intermediate=64, mode="w4a16", device="cuda", seed=15)
+    w = p.weights.prepared()
+    w1_alpha, w2_alpha = p.alphas
+    permuted_to_pair, _, tile_expert, _, _ = ops.moe_plan(p.topk_ids, 4, 0, 8)
+    bad_pairs, bad_tiles = permuted_to_pair.clone(), tile_expert.clone()
+    bad_pairs[1], bad_pairs[9] = 40, 10**6  # T*k = 40
+    bad_tiles[2] = 4 if bad_tiles[2] >= 0 else bad_tiles[2]
+    bad_tiles[3] = -7
+    gemm1 = (None, None, bad_pairs, bad_tiles, w.w1, w.w1_scales, w1_alpha, "sm90", 2, "swiglu", None, None, None,
+             p.topk_weights, None, 0)
+    got = moe_launch.gemm1(p.x, *gemm1)[0]
+    want = reference.gemm1(p.x, *gemm1)[0]
+    live = (bad_pairs >= 0) & (bad_pairs < 40) & (bad_tiles.repeat_interleave(8) >= 0) & (bad_tiles.repeat_interleave(8) < 4)
+    assert_moe_close(got[live], want[live])
+    inter = want.to(torch.bfloat16)
+    gemm2 = (None, None, bad_pairs, bad_tiles, w.w2, w.w2_scales, w2_alpha, "sm90", p.topk_weights, 20, 2, 128)
+    got2 = moe_launch.gemm2(inter, *gemm2, torch.zeros(20, 128, device="cuda"))
+    want2 = reference.gemm2(inter, *gemm2, torch.zeros(20, 128, device="cuda"))
+    assert_moe_close(got2.to(torch.bfloat16), want2.to(torch.bfloat16))

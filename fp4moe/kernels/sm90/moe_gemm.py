@@ -208,11 +208,13 @@ class MoEGemmSm90:
         cute.arch.sync_threads()
         wait_for_predecessor_and_release_successor()
         expert = mTileExpert[tile]
-        if expert >= 0:
+        if (expert >= 0) & (expert < self.num_experts):  # other entries: an unused tile (the plan contract)
             if group == 0:
                 cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
                 if warp == 0:
-                    self.produce(storage, b_layout, mCodes, mScales, mAct, mPermutedToPair, tile, feature_block, expert)
+                    self.produce(
+                        storage, b_layout, mCodes, mScales, mAct, mOut, mPermutedToPair, tile, feature_block, expert
+                    )
             else:
                 cute.arch.setmaxregister_increase(consumer_registers(self.tile_features, self.ctas_per_sm))
                 self.consume(
@@ -224,15 +226,25 @@ class MoEGemmSm90:
     # Producer
     # -----------------------------------------------------------------------------------------------
     @cute.jit
-    def produce(self, storage, b_layout, mCodes, mScales, mAct, mPermutedToPair, tile, feature_block, expert):
+    def pair_count(self, mAct, mOut):
+        """T * k: permuted rows holding other entries are padding rows (the plan contract)."""
+        if const_expr(self.epilogue == "gemm1"):
+            return mAct.shape[0] * self.top_k
+        if const_expr(self.epilogue == "gemm2_fused"):
+            return mOut.shape[0] * self.top_k
+        return mOut.shape[0]
+
+    @cute.jit
+    def produce(self, storage, b_layout, mCodes, mScales, mAct, mOut, mPermutedToPair, tile, feature_block, expert):
         lane = cute.arch.lane_idx()
+        num_pairs = self.pair_count(mAct, mOut)
         row_source = storage.row_source.get_tensor(cute.make_layout(self.tile_rows))
         for i in cutlass.range_constexpr((self.tile_rows + WARP_SIZE - 1) // WARP_SIZE):
             n = lane + i * WARP_SIZE
             if n < self.tile_rows:
                 pair = mPermutedToPair[tile * self.tile_rows + n]
                 source = Int32(-1)
-                if pair >= 0:
+                if (pair >= 0) & (pair < num_pairs):
                     source = pair // self.top_k if const_expr(self.epilogue == "gemm1") else tile * self.tile_rows + n
                 row_source[n] = source
         cute.arch.sync_warp()
@@ -401,7 +413,7 @@ class MoEGemmSm90:
         if feature < self.out_features:
             if const_expr(self.router_weighted):
                 pair = mPermutedToPair[row]
-                if pair >= 0:
+                if (pair >= 0) & (pair < mRouterWeights.shape[0]):
                     value = value * mRouterWeights[pair]
             mOut[row, feature] = value.to(BFloat16)
 
@@ -409,11 +421,12 @@ class MoEGemmSm90:
     def finish_gemm2(self, acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, mOut):
         out_address = mOut.iterator.toint()
         row_bytes = Int64(mOut.stride[0]) * 4
+        num_pairs = self.pair_count(None, mOut)
         for v in cutlass.range_constexpr(cute.size(acc, mode=[0])):
             m, n = coordinates[v, 0, 0]
             feature = block * 64 + m
             pair = mPermutedToPair[first_row + n]
-            if (pair >= 0) & (feature < self.out_features):
+            if (pair >= 0) & (pair < num_pairs) & (feature < self.out_features):
                 y = acc[v, 0, 0] * alpha
                 if const_expr(self.router_weighted):
                     y = y * mRouterWeights[pair]
