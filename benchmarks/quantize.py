@@ -4,8 +4,8 @@
 
 It times the CuTe DSL kernels, so it needs a Hopper (sm_90) GPU; elsewhere it says so and exits.
 
-For each quantizer (per-tensor `quantize`, per-token legacy rescan, per-token aux-amax, and the
-legacy path with 4-over-6 `mse`), bfloat16 input, swizzled scales, M in {1, 16, 128, 1024, 8192,
+For each quantizer (per-tensor `quantize`, per-token rescan, per-token aux-amax, and the
+rescan path with 4-over-6 `mse`), bfloat16 input, swizzled scales, M in {1, 16, 128, 1024, 8192,
 65536} and K in {2048, 7168}:
 
 1. spot-check the op against `fp4moe.reference` (first and last rows, bitwise);
@@ -80,7 +80,7 @@ the cases' batches interleaved in rounds (`benchmarks.timing.time_interleaved`),
 a busy host slows every case alike instead of the cases timed during it."""
 HOST_WARMUP_BATCHES = 4
 """Untimed rounds of batches first (the first case timed after only 50 calls read 3-8 us high)."""
-QUANTIZERS = ("quantize", "per_token_legacy", "per_token_aux", "per_token_legacy_mse")
+QUANTIZERS = ("quantize", "per_token_rescan", "per_token_aux", "per_token_rescan_mse")
 
 
 def make_call(quantizer: str, x: torch.Tensor):
@@ -182,7 +182,7 @@ def host_overhead_us() -> dict:
     outputs = quantize_per_token_outputs(x, SF_LAYOUT)
     gs = torch.ones(1, device="cuda")
     cases = {
-        "op quantize_per_token (legacy)": lambda: torch.ops.fp4moe.quantize_per_token(x, sf_layout=SF_LAYOUT),
+        "op quantize_per_token (rescan)": lambda: torch.ops.fp4moe.quantize_per_token(x, sf_layout=SF_LAYOUT),
         "op quantize_per_token (aux)": lambda: torch.ops.fp4moe.quantize_per_token(
             x, sf_layout=SF_LAYOUT, input_amax=amax
         ),
@@ -245,11 +245,11 @@ def markdown(report: dict) -> str:
     lines.append(markdown_table(header, rows))
     by_key = {(r["quantizer"], r["rows"], r["k"]): r for r in report["results"]}
     ratios = [
-        [str(m), str(k), f"{by_key[('per_token_aux', m, k)]['us_per_call'] / by_key[('per_token_legacy', m, k)]['us_per_call']:.3f}"]
+        [str(m), str(k), f"{by_key[('per_token_aux', m, k)]['us_per_call'] / by_key[('per_token_rescan', m, k)]['us_per_call']:.3f}"]
         for k in KS
         for m in ROWS
     ]
-    lines += ["", markdown_table(["M", "K", "aux / legacy time"], ratios), ""]
+    lines += ["", markdown_table(["M", "K", "aux / rescan time"], ratios), ""]
     yardstick_rows = [
         [str(y["rows"]), str(y["k"]), f"{y['us_per_call']:.2f}", f"{y['percent_of_read_bw']:.1f}",
          f"{by_key[('quantize', y['rows'], y['k'])]['percent_of_read_bw']:.1f}"]

@@ -32,7 +32,7 @@ VALUE_WORDS = {
     dispatch.REFERENCE_BACKEND: "reference: the pure-PyTorch oracle (exact and graph-safe, not fast)",
     dispatch.CUTE_SM90_BACKEND: "cute_sm90: the CuTe DSL kernels for Hopper",
     dispatch.AUX_AMAX_PATH: "aux_amax: GEMM1 hands its row maxima to the quantizer, which does not rescan",
-    dispatch.LEGACY_PATH: "legacy: the quantizer rescans each row",
+    dispatch.RESCAN_PATH: "rescan: the quantizer rescans each row",
     None: "none (activations are not quantized per token)",
 }
 """Plain words for the dispatch's field names and values; other names print with spaces for

@@ -17,10 +17,10 @@ from fp4moe.nvfp4 import ceil_div
 
 AUX_AMAX_MIN_TOKENS = 4
 """Per-token W4A4 MoE uses the aux-amax handoff when the host-known token count is at least this;
-below it the intermediate quantizer rescans rows (the legacy path)."""
+below it the intermediate quantizer rescans rows (the rescan path)."""
 
 AUX_AMAX_PATH = "aux_amax"
-LEGACY_PATH = "legacy"
+RESCAN_PATH = "rescan"
 
 REFERENCE_BACKEND = "reference"
 """The pure-torch backend in `fp4moe.reference` (CPU and CUDA)."""
@@ -47,7 +47,7 @@ kernel backend for a family is one module and one entry here."""
 
 def per_token_quant_path(num_tokens: int) -> str:
     """The per-token intermediate quantization path for a host-known token count (semantics §4)."""
-    return AUX_AMAX_PATH if num_tokens >= AUX_AMAX_MIN_TOKENS else LEGACY_PATH
+    return AUX_AMAX_PATH if num_tokens >= AUX_AMAX_MIN_TOKENS else RESCAN_PATH
 
 
 @functools.cache
@@ -103,7 +103,7 @@ class MoEDispatch(NamedTuple):
     """Everything `fused_moe` decides on the host, from shapes, flags and the device alone."""
 
     per_token_path: str | None
-    """`aux_amax` or `legacy` for per-token W4A4; None when activations are not per-token."""
+    """`aux_amax` or `rescan` for per-token W4A4; None when activations are not per-token."""
     tile_m: int
     aux_amax_tile_n: int
     plan: str

@@ -157,7 +157,7 @@ def test_interleaved_timing_rotates_the_calls_and_times_each_once_per_round():
 
 
 def test_quantizer_report_sets_each_shape_beside_the_yardstick_at_its_size():
-    """The markdown of a made-up quantizer run: one table row per cell, the aux / legacy ratios, and per
+    """The markdown of a made-up quantizer run: one table row per cell, the aux / rescan ratios, and per
     shape the yardstick (`torch.sum` over the bytes `quantize` moves) next to `quantize`."""
     env = {key: "x" for key in ("device", "driver", "torch", "nvidia-cutlass-dsl", "apache-tvm-ffi", "date", "command")}
     env["host_launcher"] = "cpp"
@@ -180,7 +180,7 @@ def test_quantizer_report_sets_each_shape_beside_the_yardstick_at_its_size():
     lines = text.splitlines()
     assert "| quantize | 8192 | 2048 | 10.00 | 100 | 50.0 | n/a |" in lines
     assert "| per_token_aux | 65536 | 7168 | 12.00 | 100 | 52.0 | n/a |" in lines
-    assert "| 8192 | 2048 | 1.091 |" in lines  # aux 12 us / legacy 11 us
+    assert "| 8192 | 2048 | 1.091 |" in lines  # aux 12 us / rescan 11 us
     assert "| 65536 | 7168 | 2.50 | 77.7 | 50.0 |" in lines
     assert sum(line.endswith("| 77.7 | 50.0 |") for line in lines) == len(yardsticks) == 2 * 3  # M >= 1024
     assert "| op quantize | 9.5 |" in lines

@@ -250,7 +250,7 @@ def test_stage_ops_ignore_plan_entries_outside_their_range(device):
 # ---------------------------------------------------------------------------------------------------
 def test_dispatch_pins_the_per_token_path_at_three_and_four_tokens():
     assert dispatch.AUX_AMAX_MIN_TOKENS == 4
-    assert fp4moe.moe_dispatch(3, 8, 256, "w4a4", True).per_token_path == "legacy"
+    assert fp4moe.moe_dispatch(3, 8, 256, "w4a4", True).per_token_path == "rescan"
     assert fp4moe.moe_dispatch(4, 8, 256, "w4a4", True).per_token_path == "aux_amax"
     assert fp4moe.moe_dispatch(4, 8, 256, "w4a4", False).per_token_path is None
     assert fp4moe.moe_dispatch(4096, 8, 256, "w4a16", False).per_token_path is None
@@ -296,12 +296,12 @@ def _pipeline_with_path(p, path):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tokens", [3, 4, 29])
-def test_aux_and_legacy_paths_give_bitwise_equal_moe_outputs(device, tokens):
+def test_aux_and_rescan_paths_give_bitwise_equal_moe_outputs(device, tokens):
     p = make_problem(tokens=tokens, top_k=4, num_experts=6, mode="w4a4_per_token", device=device, seed=tokens)
-    legacy = _pipeline_with_path(p, "legacy")
+    rescan = _pipeline_with_path(p, "rescan")
     aux = _pipeline_with_path(p, "aux_amax")
-    assert_bitwise_equal(aux, legacy)
-    assert_bitwise_equal(p.run(), legacy)  # fused_moe takes the dispatched path for this T
+    assert_bitwise_equal(aux, rescan)
+    assert_bitwise_equal(p.run(), rescan)  # fused_moe takes the dispatched path for this T
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -156,10 +156,10 @@ def test_quantize_special_values_and_global_scales(dtype, mode):
 
 
 # ---------------------------------------------------------------------------------------------------
-# quantize_per_token: legacy (rescan) and aux-amax paths
+# quantize_per_token: rescan and aux-amax paths
 # ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype, k, layout, mode", ALL_CASES)
-def test_per_token_legacy_is_bitwise_equal_to_the_reference(dtype, k, layout, mode):
+def test_per_token_rescan_is_bitwise_equal_to_the_reference(dtype, k, layout, mode):
     for rows in RAGGED_ROWS:
         check_per_token(activations(rows, k, dtype, seed=3 * rows + k), layout, mode)
 
@@ -339,9 +339,9 @@ def test_cuda_graph_capture_and_replay_with_fresh_inputs():
 
     def step():
         per_token = ops.quantize_per_token(x, sf_layout="swizzled", input_amax=amax, input_amax_valid_rows=valid_rows)
-        legacy = ops.quantize_per_token(x, sf_layout="linear", four_over_six="mse")
+        rescan = ops.quantize_per_token(x, sf_layout="linear", four_over_six="mse")
         per_tensor = ops.quantize(x, gs, sf_layout="swizzled")
-        return per_token, legacy, per_tensor
+        return per_token, rescan, per_tensor
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -350,7 +350,7 @@ def test_cuda_graph_capture_and_replay_with_fresh_inputs():
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        per_token, legacy, per_tensor = step()
+        per_token, rescan, per_tensor = step()
 
     for seed, valid in ((21, 200), (22, 64), (23, 13)):
         x.copy_(activations(rows, k, torch.bfloat16, seed=seed))
@@ -366,8 +366,8 @@ def test_cuda_graph_capture_and_replay_with_fresh_inputs():
             linear_scales(per_token[1], "swizzled", rows, k), linear_scales(ref[1], "swizzled", rows, k), count, "graph scales"
         )
         assert_same_rows(per_token[2], ref[2], count, "graph per-token scales")
-        for got, want in zip(legacy, reference.quantize_per_token(x, nvfp4.DEFAULT_GLOBAL_SCALE_INV, "linear", "mse", None, None), strict=True):
-            assert_bitwise_equal(got, want, "graph legacy")
+        for got, want in zip(rescan, reference.quantize_per_token(x, nvfp4.DEFAULT_GLOBAL_SCALE_INV, "linear", "mse", None, None), strict=True):
+            assert_bitwise_equal(got, want, "graph rescan")
         for got, want in zip(per_tensor, reference.quantize(x, gs, "swizzled", "off"), strict=True):
             assert_bitwise_equal(got, want, "graph per-tensor")
 

@@ -147,9 +147,9 @@ def test_a_tile_wider_than_the_input_is_one_tile_over_every_column(device):
 def test_aux_amax_path_is_bitwise_equal_to_the_rescan(device, dtype, rows, tile_n, four_over_six):
     x = random_activations(rows, 384, dtype, device, magnitude=4.0, seed=rows)
     x[0, 5] = math.nan
-    legacy = ops.quantize_per_token(x, 1 / 2688, "swizzled", four_over_six)
+    rescan = ops.quantize_per_token(x, 1 / 2688, "swizzled", four_over_six)
     aux = ops.quantize_per_token(x, 1 / 2688, "swizzled", four_over_six, ops.tile_amax(x, tile_n))
-    for name, a, b in zip(("codes", "block_scales", "per_token_scale"), legacy, aux):
+    for name, a, b in zip(("codes", "block_scales", "per_token_scale"), rescan, aux):
         assert_bitwise_equal(b, a, name)
 
 
@@ -165,9 +165,9 @@ def test_rows_past_valid_rows_never_change_valid_outputs(device):
     poisoned_x = x.clone()
     poisoned_x[valid:] = 1e30
     valid_rows = torch.tensor([valid], dtype=torch.int32, device=device)
-    legacy = ops.quantize_per_token(x, sf_layout="linear")
+    rescan = ops.quantize_per_token(x, sf_layout="linear")
     handoff = ops.quantize_per_token(poisoned_x, sf_layout="linear", input_amax=poisoned, input_amax_valid_rows=valid_rows)
-    for name, a, b in zip(("codes", "block_scales", "per_token_scale"), legacy, handoff):
+    for name, a, b in zip(("codes", "block_scales", "per_token_scale"), rescan, handoff):
         assert_bitwise_equal(b[:valid], a[:valid], name)
 
 

@@ -28,7 +28,7 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor, sf_layout: str, four_o
 
 
 def row_amax(x: torch.Tensor) -> torch.Tensor:
-    """Legacy path: max |x| of each row by a rescan (maxNum: NaN ignored), exact in FP32."""
+    """Rescan path: max |x| of each row by a rescan (maxNum: NaN ignored), exact in FP32."""
     return nvfp4.nan_ignoring_abs(x).amax(dim=1).float()
 
 

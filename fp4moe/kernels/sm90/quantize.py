@@ -1,10 +1,10 @@
-"""NVFP4 activation quantizers for Hopper (sm_90a): per-tensor, per-token legacy and aux-amax.
+"""NVFP4 activation quantizers for Hopper (sm_90a): per-tensor, per-token rescan and aux-amax.
 
 One kernel, specialised at compile time by `QuantizeSm90`'s static parameters, serves all three
 quantizers; they differ only in where a row's encode-direction global scale comes from:
 
 - ``"tensor"``: one FP32 scale read from a device tensor (`quantize`);
-- ``"rescan"``: the row's amax, reduced from the row itself (per-token legacy path);
+- ``"rescan"``: the row's amax, reduced from the row itself (per-token rescan path);
 - ``"aux"``: the row's amax, reduced from GEMM1's tile maxima `input_amax` (per-token aux path).
 
 The block math is `fp4moe.nvfp4.quantize_blocks` step for step (see `nvfp4_device`).
@@ -31,16 +31,13 @@ MAX_K = BLOCK_SIZE * MAX_BLOCKS_PER_THREAD * MAX_CTA_THREADS
 MANY_ELEMENTS = 8192 * 7168
 """Launches of at least this many elements (`M * K`, read off the host-static shape: 8192 rows of 7168,
 28672 of 2048) take the many-rows class of the kernel, built for throughput (`row_tiling`,
-`QuantizeSm90`); smaller ones the few-rows class. Each class is a separately compiled kernel. H200,
-2026-11-30 (`benchmarks/results/h200_runs_20261130.md`, tenth session): at 8192-65536 x 7168 the
-many-rows class is 1-5% faster; at 28672-65536 x 2048 its aux path is 0.6-1.7% faster and the other
-quantizers are within 0.5%; on grids of about one wave (1024 x 4096, 2048 x 2048) its way of encoding
-was 11-36% slower."""
+`QuantizeSm90`); smaller ones the few-rows class. Each class is a separately compiled kernel. The
+many-rows class wins once the grid has several waves; on grids of about one wave its way of encoding
+loses (the measurements are in `benchmarks/results/h200_runs.md`)."""
 PREFERRED_BLOCKS_PER_THREAD = {False: 2, True: 4}
 """Blocks per thread preferred in the few-rows / many-rows class: more in flight per lane pays once the
-grid has CTAs to spare. H200, K=2048, 2026-11-30: 4 blocks per thread in 256-thread CTAs is 1-3%
-faster at 32768-65536 rows; 2 blocks per thread in 128-thread CTAs is 2-39% faster at 64, 256 and
-2048-16384 rows, but 4-10% slower at 1024."""
+grid has CTAs to spare; with few rows, fewer blocks per thread in smaller CTAs spread the work over
+more SMs (measured at K=2048, `benchmarks/results/h200_runs.md`)."""
 CTA_THREADS = {False: 128, True: MAX_CTA_THREADS}
 """Threads per CTA in the few-rows / many-rows class (a row wider than that gets a CTA of its own): few
 rows need small CTAs to spread over the SMs."""
@@ -245,7 +242,7 @@ class QuantizeSm90:
             frags.append(frag)
 
         # Stage 2: the row's encode-direction global scale, and the block maxima. The aux path reduces
-        # the tile maxima before the row's values have arrived; the legacy path needs them first.
+        # the tile maxima before the row's values have arrived; the rescan path needs them first.
         if const_expr(self.scale_source == "aux"):
             if const_expr(self.tiles_per_lane > UNROLLED_TILES_PER_LANE):
                 if is_data_row:
@@ -360,8 +357,7 @@ class QuantizeSm90:
         `pts = RN(1 / enc)` (0 for a zero row) once per row."""
         global_scale = dev.clamp_flt_max(dev.div_rn(numerator, row_amax))
         if is_data_row and lane == 0:
-            # Its own division: sharing the one below was 1-3% slower on the aux path (H200,
-            # 2026-11-30, `benchmarks/results/h200_runs_20261130.md`).
+            # Its own division: sharing the one below measured slower on the aux path (runs log).
             per_token_scale = Float32(0.0)
             if row_amax != Float32(0.0):
                 per_token_scale = dev.div_rn(Float32(1.0), global_scale)

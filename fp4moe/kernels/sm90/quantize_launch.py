@@ -158,7 +158,7 @@ def quantize_per_token(
     input_amax: torch.Tensor | None,
     input_amax_valid_rows: torch.Tensor | None,
 ):
-    """Per-token NVFP4 quantization (legacy rescan path, or the aux-amax path with `input_amax`).
+    """Per-token NVFP4 quantization (rescan path, or the aux-amax path with `input_amax`).
 
     Rows at or past `input_amax_valid_rows` (clamped into [0, M], rounded down to a multiple of 8, on
     the device) are not written: their outputs keep whatever the allocator returned.
