@@ -9,7 +9,6 @@ import torch
 from fp4moe import dispatch, validation
 from fp4moe.nvfp4 import DEFAULT_GLOBAL_SCALE_INV
 from fp4moe.ops.library import BFLOAT16_SCALAR_TYPE, define_op
-from fp4moe.reference import quantize as reference
 
 QUANTIZE_SCHEMA = (
     'quantize(Tensor x, Tensor global_scale, str sf_layout="swizzled", str four_over_six="off") '

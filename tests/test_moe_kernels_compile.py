@@ -5,20 +5,13 @@ weights, `cp.async` gathers of the activations, `setmaxnreg`, no local-memory sp
 Runs in CI on a CPU machine, in a subprocess (`CUTE_DSL_KEEP` is read when the DSL is imported).
 """
 
-import json
-import os
 import re
-import shutil
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-import fp4moe
+from tests.sm90_compile import compile_in_subprocess, sass
 
-ARCH = "sm_90a"
 # (epilogue, (experts, prepared rows, prepared K, tile features, tile rows, tile K, stages, CTAs per SM),
 #  act_k, out_features, top_k, activation, swiglu (alpha, beta, limit), router weighted)
 GEMM_VARIANTS = [
@@ -56,25 +49,11 @@ _COMPILE_SCRIPT = textwrap.dedent(
 def compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("sm90_moe_kernels")
     spec = {"gemm": GEMM_VARIANTS, "plan": PLAN_VARIANTS, "finalize": FINALIZE_VARIANTS}
-    env = dict(os.environ, CUTE_DSL_ARCH=ARCH, CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(out / "dump"))
-    (out / "dump").mkdir()
-    root = Path(fp4moe.__file__).resolve().parents[1]
-    result = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT, str(out), json.dumps(spec)],
-        env=env, cwd=root, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return out
+    return compile_in_subprocess(_COMPILE_SCRIPT, spec, out)
 
 
 def _sass(compiled, name):
-    nvdisasm = shutil.which("nvdisasm") or next(
-        (str(p) for p in Path(sys.prefix).glob("lib/python*/site-packages/nvidia/cu*/bin/nvdisasm")), None
-    )
-    if nvdisasm is None:
-        pytest.skip("nvdisasm is not installed (pip install nvidia-cuda-nvdisasm)")
-    cubin = compiled / f"{name}.cubin"
-    return subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return sass(compiled / f"{name}.cubin")
 
 
 def _names():

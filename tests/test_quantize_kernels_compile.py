@@ -10,22 +10,15 @@ count given, many rows). The compilation runs in a
 subprocess because `CUTE_DSL_KEEP` (which keeps the PTX) is read when the DSL is imported.
 """
 
-import json
-import os
 import re
-import shutil
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-import fp4moe
 from fp4moe.kernels.sm90.quantize import UNROLLED_TILES_PER_LANE, aux_tile_lanes, row_tiling
 from fp4moe.nvfp4 import ceil_div
+from tests.sm90_compile import ARCH, compile_in_subprocess, sass
 
-ARCH = "sm_90a"
 QUANTIZE_VARIANTS = sorted(
     {
         *(
@@ -86,19 +79,7 @@ def compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("sm90_kernels")
     quantize = [(*variant, _aux_tiles(*variant[:3], variant[4])) for variant in QUANTIZE_VARIANTS]
     spec = {"arch": ARCH, "quantize": quantize, "tile_amax": TILE_AMAX_VARIANTS}
-    env = dict(os.environ, CUTE_DSL_ARCH=ARCH, CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(out / "dump"))
-    (out / "dump").mkdir()
-    root = Path(fp4moe.__file__).resolve().parents[1]
-    result = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT, str(out), json.dumps(spec)],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return out
+    return compile_in_subprocess(_COMPILE_SCRIPT, spec, out)
 
 
 def _ptx(compiled, name):
@@ -214,11 +195,5 @@ def test_row_maxima_take_one_reduction_per_warp(compiled):
 
 
 def test_no_variant_spills_to_local_memory(compiled):
-    nvdisasm = shutil.which("nvdisasm") or next(
-        (str(p) for p in Path(sys.prefix).glob("lib/python*/site-packages/nvidia/cu*/bin/nvdisasm")), None
-    )
-    if nvdisasm is None:
-        pytest.skip("nvdisasm is not installed (pip install nvidia-cuda-nvdisasm)")
     for cubin in sorted(compiled.glob("*.cubin")):
-        sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
-        assert not re.search(r"\b(LDL|STL)\b", sass), cubin.name
+        assert not re.search(r"\b(LDL|STL)\b", sass(cubin)), cubin.name

@@ -14,7 +14,6 @@ in shared memory), so a decode step with one row per expert is an n8 MMA, not a 
 
 from __future__ import annotations
 
-import math
 
 import cutlass
 import cutlass.cute as cute
