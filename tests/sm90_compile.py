@@ -21,7 +21,11 @@ ARCH = "sm_90a"
 def compile_in_subprocess(script: str, spec: dict, out: Path) -> Path:
     """Run `script` (given `out` and the JSON `spec` as arguments) with the DSL set to keep PTX and
     cubins; `out` holds what the script saves."""
-    env = dict(os.environ, CUTE_DSL_ARCH=ARCH, CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(out / "dump"))
+    # A kernel loaded from the disk cache carries no PTX or cubin: compile every one here.
+    env = dict(
+        os.environ, CUTE_DSL_ARCH=ARCH, CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(out / "dump"),
+        FP4MOE_KERNEL_CACHE="off",
+    )
     (out / "dump").mkdir()
     root = Path(fp4moe.__file__).resolve().parents[1]
     result = subprocess.run(

@@ -127,7 +127,8 @@ def register(compiled, op: str, *parts) -> None:
 @functools.cache
 def _register_once(compiled, op: str, *parts) -> None:
     """The Python launch layer calls `register` on every launch; the launcher needs each pair once."""
-    module().register_kernel(kernel_key(op, *parts), compiled.__tvm_ffi_object__().__chandle__())
+    function = compiled.__tvm_ffi_object__() if hasattr(compiled, "__tvm_ffi_object__") else compiled  # fresh / from disk
+    module().register_kernel(kernel_key(op, *parts), function.__chandle__())
 
 
 def slow_path_calls() -> int:

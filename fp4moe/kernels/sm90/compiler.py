@@ -1,22 +1,103 @@
-"""Compiling the sm90 kernels: one entry point for every kernel family's launch layer.
+"""Compiling the sm90 kernels: one entry point for every kernel family's launch layer, with a compile
+cache on disk that later processes load instead of compiling again.
 
 Kernels are compiled against fake tensors (symbolic token dimensions) with TVM-FFI argument passing, so
 the compiled function takes torch tensors directly and launches on the current torch stream of their
 device at every call (CUDA-graph capture included).
+
+The disk cache (`FP4MOE_KERNEL_CACHE=<directory>`; unset or `off`: no cache) holds one object file per
+kernel, exported by CuTe DSL and loaded back through TVM-FFI. It is opt-in until kernels loaded from it
+have run on a GPU (export, load and the cache's bookkeeping are tested on the CPU only). A file's
+name is a digest of the caller's static configuration (`cache_key`), the target architecture and a
+fingerprint of everything the binary depends on: the source of the `fp4moe` package and the versions
+of CuTe DSL and TVM-FFI — so any change to the code or the toolchain compiles afresh. A file is written
+under a temporary name and renamed into place, so processes compiling the same kernel at once each
+leave a whole file (the last rename wins) and a reader never sees a partial one.
 """
 
 from __future__ import annotations
 
-import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_stream
+import functools
+import hashlib
+import os
+import uuid
+import warnings
+from pathlib import Path
 
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import load_module, make_fake_stream
+
+import fp4moe
 from fp4moe import dispatch
 
 ARCH = dispatch.ARCH_BY_BACKEND[dispatch.CUTE_SM90_BACKEND]
+CACHE_VARIABLE = "FP4MOE_KERNEL_CACHE"
+CACHE_OFF = "off"
+EXPORTED_NAME = "fp4moe_kernel"
+"""The symbol every cached object file exports its kernel's TVM-FFI function under."""
+
+compilations = 0
+"""Kernels this process has compiled (not loaded from the disk cache): what the cache tests count."""
 
 
-def compile_kernel(kernel, *fake_args, arch: str = ARCH):
-    """`cute.compile` of a kernel object's `__call__` for `arch`, with a TVM-FFI environment stream."""
+def cache_directory() -> Path | None:
+    """Where compiled kernels are kept (`FP4MOE_KERNEL_CACHE`), or None for no disk cache."""
+    value = os.environ.get(CACHE_VARIABLE, CACHE_OFF)
+    return None if value in ("", CACHE_OFF) else Path(value)
+
+
+@functools.cache
+def toolchain_fingerprint() -> str:
+    """A digest of the `fp4moe` package's Python source and the CuTe DSL and TVM-FFI versions."""
+    import tvm_ffi
+
+    digest = hashlib.sha256(f"cutlass-dsl {cutlass.__version__} tvm-ffi {tvm_ffi.__version__}".encode())
+    package = Path(fp4moe.__file__).resolve().parent
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def cache_file(directory: Path, cache_key: tuple, arch: str, fingerprint: str) -> Path:
+    """The object file of one kernel. `repr` of a key of Python scalars, strings, torch dtypes and
+    tuples is the same in every process."""
+    name = hashlib.sha256(repr((cache_key, arch, fingerprint)).encode()).hexdigest()[:40]
+    return directory / f"{name}.o"
+
+
+def _compile(kernel, fake_args, arch: str):
+    global compilations
+    compilations += 1
     return cute.compile(
         kernel, *fake_args, make_fake_stream(use_tvm_ffi_env_stream=True), options=f"--enable-tvm-ffi --gpu-arch {arch}"
     )
+
+
+def compile_kernel(kernel, *fake_args, arch: str = ARCH, cache_key: tuple | None = None):
+    """`cute.compile` of a kernel object's `__call__` for `arch`, with a TVM-FFI environment stream.
+
+    With a `cache_key` (the caller's static configuration, which must determine the binary), the
+    kernel comes from the disk cache when a file for it exists, and is written there otherwise.
+    """
+    directory = cache_directory()
+    if cache_key is None or directory is None:
+        return _compile(kernel, fake_args, arch)
+    path = cache_file(directory, cache_key, arch, toolchain_fingerprint())
+    if path.exists():
+        try:
+            return getattr(load_module(str(path), enable_tvm_ffi=True), EXPORTED_NAME)
+        except Exception as error:  # a file from an incompatible build or a damaged one: compile again
+            warnings.warn(f"fp4moe: ignoring the cached kernel {path} ({error}); compiling it again", RuntimeWarning)
+    compiled = _compile(kernel, fake_args, arch)
+    partial = path.with_name(f"{path.stem}.{os.getpid()}.{uuid.uuid4().hex}.partial.o")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        compiled.export_to_c(str(partial), function_name=EXPORTED_NAME)
+        os.replace(partial, path)
+    except OSError as error:  # a read-only or full disk costs later processes a compile, nothing more
+        warnings.warn(f"fp4moe: could not write the kernel cache {directory} ({error})", RuntimeWarning)
+    finally:
+        partial.unlink(missing_ok=True)
+    return compiled

@@ -72,7 +72,7 @@ def compile_plan(num_experts: int, tile_m: int, hidden: int | None):
     return compile_kernel(
         MoEPlanSm90(num_experts, tile_m, hidden is not None),
         _i32(_dynamic()), cutlass.Int32(0), _i32(_dynamic()), _i32(_dynamic()), _i32(_dynamic()), _i32(_dynamic()),
-        _i32(3), accumulator, cutlass.Int32(1),
+        _i32(3), accumulator, cutlass.Int32(1), cache_key=("moe_plan", num_experts, tile_m, hidden),
     )
 
 
@@ -155,7 +155,8 @@ def compile_gemm(
     out_type = cutlass.BFloat16 if epilogue == "gemm1" else cutlass.Float32
     out_rows = rows_dim if epilogue == "gemm1" else _dynamic()
     out = make_fake_compact_tensor(out_type, (out_rows, out_features), stride_order=(1, 0))
-    return compile_kernel(kernel, codes, scales, act, _i32(rows_dim), _i32(_dynamic()), alpha, router, out)
+    key = ("moe_gemm", epilogue, shape_key, act_k, out_features, top_k, activation, swiglu, router_weighted)
+    return compile_kernel(kernel, codes, scales, act, _i32(rows_dim), _i32(_dynamic()), alpha, router, out, cache_key=key)
 
 
 def _expected_tiles(num_pairs: int, num_local_experts: int, tile_rows: int) -> int:
@@ -251,7 +252,10 @@ def compile_finalize(mode: str, hidden: int, top_k: int, out_dtype: torch.dtype)
     pair_to_permuted = _i32(_dynamic()) if mode == "deterministic" else None
     out_type = OUT_TYPES[out_dtype]
     out = make_fake_compact_tensor(out_type, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16)
-    return compile_kernel(MoEFinalizeSm90(mode, hidden, top_k, out_type), values, pair_to_permuted, out)
+    return compile_kernel(
+        MoEFinalizeSm90(mode, hidden, top_k, out_type), values, pair_to_permuted, out,
+        cache_key=("moe_finalize", mode, hidden, top_k, out_dtype),
+    )
 
 
 def _finalize(values, pair_to_permuted, num_tokens, top_k, out_dtype):

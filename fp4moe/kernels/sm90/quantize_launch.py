@@ -85,7 +85,8 @@ def compile_quantize(
     valid_rows = make_fake_compact_tensor(cutlass.Int32, (1,)) if has_valid_rows else None
     kernel = QuantizeSm90(element, k, sf_layout, four_over_six, scale_source, many_rows, amax_tiles)
     return compile_kernel(
-        kernel, x, global_scale, codes, block_scales, per_token_scale, numerator, input_amax, valid_rows, arch=arch
+        kernel, x, global_scale, codes, block_scales, per_token_scale, numerator, input_amax, valid_rows, arch=arch,
+        cache_key=("quantize", dtype, k, sf_layout, four_over_six, scale_source, has_valid_rows, many_rows, amax_tiles),
     )
 
 
@@ -98,7 +99,9 @@ def compile_tile_amax(dtype: torch.dtype, n: int, tile_n: int, vector: int, arch
     out = make_fake_compact_tensor(
         element, (cute.sym_int(), nvfp4.ceil_div(n, tile_n), AUX_AMAX_ROW_GROUP), stride_order=(2, 1, 0)
     )
-    return compile_kernel(TileAmaxSm90(element, n, tile_n, vector), x, out, arch=arch)
+    return compile_kernel(
+        TileAmaxSm90(element, n, tile_n, vector), x, out, arch=arch, cache_key=("tile_amax", dtype, n, tile_n, vector)
+    )
 
 
 def _check_size(name: str, tensor: torch.Tensor) -> None:
