@@ -20,7 +20,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
 
 from fp4moe import weight_layout
 from fp4moe.kernels.sm90 import gemm_device as dev
@@ -157,7 +157,7 @@ class MoEGemmSm90:
         stream,
     ):
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
             (1, 1, 1), (weight_layout.ROW_BLOCK, self.tile_rows), warpgroup.OperandSource.RMEM,
         )
         b_layout = sm90_utils.make_smem_layout_b(
@@ -195,7 +195,7 @@ class MoEGemmSm90:
         feature_block, tile, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(tidx // WARP_SIZE)
         group = warp // 4
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         full = storage.full.data_ptr()
         empty = storage.empty.data_ptr()

@@ -104,7 +104,7 @@ class MoEPlanSm90:
 
     @cute.jit
     def plan(self, mTopkIds, local_expert_offset, mPermutedToPair, mPairToPermuted, mTileExpert, mTileValidRows, mTotals, tidx):
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         counts = storage.counts.get_tensor(cute.make_layout(self.num_experts))
         segment_end = storage.segment_end.get_tensor(cute.make_layout(self.num_experts))
