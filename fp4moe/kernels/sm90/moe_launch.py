@@ -36,7 +36,7 @@ from fp4moe.op_outputs import moe_plan_outputs
 SM_COUNT = 132
 """Streaming multiprocessors of an H100 / H200: the grid sizes that fill the machine."""
 ZERO_CTAS_PER_SM = 4
-FUSED_ROWS_TILE = 32
+TWO_CTA_TILE_ROWS = 32
 """Plan tiles of at most this many rows run two CTAs per SM (small accumulators, few registers)."""
 
 
@@ -114,7 +114,7 @@ class GemmShape:
         self.prepared_rows = row_blocks * weight_layout.ROW_BLOCK
         self.prepared_k = k_tiles * weight_layout.K_TILE
         self.tile_rows = tile_rows
-        self.ctas_per_sm = 2 if tile_rows <= FUSED_ROWS_TILE else 1
+        self.ctas_per_sm = 2 if tile_rows <= TWO_CTA_TILE_ROWS else 1
         # 128 features per CTA (more bytes per barrier and per activation tile) unless that leaves SMs idle.
         self.tile_features = 128 if (row_blocks // 2) * expected_tiles >= SM_COUNT else 64
         self.tile_k = 128
