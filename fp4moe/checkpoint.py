@@ -26,7 +26,7 @@ from fused 3-D tensors (`<experts>.gate_up_proj` `[E, 2I, H/2]` with `[gate; up]
 `<experts>.down_proj` `[E, H, I/2]`, with the same suffixes). Two facts of the MoE op contract shape what
 can be represented exactly; both choices are explained where they are made:
 - one weight global scale per expert for the whole `[gate; up]` GEMM (`join_gate_up`), and
-- one activation global scale per layer for each GEMM (`NVFP4MoELayer.activation_scales`).
+- one activation global scale per layer for GEMM1, one per expert for GEMM2 (`NVFP4MoELayer.activation_scales`).
 """
 
 from __future__ import annotations
@@ -348,8 +348,8 @@ class NVFP4MoELayer:
 
     `fc1_input_scales` (FP32 [E, 2]: the gate and up projections' scales of each expert) and
     `fc2_input_scales` (FP32 [E], the down projections') are encode-direction global scales as the
-    checkpoint stores them (ModelOpt's decode scales converted); `activation_scales` reduces them to the
-    one scale per GEMM that `fused_moe` takes.
+    checkpoint stores them (ModelOpt's decode scales converted); `activation_scales` gives what
+    `fused_moe` takes: one FC1 scale per layer (reduced), the FC2 scales per expert (exact).
     """
 
     weights: MoEWeights
@@ -357,23 +357,22 @@ class NVFP4MoELayer:
     fc2_input_scales: torch.Tensor | None = None
 
     def activation_scales(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """`(fc1_input_scale, fc2_input_scale, exact)`: FP32 [1] each, encode direction, for per-tensor W4A4.
+        """`(fc1_input_scale, fc2_input_scale, exact)`, encode direction, for per-tensor W4A4.
 
-        fused_moe quantizes a token's activation once for all of its experts, and the intermediate of
-        every expert with one `fc2_input_scale`, so each GEMM gets one scale per layer: the smallest encode
+        `fc2_input_scale` is the down projections' per-expert scales as stored, FP32 [E]: fused_moe
+        quantizes each expert's intermediate rows with their expert's scale and decodes them with its
+        `w2_alpha`, which is exact. `fc1_input_scale` is FP32 [1]: fused_moe quantizes a token's
+        activation once for all of its experts, so GEMM1 gets one scale per layer, the smallest encode
         scale, i.e. the largest calibrated amax, which clips no expert's calibrated range (FlashInfer's
         convention, which vLLM and SGLang follow for their FlashInfer NVFP4 MoE backends:
-        `input_scale.max()` over all experts of the decode scales). `exact` says whether every expert stored
-        that same scale, in which case nothing was reduced. A per-expert FC2 scale is mathematically possible
-        (the intermediate is quantized per expert row) but not in the op contract, which takes one
-        `fc2_input_scale`; folding `gs_e / gs` into `w2_alpha` would not be exact, because the E4M3 block
-        scale `e4m3(bmax * gs / 6)` rounds differently for different global scales.
+        `input_scale.max()` over all experts of the decode scales). `exact` says whether every expert
+        stored that same FC1 scale, in which case nothing was reduced.
         """
         if self.fc1_input_scales is None or self.fc2_input_scales is None:
             raise ValueError("this layer has no activation scales (a W4A16 checkpoint, or loaded without them)")
-        fc1, fc2 = self.fc1_input_scales.min().reshape(1), self.fc2_input_scales.min().reshape(1)
-        exact = bool((self.fc1_input_scales == fc1).all() and (self.fc2_input_scales == fc2).all())
-        return fc1, fc2, exact
+        fc1 = self.fc1_input_scales.min().reshape(1)
+        exact = bool((self.fc1_input_scales == fc1).all())
+        return fc1, self.fc2_input_scales.float().contiguous(), exact
 
 
 class NVFP4Checkpoint:
@@ -541,12 +540,12 @@ class NVFP4Checkpoint:
 
 
 def warn_reduced_activation_scales(reduced_layers: list[str]) -> None:
-    """One warning for all layers whose per-expert activation scales `NVFP4MoELayer.activation_scales`
+    """One warning for all layers whose per-expert FC1 input scales `NVFP4MoELayer.activation_scales`
     reduced (a documented, deliberate reduction, said once per load rather than once per layer)."""
     if reduced_layers:
         warnings.warn(
-            f"{len(reduced_layers)} MoE layer(s) ({reduced_layers[0]}, ...) store per-expert activation scales; "
-            "fused_moe takes one per GEMM, so each layer uses its largest calibrated amax (FlashInfer's convention; "
-            "see fp4moe.checkpoint.NVFP4MoELayer.activation_scales)",
+            f"{len(reduced_layers)} MoE layer(s) ({reduced_layers[0]}, ...) store per-expert FC1 input scales; "
+            "fused_moe quantizes a token once for all its experts, so each layer uses its largest calibrated "
+            "amax (FlashInfer's convention; see fp4moe.checkpoint.NVFP4MoELayer.activation_scales)",
             stacklevel=3,
         )

@@ -75,6 +75,15 @@ def check_one_element(name: str, tensor: torch.Tensor, meaning: str = "") -> Non
         raise ValueError(f"{name} must hold exactly one element{meaning}, got shape {tuple(tensor.shape)}")
 
 
+def check_tensor_or_expert_scale(name: str, tensor: torch.Tensor, experts: int) -> None:
+    """A global scale of the intermediate: one element (per tensor) or `[E]`, one per local expert."""
+    if tensor.numel() != 1 and tuple(tensor.shape) != (experts,):
+        raise ValueError(
+            f"{name} must hold one element (per tensor) or have shape [E = {experts}] (one per local expert), "
+            f"got shape {tuple(tensor.shape)}"
+        )
+
+
 def check_same_device(name: str, tensor: torch.Tensor, reference_name: str, reference: torch.Tensor) -> None:
     if tensor.device != reference.device:
         raise ValueError(f"{name} is on {tensor.device} but {reference_name} is on {reference.device}")
@@ -610,7 +619,7 @@ def check_moe_gemm1(
         check_same_device("router_weights", router_weights, "a", a)
     if output_global_scale is not None:
         check_dtype("output_global_scale", output_global_scale, (torch.float32,))
-        check_one_element("output_global_scale", output_global_scale)
+        check_tensor_or_expert_scale("output_global_scale", output_global_scale, w1.shape[0])
         check_same_device("output_global_scale", output_global_scale, "a", a)
     if aux_amax_tile_n != 0:  # 0: no aux-amax output
         check_tile_width("aux_amax_tile_n (0: no aux-amax output)", aux_amax_tile_n)
@@ -746,5 +755,8 @@ def check_fused_moe(
             )
         if scale is not None:
             check_dtype(name, scale, (torch.float32,))
-            check_one_element(name, scale)
+            if name == "fc2_input_scale":
+                check_tensor_or_expert_scale(name, scale, experts)
+            else:
+                check_one_element(name, scale)
             check_same_device(name, scale, "x", x)

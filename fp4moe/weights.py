@@ -64,6 +64,8 @@ class MoEWeights:
 
         `fc1_input_scale`, `fc2_input_scale`: FP32, one element (shape [1] or []), encode direction
         (`2688 / amax` of the activation / of the intermediate), the per-tensor W4A4 scales; or None.
+        `fc2_input_scale` may also be `[E]`, one per expert: each expert's intermediate is quantized with
+        its own scale, and its alpha decodes it.
         alpha = decode(weight) * decode(activation) = RN(RN(1/w_gs) * RN(1/in_gs)) with the per-tensor
         input scales of W4A4 (the ModelOpt product `weight_scale_2 * input_scale`); without an input
         scale (per-token W4A4, W4A16, pre-quantized activations) alpha is the weight decode scale alone.
@@ -71,13 +73,14 @@ class MoEWeights:
 
         for name, scale in (("fc1_input_scale", fc1_input_scale), ("fc2_input_scale", fc2_input_scale)):
             if scale is not None:
-                check_input_scale(name, scale, self.w1_global_scale)
+                check_input_scale(name, scale, self.w1_global_scale, per_expert=name == "fc2_input_scale")
 
         def alpha(weight_gs, input_gs):
             decode = nvfp4.decode_scale_from_global_scale(weight_gs)
             if input_gs is None:
                 return decode
-            return decode * nvfp4.decode_scale_from_global_scale(input_gs.reshape(()))
+            input_gs = input_gs.reshape(()) if input_gs.numel() == 1 else input_gs
+            return decode * nvfp4.decode_scale_from_global_scale(input_gs)
 
         return alpha(self.w1_global_scale, fc1_input_scale), alpha(self.w2_global_scale, fc2_input_scale)
 
@@ -89,15 +92,19 @@ class MoEWeights:
 _TENSOR_FIELDS = ("w1", "w1_scales", "w1_global_scale", "w2", "w2_scales", "w2_global_scale")
 
 
-def check_input_scale(name: str, scale: torch.Tensor, w1_global_scale: torch.Tensor) -> None:
-    """A per-tensor W4A4 activation scale: encode direction, FP32, one element, on the weights' device."""
+def check_input_scale(name: str, scale: torch.Tensor, w1_global_scale: torch.Tensor, per_expert: bool) -> None:
+    """A per-tensor W4A4 activation scale: encode direction, FP32, one element (or, `per_expert`,
+    one per expert: `[E]`), on the weights' device."""
     validation.check_tensor(name, scale)
     validation.check_dtype(name, scale, (torch.float32,))
-    validation.check_one_element(
-        name, scale,
-        " (the per-tensor activation scale; reduce a checkpoint's per-expert input scales to one first, "
-        "e.g. the largest decode scale, which covers every expert's amax)",
-    )
+    if per_expert:
+        validation.check_tensor_or_expert_scale(name, scale, w1_global_scale.shape[0])
+    else:
+        validation.check_one_element(
+            name, scale,
+            " (the per-tensor activation scale; reduce a checkpoint's per-expert input scales to one first, "
+            "e.g. the largest decode scale, which covers every expert's amax)",
+        )
     validation.check_same_device(name, scale, "w1_global_scale", w1_global_scale)
 
 

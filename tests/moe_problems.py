@@ -144,7 +144,8 @@ def loop_reference(p: MoEProblem) -> torch.Tensor:
                 codes, scales, inter_pts = ops.quantize_per_token(row.to(torch.bfloat16), sf_layout="linear")
                 inter = _dequant(codes, scales)
             else:
-                codes, scales = ops.quantize(row, p.fc2_input_scale, sf_layout="linear")
+                fc2 = p.fc2_input_scale if p.fc2_input_scale.numel() == 1 else p.fc2_input_scale[e : e + 1]
+                codes, scales = ops.quantize(row, fc2, sf_layout="linear")
                 inter = _dequant(codes, scales)
             down = (inter[0] @ _dequant(w.w2[e], w.w2_scales[e]).T).float() * w2_alpha[e]
             if inter_pts is not None:

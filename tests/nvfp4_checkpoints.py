@@ -344,8 +344,9 @@ def fake_quantize(x: torch.Tensor, global_scale: torch.Tensor | None) -> torch.T
 def activation_quantized_reference(ck: TinyCheckpoint, fmt: str, per_token: bool) -> nn.Module:
     """`ck.reference` with each MoE layer's expert activations through NVFP4 as a W4A4 MoE computes them:
     the bf16 layer input and every expert's SwiGLU output quantized (per token, the intermediate first
-    materialized in bf16; or per tensor with one scale per layer and GEMM: the largest amax any expert
-    of the layer was calibrated with, from the written tensors), FP32 GEMMs over the dequantized weights,
+    materialized in bf16; or per tensor: the layer input with the largest amax any expert of the layer
+    was calibrated with, every expert's intermediate with its own scale, from the written tensors), FP32
+    GEMMs over the dequantized weights,
     the routed sum rounded once to bf16."""
     reference = copy.deepcopy(ck.reference)
     suffix = "input_global_scale" if fmt == "compressed-tensors" else "input_scale"
@@ -360,7 +361,7 @@ def activation_quantized_reference(ck: TinyCheckpoint, fmt: str, per_token: bool
                 fc2 = torch.cat([v for k, v in stored if k.endswith(f"down_proj.{suffix}")])
                 if fmt == "modelopt":  # decode-direction scales
                     fc1, fc2 = 1.0 / fc1, 1.0 / fc2
-                scales = (fc1.min(), fc2.min())
+                scales = (fc1.min(), fc2)
             module.forward = _nvfp4_activation_experts(module, scales)
     return reference
 
@@ -378,7 +379,7 @@ def _nvfp4_activation_experts(experts: nn.Module, scales):
             act = torch.nn.functional.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
             if fc2_scale is None:
                 act = act.to(torch.bfloat16).float()  # per-token W4A4 materializes the intermediate in bf16
-            down = fake_quantize(act, fc2_scale) @ experts.down_proj[e].float().T
+            down = fake_quantize(act, None if fc2_scale is None else fc2_scale[e]) @ experts.down_proj[e].float().T
             out.index_add_(0, token, down * top_k_weights[token, slot, None].float())
         return out.to(torch.bfloat16).to(hidden_states.dtype)
 

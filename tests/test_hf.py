@@ -108,8 +108,8 @@ def test_w4a4_logits_match_the_dequantized_reference(checkpoint, family, fmt, pe
     if per_token:
         model = load(ck, per_token_activation=True)
     else:
-        # The writers calibrate every expert on its own tokens: the per-expert scales are reduced, and said so.
-        with pytest.warns(UserWarning, match="per-expert activation scales"):
+        # The writers calibrate every expert on its own tokens: the FC1 scales are reduced, and said so.
+        with pytest.warns(UserWarning, match="per-expert FC1 input scales"):
             model = load(ck)
     moe = model.model.layers[1].mlp.moe
     assert (moe.quant_mode, moe.per_token_activation) == ("w4a4", per_token)

@@ -515,3 +515,16 @@ def test_fused_moe_module_is_a_drop_in_block():
     problem.weights = fp4moe.quantize_moe_weights(w1, w2)
     assert_moe_close(out.reshape(-1, hidden), loop_reference(problem))
     assert set(block.state_dict()) >= {"w1", "w1_scales", "w1_alpha", "w2", "w2_scales", "w2_alpha", "router_weight"}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_per_expert_intermediate_scales_quantize_each_expert_with_its_own(device):
+    # Per-tensor W4A4 with fc2_input_scale [E]: each expert's intermediate rows are quantized with their
+    # expert's scale and decoded by its w2_alpha (exact), as a checkpoint calibrated per expert stores them.
+    p = make_problem(tokens=23, top_k=2, num_experts=6, device=device, seed=21)
+    p.fc2_input_scale = 2688.0 / torch.linspace(8.0, 96.0, 6, device=device)
+    out = p.run()
+    assert_moe_close(out, loop_reference(p))
+    single = make_problem(tokens=23, top_k=2, num_experts=6, device=device, seed=21)
+    single.fc2_input_scale = p.fc2_input_scale.min().reshape(1)
+    assert not torch.equal(out, single.run())

@@ -138,8 +138,10 @@ def test_bad_dense_experts_are_refused(error, match, change):
 
 
 ALPHA_SCALES = [
-    (ValueError, r"fc2_input_scale must hold exactly one element \(the per-tensor activation scale; reduce",
-     dict(fc2_input_scale=torch.ones(_E))),
+    (ValueError, r"fc1_input_scale must hold exactly one element \(the per-tensor activation scale; reduce",
+     dict(fc1_input_scale=torch.ones(_E))),
+    (ValueError, r"fc2_input_scale must hold one element \(per tensor\) or have shape \[E = ",
+     dict(fc2_input_scale=torch.ones(_E + 1))),
     (ValueError, "fc1_input_scale must hold exactly one element", dict(fc1_input_scale=torch.ones(0))),
     (TypeError, "fc1_input_scale must have dtype", dict(fc1_input_scale=torch.ones(1, dtype=torch.float64))),
     (TypeError, "fc2_input_scale must be a Tensor, got float", dict(fc2_input_scale=2.0)),
@@ -153,3 +155,13 @@ def test_alphas_refuse_scales_that_are_not_per_tensor(error, match, scales):
     weights = fp4moe.quantize_moe_weights(*_experts(seed=4))
     with pytest.raises(error, match=match):
         weights.alphas(**scales)
+
+
+def test_per_expert_fc2_scales_give_per_expert_alphas():
+    weights = fp4moe.quantize_moe_weights(*_experts(seed=5))
+    fc2 = 2688.0 / torch.linspace(4.0, 9.0, _E)
+    _, w2_alpha = weights.alphas(fc2_input_scale=fc2)
+    expected = (1.0 / weights.w2_global_scale) * (1.0 / fc2)  # RN(RN(1/w_gs) * RN(1/in_gs)) per expert
+    assert torch.equal(w2_alpha, expected)
+    _, shared = weights.alphas(fc2_input_scale=fc2[:1])
+    assert torch.equal(shared, (1.0 / weights.w2_global_scale) * (1.0 / fc2[0]))

@@ -183,7 +183,8 @@ def moe_gemm1(
     act = torch.where(live[:, None], act, 0.0)  # padding rows are exact zeros (amax 0, codes +0)
 
     if output_global_scale is not None:
-        gs = output_global_scale.reshape(()).float().expand(num_rows)
+        # One scale for every row, or the scale of each row's expert.
+        gs = output_global_scale.reshape(-1).float().expand(w1.shape[0])[row_expert]
         codes, scales = nvfp4.quantize_blocks(act, gs)
         out.copy_(nvfp4.pack_e2m1(codes))
         out_scales.copy_(scales)
