@@ -111,8 +111,10 @@ def construct(router=_R, weights=WEIGHTS, **options):
 BAD_CONSTRUCTOR_CALLS = [
     (TypeError, "weights must be MoEWeights", construct(weights={"w1": WEIGHTS.w1})),
     (ValueError, r"fc1_input_scale \(the encode-direction global scale\) is required for per-tensor w4a4", construct()),
-    (ValueError, r"fc2_input_scale must hold exactly one element \(the per-tensor activation scale",
-     construct(fc1_input_scale=torch.ones(1), fc2_input_scale=torch.ones(EXPERTS))),
+    (ValueError, r"fc2_input_scale must hold one element \(per tensor\) or have shape \[E = ",
+     construct(fc1_input_scale=torch.ones(1), fc2_input_scale=torch.ones(EXPERTS + 1))),
+    (ValueError, r"fc1_input_scale must hold exactly one element \(the per-tensor activation scale",
+     construct(fc1_input_scale=torch.ones(EXPERTS), fc2_input_scale=torch.ones(1))),
     (ValueError, "fc1_input_scale is only used by per-tensor w4a4",
      construct(quant_mode="w4a16", fc1_input_scale=torch.ones(1))),
     (ValueError, "swiglu_limit must be > 0", construct(**PER_TOKEN, swiglu_limit=-1.0)),
