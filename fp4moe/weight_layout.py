@@ -178,10 +178,7 @@ def linear_from_sm90(
     scales = prepared_codes.new_empty((experts, padded_rows, padded_k // nvfp4.BLOCK_SIZE))
     row, col = _fragment_coordinates(device)
     positions = _bit_positions(device).to(torch.int32)
-    linear_row = torch.arange(padded_rows, device=device)
-    if gated:
-        r = linear_row
-        linear_row = (r % 16) // 8 * (padded_rows // 2) + 32 * (r // 64) + 8 * (r % 64 // 16) + r % 8
+    linear_row = _row_order(padded_rows, gated, device)  # the padded sizes: no padding rows here
     for e in range(experts):
         words = prepared_codes[e].view(row_blocks, k_tiles, THREADS, BLOCKS_PER_TILE, 4).to(torch.int32)
         words = words[..., 0] | (words[..., 1] << 8) | (words[..., 2] << 16) | (words[..., 3] << 24)

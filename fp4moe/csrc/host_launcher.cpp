@@ -47,7 +47,7 @@ constexpr int64_t kBlockSize = 16;         // NVFP4 block (nvfp4.BLOCK_SIZE)
 constexpr int64_t kSwizzleRows = 128;      // nvfp4.SWIZZLE_ROWS
 constexpr int64_t kSwizzleCols = 4;        // nvfp4.SWIZZLE_COLS
 constexpr int64_t kAmaxRowGroup = 8;       // validation.AUX_AMAX_ROW_GROUP
-constexpr int64_t kVectorBytes = 16;       // quantize_launch.VECTOR_BYTES
+constexpr int64_t kVectorBytes = 16;       // sm90/arguments.VECTOR_BYTES
 constexpr int64_t kMaxElements = (int64_t{1} << 31) - 1;  // quantize_launch.MAX_ELEMENTS
 // validation.check_global_scale_inv: global_scale_inv and its reciprocal are normal FP32 numbers.
 // Compared in double, so a value that only rounds into the range goes to Python, which accepts it.
@@ -238,7 +238,7 @@ bool launchable_activation(const at::Tensor& x) {
          dtype_name(x.scalar_type()) != nullptr;
 }
 
-// Rows readable 16 bytes at a time (quantize_launch._vector_rows returns x itself).
+// Rows readable 16 bytes at a time (sm90/arguments.vector_rows returns x itself).
 bool vector_rows(const at::Tensor& x) {
   return x.stride(1) == 1 && (x.stride(0) * x.element_size()) % kVectorBytes == 0 &&
          reinterpret_cast<uintptr_t>(x.data_ptr()) % kVectorBytes == 0;

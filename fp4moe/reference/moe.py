@@ -1,5 +1,6 @@
-"""Reference MoE stages: the permutation plan, the two grouped GEMMs with their epilogues, the
-deterministic finalize, and the whole `fused_moe` pipeline (semantics §3–4).
+"""Reference MoE stages: the permutation plan, the two grouped GEMMs with their epilogues and the
+deterministic finalize (semantics §3–4): the stage ops, and the stage functions `fp4moe.pipeline`
+composes into `fused_moe`.
 
 Everything is static-shaped torch on the device: no host reads of routing data, no data-dependent
 allocation, so the reference itself runs inside CUDA graphs and compiled graphs. Inputs are assumed
@@ -169,7 +170,6 @@ def moe_gemm1(
     out, out_scales, aux_amax = moe_gemm1_outputs(
         a, permuted_to_pair, w1, activation, output_global_scale is not None, aux_amax_tile_n
     )
-    num_rows = permuted_to_pair.shape[0]
     live, pair, tile_expert, row_expert = plan_rows(permuted_to_pair, tile_expert, w1.shape[0], a.shape[0] * top_k)
     token = pair // top_k
     rows = gather_live(decode_activation(a, a_scales), token, live)

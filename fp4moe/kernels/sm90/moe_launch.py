@@ -27,6 +27,7 @@ import torch
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
 from fp4moe import weight_layout
+from fp4moe.kernels.sm90.arguments import standard_strides, vector_rows
 from fp4moe.kernels.sm90.compiler import compile_kernel
 from fp4moe.kernels.sm90.moe_finalize import VECTOR, MoEFinalizeSm90
 from fp4moe.kernels.sm90.moe_gemm import MoEGemmSm90, pipeline_stages
@@ -48,16 +49,6 @@ def _dynamic():
     return cute.sym_int()
 
 
-def _standard(t: torch.Tensor) -> torch.Tensor:
-    """`t` if it has standard row-major strides (what the kernels are compiled for, size-1 dimensions
-    included), else a compact copy (same values)."""
-    expected, stride = [], 1
-    for size in reversed(t.shape):
-        expected.append(stride)
-        stride *= size
-    return t if t.stride() == tuple(reversed(expected)) else t.clone(memory_format=torch.contiguous_format)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Plan
 # ---------------------------------------------------------------------------------------------------
@@ -76,14 +67,10 @@ def compile_plan(num_experts: int, tile_m: int, hidden: int | None):
     )
 
 
-def check_plan_experts(num_local_experts: int) -> None:
-    if num_local_experts > MAX_EXPERTS:
-        raise NotImplementedError(f"the sm90 plan kernel holds at most {MAX_EXPERTS} local experts, got {num_local_experts}")
-
-
 def plan(topk_ids, num_local_experts, local_expert_offset, tile_m, accumulator_hidden=None):
     """`moe_plan`'s outputs and, with `accumulator_hidden`, a zeroed FP32 `[T, accumulator_hidden]`."""
-    check_plan_experts(num_local_experts)
+    if num_local_experts > MAX_EXPERTS:
+        raise NotImplementedError(f"the sm90 plan kernel holds at most {MAX_EXPERTS} local experts, got {num_local_experts}")
     outputs = moe_plan_outputs(topk_ids, num_local_experts, tile_m)
     accumulator = None
     zero_ctas = 0
@@ -92,7 +79,7 @@ def plan(topk_ids, num_local_experts, local_expert_offset, tile_m, accumulator_h
         vectors = accumulator.numel() // ZERO_VECTOR
         zero_ctas = max(1, min(ZERO_CTAS_PER_SM * SM_COUNT, -(-vectors // PLAN_THREADS)))
     kernel = compile_plan(num_local_experts, tile_m, accumulator_hidden)
-    kernel(_standard(topk_ids.reshape(-1)), local_expert_offset, *outputs, accumulator, zero_ctas)
+    kernel(standard_strides(topk_ids.reshape(-1)), local_expert_offset, *outputs, accumulator, zero_ctas)
     return outputs, accumulator
 
 
@@ -164,13 +151,6 @@ def _expected_tiles(num_pairs: int, num_local_experts: int, tile_rows: int) -> i
     return max(-(-num_pairs // tile_rows), min(num_local_experts, num_pairs))
 
 
-def _activation_rows(a: torch.Tensor) -> torch.Tensor:
-    """`a` when its rows can be copied 16 bytes at a time, else a compact copy (same values)."""
-    if a.stride(1) == 1 and (a.stride(0) * a.element_size()) % 16 == 0 and a.data_ptr() % 16 == 0:
-        return a
-    return a.contiguous()
-
-
 def _prepared(codes, scales, layout, gated):
     """Weights in the kernels' layout; `linear` ones are prepared here, on every call."""
     if layout != weight_layout.SM90:
@@ -211,8 +191,8 @@ def gemm1(
         "gemm1", shape.key(), a.shape[1], out_features, top_k, activation, (swiglu_alpha, swiglu_beta, swiglu_limit),
         router_weights is not None,
     )
-    router = None if router_weights is None else _standard(router_weights.reshape(-1))
-    kernel(_standard(w1), _standard(w1_scales), _activation_rows(a), permuted_to_pair, tile_expert, _standard(w1_alpha), router, out)
+    router = None if router_weights is None else standard_strides(router_weights.reshape(-1))
+    kernel(standard_strides(w1), standard_strides(w1_scales), vector_rows(a), permuted_to_pair, tile_expert, standard_strides(w1_alpha), router, out)
     return out, empty.view(torch.float8_e4m3fn), empty
 
 
@@ -235,8 +215,8 @@ def gemm2(
     kernel = compile_gemm(
         epilogue, shape.key(), a.shape[1], hidden, top_k, "none", (None, None, None), router_weights is not None
     )
-    router = None if router_weights is None else _standard(router_weights.reshape(-1))
-    kernel(_standard(w2), _standard(w2_scales), _activation_rows(a), permuted_to_pair, tile_expert, _standard(w2_alpha), router, out)
+    router = None if router_weights is None else standard_strides(router_weights.reshape(-1))
+    kernel(standard_strides(w2), standard_strides(w2_scales), vector_rows(a), permuted_to_pair, tile_expert, standard_strides(w2_alpha), router, out)
     return out
 
 
@@ -266,8 +246,8 @@ def _finalize(values, pair_to_permuted, num_tokens, top_k, out_dtype):
     if num_tokens == 0:
         return out
     mode = "fused" if pair_to_permuted is None else "deterministic"
-    pair_to_permuted = None if pair_to_permuted is None else _standard(pair_to_permuted)
-    compile_finalize(mode, hidden, top_k, out_dtype)(_standard(values), pair_to_permuted, out)
+    pair_to_permuted = None if pair_to_permuted is None else standard_strides(pair_to_permuted)
+    compile_finalize(mode, hidden, top_k, out_dtype)(standard_strides(values), pair_to_permuted, out)
     return out
 
 

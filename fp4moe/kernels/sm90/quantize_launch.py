@@ -32,6 +32,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
 from fp4moe import nvfp4
 from fp4moe.kernels import host_launcher
+from fp4moe.kernels.sm90.arguments import VECTOR_BYTES, compact_copy, vector_rows
 from fp4moe.kernels.sm90.compiler import ARCH, compile_kernel
 from fp4moe.kernels.sm90.quantize import MANY_ELEMENTS, QuantizeSm90
 from fp4moe.kernels.sm90.tile_amax import TileAmaxSm90
@@ -40,8 +41,6 @@ from fp4moe.reference import quantize as reference
 from fp4moe.validation import AUX_AMAX_ROW_GROUP
 
 CUTE_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}
-VECTOR_BYTES = 16
-"""Width of one vector load; activation rows are read 16 bytes at a time."""
 MAX_ELEMENTS = 2**31 - 1
 """Kernels index elements with 32-bit integers."""
 
@@ -109,19 +108,6 @@ def _check_size(name: str, tensor: torch.Tensor) -> None:
         raise NotImplementedError(f"{name} has {tensor.numel()} elements; the sm90 kernels index at most 2^31 - 1")
 
 
-def _compact_copy(x: torch.Tensor) -> torch.Tensor:
-    """A fresh row-major copy (standard strides even for size-1 dimensions, 256-byte aligned)."""
-    return x.clone(memory_format=torch.contiguous_format)
-
-
-def _vector_rows(x: torch.Tensor) -> torch.Tensor:
-    """`x` if its rows can be read 16 bytes at a time, else a compact copy (same values)."""
-    row_stride, col_stride = x.stride()
-    if col_stride == 1 and (row_stride * x.itemsize) % VECTOR_BYTES == 0 and x.data_ptr() % VECTOR_BYTES == 0:
-        return x
-    return _compact_copy(x)
-
-
 @functools.lru_cache(maxsize=64)
 def _per_token_numerator(global_scale_inv: float) -> float:
     """RN(1 / global_scale_inv) in FP32, with global_scale_inv first rounded to FP32 (semantics §2.2)."""
@@ -150,7 +136,7 @@ def quantize_into(x, global_scale, sf_layout, four_over_six, codes, block_scales
     static = (x.dtype, x.shape[1], sf_layout, four_over_six)
     kernel = compile_quantize(*static, "tensor", False, many_rows, ARCH)
     host_launcher.register(kernel, "quantize", *static, many_rows, device)
-    kernel(_vector_rows(x), global_scale.reshape(1), codes, block_scales, None, None, None, None)
+    kernel(vector_rows(x), global_scale.reshape(1), codes, block_scales, None, None, None, None)
 
 
 def quantize_per_token(
@@ -188,7 +174,7 @@ def quantize_per_token_into(
     kernel = compile_quantize(*static, ARCH, amax_tiles)
     host_launcher.register(kernel, "quantize_per_token", *static, amax_tiles, device)
     kernel(
-        _vector_rows(x),
+        vector_rows(x),
         None,
         codes,
         block_scales,
@@ -223,7 +209,7 @@ def tile_amax_into(x: torch.Tensor, tile_n: int, out: torch.Tensor) -> None:
         return
     _check_size("x", x)
     if x.stride(1) != 1:
-        x = _compact_copy(x)
+        x = compact_copy(x)
     device, vector = x.get_device(), _tile_vector(x, tile_n)
     kernel = compile_tile_amax(x.dtype, x.shape[1], tile_n, vector, ARCH)
     host_launcher.register(kernel, "tile_amax", x.dtype, x.shape[1], tile_n, vector, device)
