@@ -34,7 +34,6 @@ CHUNK_ELEMENTS = 8
 SHARED_MEMORY_BYTES = 227 * 1024
 """Opt-in shared memory of one CTA on sm_90."""
 MAX_STAGES = 16
-BARRIER_BYTES = 8
 
 
 def stage_bytes(tile_features: int, tile_rows: int, tile_k: int) -> int:

@@ -17,7 +17,6 @@ PLAN_THREADS = 1024
 WARPS = PLAN_THREADS // 32
 MAX_EXPERTS = 1024
 """Local experts the plan's shared-memory tables hold."""
-ZERO_THREADS = 256
 ZERO_VECTOR = 4
 """FP32 elements one thread zeroes per store."""
 
