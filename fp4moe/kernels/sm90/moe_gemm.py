@@ -75,12 +75,15 @@ class MoEGemmSm90:
 
     Warp roles (`1 + tile_features / 64` warpgroups):
 
-    - warpgroup 0, warp 0 — producer. Per k tile and stage: waits for the stage to be free (`empty`),
-      issues one 1-D bulk copy per 64-row block for the prepared weight codes and one for their scales
-      (`full` expects their bytes), and `cp.async` copies of the tile's activation rows into the
-      swizzled K-major B tile (rows past the plan's, or columns past K, zero-filled without a read),
-      whose completion also arrives on `full` (`cp.async.mbarrier.arrive.noinc`, one per lane).
-      The other three warps of warpgroup 0 have nothing to do and exit.
+    - warpgroup 0 — producer. Per k tile and stage: all four warps wait for the stage to be free
+      (`empty`); thread 0 issues one 1-D bulk copy per 64-row block for the prepared weight codes and
+      one for their scales (`full` expects their bytes); every thread issues its `cp.async` copies of
+      the tile's activation rows into the swizzled K-major B tile (rows past the plan's, or columns
+      past K, zero-filled without a read), whose completion also arrives on `full`
+      (`cp.async.mbarrier.arrive.noinc`, one per thread). A thread's rows, their source offsets and
+      their places in a stage are fixed for the whole k loop, so a copy costs an add and the
+      instruction: the gather of a 128-row tile is 16 copies per thread, not a dependent shared-memory
+      lookup per copy on one warp.
     - warpgroups 1.. — consumers, one 64-row block of features each. Per k tile: wait on `full`, load
       the thread's code words (16 bytes per 64 K) and scales (8 bytes) from shared memory, decode them
       into the A fragment (`gemm_device`), `wgmma` RS against the B tile, commit; wait for the previous
@@ -139,8 +142,9 @@ class MoEGemmSm90:
         self.k16_per_tile = tile_k // 16
         self.code_bytes = self.k64_per_tile * weight_layout.CODE_BYTES
         self.scale_bytes = self.k64_per_tile * weight_layout.SCALE_BYTES
-        self.chunks_per_row = tile_k // CHUNK_ELEMENTS
-        self.chunks_per_lane = tile_rows * self.chunks_per_row // WARP_SIZE
+        self.copy_columns = tile_k // CHUNK_ELEMENTS
+        self.copy_row_step = WARPGROUP_THREADS // self.copy_columns
+        self.copies_per_thread = -(-tile_rows // self.copy_row_step)
 
     @cute.jit
     def __call__(
@@ -167,7 +171,6 @@ class MoEGemmSm90:
         class SharedStorage:
             full: cute.struct.MemRange[Int64, self.stages]
             empty: cute.struct.MemRange[Int64, self.stages]
-            row_source: cute.struct.MemRange[Int32, self.tile_rows]
             codes: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.stages * self.consumer_groups * self.code_bytes], 128]
             scales: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.stages * self.consumer_groups * self.scale_bytes], 128]
             act: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
@@ -200,7 +203,7 @@ class MoEGemmSm90:
         empty = storage.empty.data_ptr()
         if tidx == 0:  # shared memory only: overlaps the predecessor's tail (PDL)
             for s in cutlass.range_constexpr(self.stages):
-                cute.arch.mbarrier_init(full + s, 1 + WARP_SIZE)
+                cute.arch.mbarrier_init(full + s, 1 + WARPGROUP_THREADS)
                 cute.arch.mbarrier_init(empty + s, 4 * self.consumer_groups)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -209,10 +212,10 @@ class MoEGemmSm90:
         if (expert >= 0) & (expert < self.num_experts):  # other entries: an unused tile (the plan contract)
             if group == 0:
                 cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
-                if warp == 0:
-                    self.produce(
-                        storage, b_layout, mCodes, mScales, mAct, mOut, mPermutedToPair, tile, feature_block, expert
-                    )
+                self.produce(
+                    b_layout, mCodes, mScales, mAct, mOut, mPermutedToPair, full, empty, storage, tile, feature_block,
+                    expert,
+                )
             else:
                 cute.arch.setmaxregister_increase(consumer_registers(self.tile_features, self.ctas_per_sm))
                 self.consume(
@@ -233,34 +236,42 @@ class MoEGemmSm90:
         return mOut.shape[0]
 
     @cute.jit
-    def produce(self, storage, b_layout, mCodes, mScales, mAct, mOut, mPermutedToPair, tile, feature_block, expert):
-        lane = cute.arch.lane_idx()
+    def produce(self, b_layout, mCodes, mScales, mAct, mOut, mPermutedToPair, full, empty, storage, tile, feature_block, expert):
+        thread = cute.arch.thread_idx()[0]
         num_pairs = self.pair_count(mAct, mOut)
-        row_source = storage.row_source.get_tensor(cute.make_layout(self.tile_rows))
-        for i in cutlass.range_constexpr((self.tile_rows + WARP_SIZE - 1) // WARP_SIZE):
-            n = lane + i * WARP_SIZE
+        # The thread's copies: 16-byte column chunk `thread % copy_columns` of rows `first_row + i *
+        # copy_row_step`. Their sources are fixed for the whole k loop: kept as offsets in 16-byte
+        # chunks (32-bit: the launch bounds the activations to 2^31 chunks; -1: a padding row,
+        # zero-filled), and so are their places in a stage: the rows of one thread are multiples of
+        # eight apart, so they share their 128-byte swizzle phase.
+        column_chunk = thread % self.copy_columns
+        first_row = thread // self.copy_columns
+        act_row_chunks = Int32(mAct.stride[0] // CHUNK_ELEMENTS)
+        row_chunks = cute.make_rmem_tensor(self.copies_per_thread, Int32)
+        for i in cutlass.range_constexpr(self.copies_per_thread):
+            n = first_row + i * self.copy_row_step
+            row_chunks[i] = Int32(-1)
             if n < self.tile_rows:
                 pair = mPermutedToPair[tile * self.tile_rows + n]
-                source = Int32(-1)
                 if (pair >= 0) & (pair < num_pairs):
                     source = pair // self.top_k if const_expr(self.epilogue == "gemm1") else tile * self.tile_rows + n
-                row_source[n] = source
-        cute.arch.sync_warp()
+                    row_chunks[i] = source * act_row_chunks
+        act_smem = storage.act.data_ptr().toint() + dev.swizzle_128b(
+            cute.crd2idx((first_row, column_chunk * CHUNK_ELEMENTS, 0), b_layout.outer) * 2
+        )
+        row_step_bytes = cute.crd2idx((self.copy_row_step, 0, 0), b_layout.outer) * 2
+        stage_act_bytes = cute.crd2idx((0, 0, 1), b_layout.outer) * 2
 
-        full = storage.full.data_ptr()
-        empty = storage.empty.data_ptr()
         codes_smem = storage.codes.data_ptr().toint()
         scales_smem = storage.scales.data_ptr().toint()
-        act_smem = storage.act.data_ptr().toint()
         first_block = expert * self.row_blocks + feature_block * self.consumer_groups
         codes_gmem = mCodes.iterator.toint()
         scales_gmem = mScales.iterator.toint()
         act_gmem = mAct.iterator.toint()
-        act_row_bytes = Int64(mAct.stride[0]) * 2
         for k in cutlass.range(self.k_iterations, unroll=1):
             stage = k % self.stages
             cute.arch.mbarrier_wait(empty + stage, ((k // self.stages) & 1) ^ 1)
-            if lane == 0:
+            if thread == 0:
                 barrier = (full + stage).toint()
                 cute.arch.mbarrier_arrive_and_expect_tx(
                     full + stage, self.consumer_groups * (self.code_bytes + self.scale_bytes)
@@ -280,19 +291,26 @@ class MoEGemmSm90:
                         self.scale_bytes,
                         barrier,
                     )
-            for i in cutlass.range_constexpr(self.chunks_per_lane):
-                chunk = i * WARP_SIZE + lane
-                n = chunk // self.chunks_per_row
-                column = k * self.tile_k + (chunk % self.chunks_per_row) * CHUNK_ELEMENTS
-                source = row_source[n]
-                offset = Int64(0)
-                source_bytes = Int32(0)
-                if (source >= 0) & (column < self.act_k):
-                    offset = Int64(source) * act_row_bytes + Int64(column) * 2
-                    source_bytes = Int32(16)
-                element = cute.crd2idx((n, (chunk % self.chunks_per_row) * CHUNK_ELEMENTS, stage), b_layout.outer)
-                dev.copy_16_bytes_async(act_smem + dev.swizzle_128b(element * 2), act_gmem + offset, source_bytes)
+            column = k * self.tile_k + column_chunk * CHUNK_ELEMENTS
+            column_address = act_gmem + Int64(column) * 2
+            column_inside = column < self.act_k
+            stage_smem = act_smem + stage * stage_act_bytes
+            for i in cutlass.range_constexpr(self.copies_per_thread):
+                if const_expr(self.tile_rows % self.copy_row_step == 0):
+                    self.copy_row_chunk(stage_smem + i * row_step_bytes, act_gmem, column_address, row_chunks[i], column_inside)
+                elif first_row + i * self.copy_row_step < self.tile_rows:
+                    self.copy_row_chunk(stage_smem + i * row_step_bytes, act_gmem, column_address, row_chunks[i], column_inside)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+
+    @cute.jit
+    def copy_row_chunk(self, smem_address, act_gmem, column_address, row_chunk, column_inside):
+        """One 16-byte chunk of an activation row into the B tile (zeros for a padding row or past K)."""
+        address = act_gmem
+        source_bytes = Int32(0)
+        if (row_chunk >= 0) & column_inside:
+            address = column_address + Int64(row_chunk) * 16
+            source_bytes = Int32(16)
+        dev.copy_16_bytes_async(smem_address, address, source_bytes)
 
     # -----------------------------------------------------------------------------------------------
     # Consumers
