@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 import os
 from typing import NamedTuple
 
@@ -91,9 +92,9 @@ def kernel_module(family: str, backend: str):
 # ---------------------------------------------------------------------------------------------------
 # MoE
 # ---------------------------------------------------------------------------------------------------
-MOE_TILE_M_CHOICES = (8, 16, 32, 64, 128)
+MOE_TILE_M_CHOICES = (8, 16, 32, 64, 128, 192)
 """Rows per plan tile. Each expert's segment is padded to a whole tile, so the tile follows the
-expected rows per expert: small for decode (little padding), 128 for prefill."""
+expected rows per expert: small for decode (little padding), up to 192 for prefill."""
 
 AUX_AMAX_TILE_N = 128
 """Columns of the intermediate covered by one aux-amax entry (GEMM1's output N-tile)."""
@@ -116,9 +117,15 @@ class MoEDispatch(NamedTuple):
 
 
 def moe_tile_m(num_tokens: int, top_k: int, num_local_experts: int) -> int:
-    """The smallest tile that holds the expected rows per expert (uniform routing), at most 128."""
+    """The smallest tile that holds an expert's rows under uniform routing with three standard
+    deviations to spare (rows per expert are close to Poisson with mean `⌈T·k / E⌉`), at most 192.
+
+    A tile only just above the mean would give about half the experts a second, mostly empty tile
+    that streams and decodes their weights again; the sm90 GEMMs skip the MMAs of a tile's trailing
+    chunks of padding rows, so the spare rows cost little."""
     expected_rows = ceil_div(num_tokens * top_k, num_local_experts)
-    return next((t for t in MOE_TILE_M_CHOICES if t >= expected_rows), MOE_TILE_M_CHOICES[-1])
+    rows = expected_rows + 3 * math.sqrt(expected_rows)
+    return next((t for t in MOE_TILE_M_CHOICES if t >= rows), MOE_TILE_M_CHOICES[-1])
 
 
 def moe_dispatch(

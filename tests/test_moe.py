@@ -255,7 +255,15 @@ def test_dispatch_pins_the_per_token_path_at_three_and_four_tokens():
     assert fp4moe.moe_dispatch(4, 8, 256, "w4a4", False).per_token_path is None
     assert fp4moe.moe_dispatch(4096, 8, 256, "w4a16", False).per_token_path is None
     assert fp4moe.moe_dispatch(1, 8, 256, "w4a4", True).tile_m == 8
-    assert fp4moe.moe_dispatch(4096, 8, 256, "w4a4", True).tile_m == 128
+
+
+@pytest.mark.parametrize(
+    "tokens, tile_m",
+    # expected rows per expert (T * 8 / 256) plus three standard deviations, rounded up to a choice
+    [(1, 8), (64, 8), (128, 16), (256, 32), (1024, 64), (2048, 128), (4096, 192), (65536, 192)],
+)
+def test_plan_tile_holds_the_expected_rows_per_expert_with_three_deviations_to_spare(tokens, tile_m):
+    assert fp4moe.moe_dispatch(tokens, 8, 256, "w4a16", False).tile_m == tile_m
 
 
 def test_dispatch_reports_the_backend_of_every_stage_on_the_cpu():

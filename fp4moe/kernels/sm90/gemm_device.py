@@ -101,6 +101,14 @@ def reduce_add_f32(gmem_address, value, *, loc=None, ip=None) -> None:
     _asm(None, "red.global.add.f32 [$0], $1;", "l,f", (Int64(gmem_address), Float32(value)), True, loc, ip)
 
 
+@dsl_user_op
+def warpgroup_any(predicate, barrier_id, *, loc=None, ip=None) -> Int32:
+    """1 if `predicate` is nonzero on any thread of the calling warpgroup, else 0 (`bar.red.or` on
+    named barrier `barrier_id`, which all 128 threads of the warpgroup reach)."""
+    ptx = "{ .reg .pred p, q; setp.ne.u32 p, $1, 0; bar.red.or.pred q, $2, 128, p; selp.u32 $0, 1, 0, q; }"
+    return Int32(_asm(T.i32(), ptx, "=r,r,r", (Int32(predicate), Int32(barrier_id)), True, loc, ip))
+
+
 # ---------------------------------------------------------------------------------------------------
 # Weight decode
 # ---------------------------------------------------------------------------------------------------

@@ -70,8 +70,12 @@ class MoEGemmSm90:
     """`acc[f, r] = sum_k W_e[f, k] * A[src(r), k]` for every used plan tile (`tile_rows` rows of one
     expert `e`) and every block of `tile_features` output features, then the epilogue.
 
-    Grid: (feature blocks, plan tiles). A CTA whose tile is unused (expert -1) exits at once, so the
-    grid is sized from host-static worst cases while the real tile count lives on the device only.
+    Work items are (plan tile, block of `tile_features` features), feature blocks fastest, so the CTAs
+    running at one time share a few tiles' activation rows in L2. The grid is persistent: at most
+    `max_ctas` CTAs (what the GPU holds at once), CTA `c` taking items `c, c + grid, ...`. Items of an
+    unused tile (expert -1, from the host-static worst-case tile count) are skipped at the cost of one
+    load, so the real tile count lives on the device only. The pipeline runs across a CTA's items: the
+    producer fills the next item's first stages while the consumers finish the previous one.
 
     Warp roles (`1 + tile_features / 64` warpgroups):
 
@@ -106,9 +110,11 @@ class MoEGemmSm90:
         out_features: int,
         tile_features: int,
         tile_rows: int,
+        mma_rows: int,
         tile_k: int,
         stages: int,
         ctas_per_sm: int,
+        max_ctas: int,
         top_k: int,
         activation: str = "swiglu",
         swiglu_alpha: float | None = None,
@@ -120,6 +126,7 @@ class MoEGemmSm90:
         assert tile_features in (64, 128) and prepared_rows % tile_features == 0
         assert tile_k in (64, 128) and prepared_k % tile_k == 0 and act_k <= prepared_k
         assert tile_rows % 8 == 0 and 8 <= tile_rows <= 256
+        assert tile_rows % mma_rows == 0 and mma_rows % 8 == 0
         self.epilogue = epilogue
         self.num_experts = num_experts
         self.row_blocks = prepared_rows // weight_layout.ROW_BLOCK
@@ -128,9 +135,13 @@ class MoEGemmSm90:
         self.out_features = out_features
         self.tile_features = tile_features
         self.tile_rows = tile_rows
+        self.mma_rows = mma_rows
+        self.row_chunks = tile_rows // mma_rows
         self.tile_k = tile_k
         self.stages = stages
         self.ctas_per_sm = ctas_per_sm
+        self.max_ctas = max_ctas
+        self.feature_blocks = self.row_blocks // (tile_features // weight_layout.ROW_BLOCK)
         self.top_k = top_k
         self.activation = activation
         self.swiglu = (swiglu_alpha, swiglu_beta, swiglu_limit)
@@ -161,7 +172,7 @@ class MoEGemmSm90:
     ):
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
-            (1, 1, 1), (weight_layout.ROW_BLOCK, self.tile_rows), warpgroup.OperandSource.RMEM,
+            (1, 1, 1), (weight_layout.ROW_BLOCK, self.mma_rows), warpgroup.OperandSource.RMEM,
         )
         b_layout = sm90_utils.make_smem_layout_b(
             LayoutEnum.ROW_MAJOR, (weight_layout.ROW_BLOCK, self.tile_rows, self.tile_k), BFloat16, self.stages
@@ -176,11 +187,11 @@ class MoEGemmSm90:
             act: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
 
         self.shared_storage = SharedStorage
-        num_tiles = mTileExpert.shape[0]
+        items = mTileExpert.shape[0] * self.feature_blocks
         self.kernel(
             mCodes, mScales, mAct, mPermutedToPair, mTileExpert, mAlpha, mRouterWeights, mOut, tiled_mma, b_layout
         ).launch(
-            grid=[self.row_blocks // self.consumer_groups, num_tiles, 1],
+            grid=[cutlass.min(items, self.max_ctas), 1, 1],
             block=[self.threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             min_blocks_per_mp=self.ctas_per_sm,
@@ -194,7 +205,6 @@ class MoEGemmSm90:
         self, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, mAlpha, mRouterWeights, mOut, tiled_mma, b_layout
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        feature_block, tile, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(tidx // WARP_SIZE)
         group = warp // 4
         smem = cutlass.memory.SmemAllocator()
@@ -204,24 +214,32 @@ class MoEGemmSm90:
         if tidx == 0:  # shared memory only: overlaps the predecessor's tail (PDL)
             for s in cutlass.range_constexpr(self.stages):
                 cute.arch.mbarrier_init(full + s, 1 + WARPGROUP_THREADS)
-                cute.arch.mbarrier_init(empty + s, 4 * self.consumer_groups)
+                cute.arch.mbarrier_init(empty + s, WARPGROUP_THREADS * self.consumer_groups)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         wait_for_predecessor_and_release_successor()
+        num_pairs = self.pair_count(mAct, mOut)
+        if group == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            self.produce(
+                b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage
+            )
+        else:
+            cute.arch.setmaxregister_increase(consumer_registers(self.tile_features, self.ctas_per_sm))
+            self.consume(
+                storage, tiled_mma, b_layout, mAlpha, mRouterWeights, mPermutedToPair, mTileExpert, mOut, num_pairs,
+                full, empty, group - 1,
+            )
+
+    @cute.jit
+    def item_expert(self, mTileExpert, item):
+        """The plan tile, feature block and expert of a work item; expert -1 when the tile is unused
+        (entries outside [0, E) are unused tiles: the plan contract)."""
+        tile = item // self.feature_blocks
         expert = mTileExpert[tile]
-        if (expert >= 0) & (expert < self.num_experts):  # other entries: an unused tile (the plan contract)
-            if group == 0:
-                cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
-                self.produce(
-                    b_layout, mCodes, mScales, mAct, mOut, mPermutedToPair, full, empty, storage, tile, feature_block,
-                    expert,
-                )
-            else:
-                cute.arch.setmaxregister_increase(consumer_registers(self.tile_features, self.ctas_per_sm))
-                self.consume(
-                    storage, tiled_mma, b_layout, mAlpha, mRouterWeights, mPermutedToPair, mOut,
-                    tile, feature_block, expert, group - 1,
-                )
+        if (expert < 0) | (expert >= self.num_experts):
+            expert = Int32(-1)
+        return tile, item % self.feature_blocks, expert
 
     # -----------------------------------------------------------------------------------------------
     # Producer
@@ -236,9 +254,23 @@ class MoEGemmSm90:
         return mOut.shape[0]
 
     @cute.jit
-    def produce(self, b_layout, mCodes, mScales, mAct, mOut, mPermutedToPair, full, empty, storage, tile, feature_block, expert):
+    def produce(self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage):
+        iteration = Int32(0)  # k tiles this CTA has loaded so far: the pipeline's stage and phase
+        for item in cutlass.range(cute.arch.block_idx()[0], mTileExpert.shape[0] * self.feature_blocks, cute.arch.grid_dim()[0], unroll=1):
+            tile, feature_block, expert = self.item_expert(mTileExpert, item)
+            if expert >= 0:
+                self.produce_item(
+                    b_layout, mCodes, mScales, mAct, mPermutedToPair, num_pairs, full, empty, storage, tile,
+                    feature_block, expert, iteration,
+                )
+                iteration += self.k_iterations
+
+    @cute.jit
+    def produce_item(
+        self, b_layout, mCodes, mScales, mAct, mPermutedToPair, num_pairs, full, empty, storage, tile, feature_block,
+        expert, iteration,
+    ):
         thread = cute.arch.thread_idx()[0]
-        num_pairs = self.pair_count(mAct, mOut)
         # The thread's copies: 16-byte column chunk `thread % copy_columns` of rows `first_row + i *
         # copy_row_step`. Their sources are fixed for the whole k loop: kept as offsets in 16-byte
         # chunks (32-bit: the launch bounds the activations to 2^31 chunks; -1: a padding row,
@@ -269,8 +301,8 @@ class MoEGemmSm90:
         scales_gmem = mScales.iterator.toint()
         act_gmem = mAct.iterator.toint()
         for k in cutlass.range(self.k_iterations, unroll=1):
-            stage = k % self.stages
-            cute.arch.mbarrier_wait(empty + stage, ((k // self.stages) & 1) ^ 1)
+            stage = (iteration + k) % self.stages
+            cute.arch.mbarrier_wait(empty + stage, (((iteration + k) // self.stages) & 1) ^ 1)
             if thread == 0:
                 barrier = (full + stage).toint()
                 cute.arch.mbarrier_arrive_and_expect_tx(
@@ -316,50 +348,104 @@ class MoEGemmSm90:
     # Consumers
     # -----------------------------------------------------------------------------------------------
     @cute.jit
-    def consume(self, storage, tiled_mma, b_layout, mAlpha, mRouterWeights, mPermutedToPair, mOut, tile, feature_block, expert, group):
+    def consume(
+        self, storage, tiled_mma, b_layout, mAlpha, mRouterWeights, mPermutedToPair, mTileExpert, mOut, num_pairs, full,
+        empty, group,
+    ):
         tidx, _, _ = cute.arch.thread_idx()
         thread = tidx % WARPGROUP_THREADS
-        lane = tidx % WARP_SIZE
-        full = storage.full.data_ptr()
-        empty = storage.empty.data_ptr()
         thr_mma = tiled_mma.get_slice(thread)
         act_smem = storage.act.get_tensor(b_layout.outer, swizzle=b_layout.inner)
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(act_smem))
+        # One B view and one accumulator per chunk of `mma_rows` rows.
+        tCrB = [
+            tiled_mma.make_fragment_B(
+                thr_mma.partition_B(cute.local_tile(act_smem, (self.mma_rows, self.tile_k), (n, 0, None)))
+            )
+            for n in range(self.row_chunks)
+        ]
         fragment_shape = tiled_mma.partition_shape_A((weight_layout.ROW_BLOCK, self.tile_k))
         fragments = [tiled_mma.make_fragment_A(fragment_shape) for _ in range(2)]
-        acc = thr_mma.make_fragment_C(thr_mma.partition_shape_C((weight_layout.ROW_BLOCK, self.tile_rows)))
-        acc.fill(0.0)
+        acc_shape = thr_mma.partition_shape_C((weight_layout.ROW_BLOCK, self.mma_rows))
+        acc = [thr_mma.make_fragment_C(acc_shape) for _ in range(self.row_chunks)]
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-
         codes_smem = storage.codes.data_ptr().toint() + group * self.code_bytes + thread * 16
         scales_smem = storage.scales.data_ptr().toint() + group * self.scale_bytes + (thread // 4) * 8
 
-        for k2 in cutlass.range(self.k_iterations // 2, unroll=1):
-            self.mma_step(tiled_mma, 2 * k2, acc, fragments[0], tCrB, full, empty, codes_smem, scales_smem, lane)
-            self.mma_step(tiled_mma, 2 * k2 + 1, acc, fragments[1], tCrB, full, empty, codes_smem, scales_smem, lane)
-        if const_expr(self.k_iterations % 2 == 1):
-            self.mma_step(tiled_mma, self.k_iterations - 1, acc, fragments[0], tCrB, full, empty, codes_smem, scales_smem, lane)
-        warpgroup.wait_group(0)
-        self.finish(acc, thr_mma, mAlpha, mRouterWeights, mPermutedToPair, mOut, tile, feature_block, expert, group)
+        iteration = Int32(0)  # k tiles this CTA has consumed so far (the producer's count)
+        for item in cutlass.range(cute.arch.block_idx()[0], mTileExpert.shape[0] * self.feature_blocks, cute.arch.grid_dim()[0], unroll=1):
+            tile, feature_block, expert = self.item_expert(mTileExpert, item)
+            if expert >= 0:
+                for n in cutlass.range_constexpr(self.row_chunks):
+                    acc[n].fill(0.0)
+                if const_expr(self.row_chunks == 1):
+                    self.mainloop(1, tiled_mma, iteration, acc, fragments, tCrB, full, empty, codes_smem, scales_smem)
+                else:
+                    chunks = self.used_row_chunks(mPermutedToPair, num_pairs, tile, thread, group)
+                    for variant in cutlass.range_constexpr(1, self.row_chunks + 1):
+                        if chunks == variant:
+                            self.mainloop(
+                                variant, tiled_mma, iteration, acc, fragments, tCrB, full, empty, codes_smem,
+                                scales_smem,
+                            )
+                iteration += self.k_iterations
+                cute.arch.mbarrier_arrive(empty + (iteration - 1) % self.stages)
+                self.finish(
+                    acc, thr_mma, mAlpha, mRouterWeights, mPermutedToPair, num_pairs, mOut, tile, feature_block, expert,
+                    group,
+                )
 
     @cute.jit
-    def mma_step(self, tiled_mma, k, acc, fragment, tCrB, full, empty, codes_smem, scales_smem, lane):
-        """One k tile: wait for its stage, decode the A fragment, issue the MMAs, release the previous
-        k tile's stage once its MMAs are done."""
-        stage = k % self.stages
-        cute.arch.mbarrier_wait(full + stage, (k // self.stages) & 1)
+    def used_row_chunks(self, mPermutedToPair, num_pairs, tile, thread, group):
+        """The chunks of `mma_rows` rows to compute: up to the last one holding a pair (at least
+        one). Trailing chunks of padding rows only are left out of the MMAs (their accumulators stay
+        zero), so the partly filled last tile of an expert costs tensor-core time for its used rows.
+        One `bar.red.or` of the warpgroup per chunk."""
+        chunks = Int32(1)
+        rows_per_thread = -(-self.tile_rows // WARPGROUP_THREADS)
+        for c in cutlass.range_constexpr(1, self.row_chunks):
+            mine = Int32(0)
+            for j in cutlass.range_constexpr(rows_per_thread):
+                row = thread + j * WARPGROUP_THREADS
+                if (row >= c * self.mma_rows) & (row < (c + 1) * self.mma_rows):
+                    pair = mPermutedToPair[tile * self.tile_rows + row]
+                    if (pair >= 0) & (pair < num_pairs):
+                        mine = Int32(1)
+            if dev.warpgroup_any(mine, 1 + group) != 0:
+                chunks = Int32(c + 1)
+        return chunks
+
+    @cute.jit
+    def mainloop(self, chunks, tiled_mma, iteration, acc, fragments, tCrB, full, empty, codes_smem, scales_smem):
+        """The k loop of one item over its first `chunks` row chunks, to the completion of its last
+        `wgmma`. `chunks` is static and no `wgmma` is in flight where the variants' branches meet:
+        ptxas serializes every `wgmma` otherwise."""
+        for k2 in cutlass.range(self.k_iterations // 2, unroll=1):
+            self.mma_step(chunks, tiled_mma, iteration, 2 * k2, acc, fragments[0], tCrB, full, empty, codes_smem, scales_smem)
+            self.mma_step(chunks, tiled_mma, iteration, 2 * k2 + 1, acc, fragments[1], tCrB, full, empty, codes_smem, scales_smem)
+        if const_expr(self.k_iterations % 2 == 1):
+            self.mma_step(chunks, tiled_mma, iteration, self.k_iterations - 1, acc, fragments[0], tCrB, full, empty, codes_smem, scales_smem)
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def mma_step(self, chunks, tiled_mma, iteration, k, acc, fragment, tCrB, full, empty, codes_smem, scales_smem):
+        """One k tile of an item whose first k tile is the CTA's `iteration`-th: wait for its stage,
+        decode the A fragment, issue the MMAs, release the previous k tile's stage once its MMAs are
+        done (the item's last stage is released after the final wait)."""
+        stage = (iteration + k) % self.stages
+        cute.arch.mbarrier_wait(full + stage, ((iteration + k) // self.stages) & 1)
         self.decode(
             fragment,
             codes_smem + stage * (self.consumer_groups * self.code_bytes),
             scales_smem + stage * (self.consumer_groups * self.scale_bytes),
         )
         warpgroup.fence()
-        for b in cutlass.range_constexpr(self.k16_per_tile):
-            cute.gemm(tiled_mma, acc, fragment[None, None, b], tCrB[None, None, b, stage], acc)
+        for n in cutlass.range_constexpr(chunks):
+            for b in cutlass.range_constexpr(self.k16_per_tile):
+                cute.gemm(tiled_mma, acc[n], fragment[None, None, b], tCrB[n][None, None, b, stage], acc[n])
         warpgroup.commit_group()
         warpgroup.wait_group(1)
-        if (k > 0) & (lane == 0):
-            cute.arch.mbarrier_arrive(empty + (k + self.stages - 1) % self.stages)
+        if k > 0:
+            cute.arch.mbarrier_arrive(empty + (iteration + k + self.stages - 1) % self.stages)
 
     @cute.jit
     def decode(self, fragment, codes_address, scales_address):
@@ -380,15 +466,15 @@ class MoEGemmSm90:
     # Epilogues
     # -----------------------------------------------------------------------------------------------
     @cute.jit
-    def finish(self, acc, thr_mma, mAlpha, mRouterWeights, mPermutedToPair, mOut, tile, feature_block, expert, group):
-        coordinates = thr_mma.partition_C(cute.make_identity_tensor((weight_layout.ROW_BLOCK, self.tile_rows)))
+    def finish(self, acc, thr_mma, mAlpha, mRouterWeights, mPermutedToPair, num_pairs, mOut, tile, feature_block, expert, group):
+        coordinates = thr_mma.partition_C(cute.make_identity_tensor((weight_layout.ROW_BLOCK, self.mma_rows)))
         alpha = mAlpha[expert] * Float32(2.0**dev.WEIGHT_DECODE_EXPONENT)
         block = feature_block * self.consumer_groups + group
         first_row = tile * self.tile_rows
         if const_expr(self.epilogue == "gemm1"):
             self.finish_gemm1(acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, mOut)
         else:
-            self.finish_gemm2(acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, mOut)
+            self.finish_gemm2(acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, num_pairs, mOut)
 
     @cute.jit
     def activate(self, gate, up):
@@ -411,18 +497,20 @@ class MoEGemmSm90:
         if const_expr(self.activation == "swiglu"):
             # Gate and up of one feature are the thread's rows 16w+g and 16w+g+8 (weight_layout).
             # Accumulator element v + 2 is element v's row + 8 (the fragment's second mode).
-            for v in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-                if const_expr((v // 2) % 2 == 0):
-                    m, n = coordinates[v, 0, 0]
-                    value = self.activate(acc[v, 0, 0] * alpha, acc[v + 2, 0, 0] * alpha)
-                    feature = block * 32 + (m // 16) * 8 + m % 16
-                    self.store_gemm1(value, feature, first_row + n, mRouterWeights, mPermutedToPair, mOut)
+            for c in cutlass.range_constexpr(self.row_chunks):
+                for v in cutlass.range_constexpr(cute.size(acc[0], mode=[0])):
+                    if const_expr((v // 2) % 2 == 0):
+                        m, n = coordinates[v, 0, 0]
+                        value = self.activate(acc[c][v, 0, 0] * alpha, acc[c][v + 2, 0, 0] * alpha)
+                        feature = block * 32 + (m // 16) * 8 + m % 16
+                        self.store_gemm1(value, feature, first_row + c * self.mma_rows + n, mRouterWeights, mPermutedToPair, mOut)
         else:
-            for v in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-                m, n = coordinates[v, 0, 0]
-                y = acc[v, 0, 0] * alpha
-                y = cute.arch.fmax(y, Float32(0.0))
-                self.store_gemm1(y * y, block * 64 + m, first_row + n, mRouterWeights, mPermutedToPair, mOut)
+            for c in cutlass.range_constexpr(self.row_chunks):
+                for v in cutlass.range_constexpr(cute.size(acc[0], mode=[0])):
+                    m, n = coordinates[v, 0, 0]
+                    y = acc[c][v, 0, 0] * alpha
+                    y = cute.arch.fmax(y, Float32(0.0))
+                    self.store_gemm1(y * y, block * 64 + m, first_row + c * self.mma_rows + n, mRouterWeights, mPermutedToPair, mOut)
 
     @cute.jit
     def store_gemm1(self, value, feature, row, mRouterWeights, mPermutedToPair, mOut):
@@ -434,20 +522,20 @@ class MoEGemmSm90:
             mOut[row, feature] = value.to(BFloat16)
 
     @cute.jit
-    def finish_gemm2(self, acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, mOut):
+    def finish_gemm2(self, acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, num_pairs, mOut):
         out_address = mOut.iterator.toint()
         row_bytes = Int64(mOut.stride[0]) * 4
-        num_pairs = self.pair_count(None, mOut)
-        for v in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-            m, n = coordinates[v, 0, 0]
-            feature = block * 64 + m
-            pair = mPermutedToPair[first_row + n]
-            if (pair >= 0) & (pair < num_pairs) & (feature < self.out_features):
-                y = acc[v, 0, 0] * alpha
-                if const_expr(self.router_weighted):
-                    y = y * mRouterWeights[pair]
-                if const_expr(self.epilogue == "gemm2_fused"):
-                    token = pair // self.top_k
-                    dev.reduce_add_f32(out_address + Int64(token) * row_bytes + Int64(feature) * 4, y)
-                else:
-                    mOut[pair, feature] = y
+        for c in cutlass.range_constexpr(self.row_chunks):
+            for v in cutlass.range_constexpr(cute.size(acc[0], mode=[0])):
+                m, n = coordinates[v, 0, 0]
+                feature = block * 64 + m
+                pair = mPermutedToPair[first_row + c * self.mma_rows + n]
+                if (pair >= 0) & (pair < num_pairs) & (feature < self.out_features):
+                    y = acc[c][v, 0, 0] * alpha
+                    if const_expr(self.router_weighted):
+                        y = y * mRouterWeights[pair]
+                    if const_expr(self.epilogue == "gemm2_fused"):
+                        token = pair // self.top_k
+                        dev.reduce_add_f32(out_address + Int64(token) * row_bytes + Int64(feature) * 4, y)
+                    else:
+                        mOut[pair, feature] = y

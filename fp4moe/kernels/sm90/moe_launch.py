@@ -34,11 +34,22 @@ from fp4moe.kernels.sm90.moe_gemm import MoEGemmSm90, pipeline_stages
 from fp4moe.kernels.sm90.moe_plan import MAX_EXPERTS, PLAN_THREADS, ZERO_VECTOR, MoEPlanSm90
 from fp4moe.op_outputs import moe_plan_outputs
 
-SM_COUNT = 132
-"""Streaming multiprocessors of an H100 / H200: the grid sizes that fill the machine."""
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a GPU: the grid sizes that fill it."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
 ZERO_CTAS_PER_SM = 4
 TWO_CTA_TILE_ROWS = 32
 """Plan tiles of at most this many rows run two CTAs per SM (small accumulators, few registers)."""
+MAX_MMA_ROWS = 64
+"""Plan rows per MMA, at most. A tile of more than `TWO_CTA_TILE_ROWS` rows is computed in chunks of
+half its rows (64 at most), and its trailing chunks that hold no pair are skipped: the plan tile is
+sized with rows to spare (`fp4moe.dispatch.moe_tile_m`), and a tile's spare rows then cost no
+tensor-core time. Smaller tiles (decode, bound by the weight stream) are one chunk: two CTAs per SM
+leave too few registers for a second variant of the k loop without serializing the `wgmma`s."""
 
 
 def _i32(*shape):
@@ -77,7 +88,7 @@ def plan(topk_ids, num_local_experts, local_expert_offset, tile_m, accumulator_h
     if accumulator_hidden is not None:
         accumulator = topk_ids.new_empty((topk_ids.shape[0], accumulator_hidden), dtype=torch.float32)
         vectors = accumulator.numel() // ZERO_VECTOR
-        zero_ctas = max(1, min(ZERO_CTAS_PER_SM * SM_COUNT, -(-vectors // PLAN_THREADS)))
+        zero_ctas = max(1, min(ZERO_CTAS_PER_SM * sm_count(topk_ids.device.index), -(-vectors // PLAN_THREADS)))
     kernel = compile_plan(num_local_experts, tile_m, accumulator_hidden)
     kernel(standard_strides(topk_ids.reshape(-1)), local_expert_offset, *outputs, accumulator, zero_ctas)
     return outputs, accumulator
@@ -97,20 +108,24 @@ class GemmShape:
 
     def __init__(self, prepared_codes: torch.Tensor, tile_rows: int, expected_tiles: int):
         experts, row_blocks, k_tiles, _ = prepared_codes.shape
+        sms = sm_count(prepared_codes.device.index)
         self.num_experts = experts
         self.prepared_rows = row_blocks * weight_layout.ROW_BLOCK
         self.prepared_k = k_tiles * weight_layout.K_TILE
         self.tile_rows = tile_rows
+        self.mma_rows = tile_rows if tile_rows <= TWO_CTA_TILE_ROWS else min(MAX_MMA_ROWS, tile_rows // 2)
         self.ctas_per_sm = 2 if tile_rows <= TWO_CTA_TILE_ROWS else 1
         # 128 features per CTA (more bytes per barrier and per activation tile) unless that leaves SMs idle.
-        self.tile_features = 128 if (row_blocks // 2) * expected_tiles >= SM_COUNT else 64
-        self.tile_k = 128
+        self.tile_features = 128 if (row_blocks // 2) * expected_tiles >= sms else 64
+        # A 192-row activation tile at 128 K would leave room for four stages only.
+        self.tile_k = 64 if tile_rows > 128 else 128
         self.stages = pipeline_stages(self.tile_features, tile_rows, self.tile_k, self.ctas_per_sm)
+        self.max_ctas = sms * self.ctas_per_sm
 
     def key(self):
         return (
-            self.num_experts, self.prepared_rows, self.prepared_k, self.tile_features, self.tile_rows, self.tile_k,
-            self.stages, self.ctas_per_sm,
+            self.num_experts, self.prepared_rows, self.prepared_k, self.tile_features, self.tile_rows, self.mma_rows,
+            self.tile_k, self.stages, self.ctas_per_sm, self.max_ctas,
         )
 
 
@@ -119,11 +134,11 @@ def compile_gemm(
     epilogue: str, shape_key: tuple, act_k: int, out_features: int, top_k: int, activation: str,
     swiglu: tuple, router_weighted: bool,
 ):
-    experts, rows, k, tile_features, tile_rows, tile_k, stages, ctas_per_sm = shape_key
+    experts, rows, k, tile_features, tile_rows, mma_rows, tile_k, stages, ctas_per_sm, max_ctas = shape_key
     kernel = MoEGemmSm90(
         epilogue=epilogue, num_experts=experts, prepared_rows=rows, prepared_k=k, act_k=act_k,
-        out_features=out_features, tile_features=tile_features, tile_rows=tile_rows, tile_k=tile_k,
-        stages=stages, ctas_per_sm=ctas_per_sm, top_k=top_k, activation=activation,
+        out_features=out_features, tile_features=tile_features, tile_rows=tile_rows, mma_rows=mma_rows, tile_k=tile_k,
+        stages=stages, ctas_per_sm=ctas_per_sm, max_ctas=max_ctas, top_k=top_k, activation=activation,
         swiglu_alpha=swiglu[0], swiglu_beta=swiglu[1], swiglu_limit=swiglu[2], router_weighted=router_weighted,
     )
     tiles = (experts, rows // weight_layout.ROW_BLOCK, k // weight_layout.K_TILE)
@@ -164,6 +179,20 @@ def _prepared(codes, scales, layout, gated):
     return weight_layout.as_sm90(codes, scales, layout, gated)
 
 
+MAX_ACTIVATION_BYTES = 2**31 * 16
+"""The GEMMs address activation rows in 16-byte chunks with 32-bit offsets."""
+
+
+def _activation_rows(a: torch.Tensor) -> torch.Tensor:
+    a = vector_rows(a)
+    if a.shape[0] * a.stride(0) * a.itemsize > MAX_ACTIVATION_BYTES:
+        raise NotImplementedError(
+            f"the sm90 MoE GEMMs address at most {MAX_ACTIVATION_BYTES >> 30} GiB of activation rows, got "
+            f"{a.shape[0]} rows of stride {a.stride(0)}"
+        )
+    return a
+
+
 def _w4a16_only(a_scales, output_global_scale=None, aux_amax_tile_n=0) -> None:
     if a_scales is not None or output_global_scale is not None or aux_amax_tile_n:
         raise NotImplementedError("the sm90 MoE GEMMs take bf16 activations (W4A16) only")
@@ -192,7 +221,7 @@ def gemm1(
         router_weights is not None,
     )
     router = None if router_weights is None else standard_strides(router_weights.reshape(-1))
-    kernel(standard_strides(w1), standard_strides(w1_scales), vector_rows(a), permuted_to_pair, tile_expert, standard_strides(w1_alpha), router, out)
+    kernel(standard_strides(w1), standard_strides(w1_scales), _activation_rows(a), permuted_to_pair, tile_expert, standard_strides(w1_alpha), router, out)
     return out, empty.view(torch.float8_e4m3fn), empty
 
 
@@ -216,7 +245,7 @@ def gemm2(
         epilogue, shape.key(), a.shape[1], hidden, top_k, "none", (None, None, None), router_weights is not None
     )
     router = None if router_weights is None else standard_strides(router_weights.reshape(-1))
-    kernel(standard_strides(w2), standard_strides(w2_scales), vector_rows(a), permuted_to_pair, tile_expert, standard_strides(w2_alpha), router, out)
+    kernel(standard_strides(w2), standard_strides(w2_scales), _activation_rows(a), permuted_to_pair, tile_expert, standard_strides(w2_alpha), router, out)
     return out
 
 
