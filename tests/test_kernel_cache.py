@@ -71,9 +71,12 @@ def test_the_file_name_depends_on_the_key_the_architecture_and_the_toolchain(tmp
     assert compiler.cache_file(tmp_path, ("k", 1), "sm_90a", "g") != base
 
 
-def test_the_cache_is_off_unless_a_directory_is_given(monkeypatch, tmp_path):
+def test_the_cache_lives_in_the_user_cache_folder_unless_moved_or_turned_off(monkeypatch, tmp_path):
     monkeypatch.delenv(compiler.CACHE_VARIABLE, raising=False)
-    assert compiler.cache_directory() is None
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compiler.cache_directory() == tmp_path / "xdg" / "fp4moe" / "kernels"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert compiler.cache_directory() == Path.home() / ".cache" / "fp4moe" / "kernels"
     monkeypatch.setenv(compiler.CACHE_VARIABLE, "off")
     assert compiler.cache_directory() is None
     monkeypatch.setenv(compiler.CACHE_VARIABLE, str(tmp_path))

@@ -5,9 +5,9 @@ Kernels are compiled against fake tensors (symbolic token dimensions) with TVM-F
 the compiled function takes torch tensors directly and launches on the current torch stream of their
 device at every call (CUDA-graph capture included).
 
-The disk cache (`FP4MOE_KERNEL_CACHE=<directory>`; unset or `off`: no cache) holds one object file per
-kernel, exported by CuTe DSL and loaded back through TVM-FFI. It is opt-in until kernels loaded from it
-have run on a GPU (export, load and the cache's bookkeeping are tested on the CPU only). A file's
+The disk cache holds one object file per kernel, exported by CuTe DSL and loaded back through TVM-FFI,
+in `$XDG_CACHE_HOME/fp4moe/kernels` (default `~/.cache/fp4moe/kernels`); `FP4MOE_KERNEL_CACHE=<directory>`
+puts it elsewhere and `FP4MOE_KERNEL_CACHE=off` turns it off. A file's
 name is a digest of the caller's static configuration (`cache_key`), the target architecture and a
 fingerprint of everything the binary depends on: the source of the `fp4moe` package and the versions
 of CuTe DSL and TVM-FFI — so any change to the code or the toolchain compiles afresh. A file is written
@@ -41,10 +41,17 @@ compilations = 0
 """Kernels this process has compiled (not loaded from the disk cache): what the cache tests count."""
 
 
+def default_cache_directory() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fp4moe" / "kernels"
+
+
 def cache_directory() -> Path | None:
-    """Where compiled kernels are kept (`FP4MOE_KERNEL_CACHE`), or None for no disk cache."""
-    value = os.environ.get(CACHE_VARIABLE, CACHE_OFF)
-    return None if value in ("", CACHE_OFF) else Path(value)
+    """Where compiled kernels are kept: `FP4MOE_KERNEL_CACHE`, the user's cache folder when it is
+    unset or empty, None (no disk cache) when it is `off`."""
+    value = os.environ.get(CACHE_VARIABLE, "")
+    if value == CACHE_OFF:
+        return None
+    return Path(value) if value else default_cache_directory()
 
 
 @functools.cache

@@ -85,15 +85,16 @@ class MoEGemmSm90:
       the tile's activation rows into the swizzled K-major B tile (rows past the plan's, or columns
       past K, zero-filled without a read), whose completion also arrives on `full`
       (`cp.async.mbarrier.arrive.noinc`, one per thread). A thread's rows, their source offsets and
-      their places in a stage are fixed for the whole k loop, so a copy costs an add and the
-      instruction: the gather of a 128-row tile is 16 copies per thread, not a dependent shared-memory
-      lookup per copy on one warp.
+      their places in a stage are fixed for the whole item, so a copy costs a few integer operations
+      and the instruction (no dependent shared-memory lookup per copy).
     - warpgroups 1.. — consumers, one 64-row block of features each. Per k tile: wait on `full`, load
       the thread's code words (16 bytes per 64 K) and scales (8 bytes) from shared memory, decode them
       into the A fragment (`gemm_device`), `wgmma` RS against the B tile, commit; wait for the previous
-      k tile's `wgmma` and release its stage (`empty`, one arrival per warp). A fragments alternate
+      k tile's `wgmma` and release its stage (`empty`, one arrival per thread). A fragments alternate
       between two register sets (k tiles unrolled by two) so decoding tile k + 1 overlaps the
-      tensor-core work of tile k.
+      tensor-core work of tile k. The MMAs of a tile run in chunks of `mma_rows` rows, one accumulator
+      per chunk, and an item computes only its chunks up to the last one that holds a pair
+      (`used_row_chunks`, `mainloop`).
 
     Epilogue (consumers, straight from the accumulators): the FP32 accumulator times
     `alpha[e] * 2^8` (the decode's `2^-8`, `gemm_device`), then per `epilogue`.

@@ -1,0 +1,47 @@
+"""A small W4A16 `fused_moe` on the sm90 kernels (E=8, H=256, I=128, top-2, T in {1, 37, 300}, fused and
+deterministic finalize): the case the memory and race checkers run,
+
+    compute-sanitizer --tool memcheck python -m benchmarks.sm90_moe_small
+    compute-sanitizer --tool racecheck python -m benchmarks.sm90_moe_small
+
+Prints one line per call (T, deterministic, output norm); exits 1 if the two finalize modes differ
+beyond FP32 summation order.
+"""
+
+import sys
+
+import torch
+
+import fp4moe
+from benchmarks.moe_cases import random_nvfp4_experts
+
+EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 8, 256, 128, 2
+
+
+def main() -> int:
+    ops = torch.ops.fp4moe
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w1, s1, gs1 = random_nvfp4_experts(EXPERTS, 2 * INTERMEDIATE, HIDDEN, g, "cuda")
+    w2, s2, gs2 = random_nvfp4_experts(EXPERTS, HIDDEN, INTERMEDIATE, g, "cuda")
+    weights = fp4moe.MoEWeights(w1, s1, gs1, w2, s2, gs2).prepared()
+    w1_alpha, w2_alpha = weights.alphas()
+    ok = True
+    for tokens in (1, 37, 300):
+        x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
+        logits = torch.randn(tokens, EXPERTS, generator=g, device="cuda")
+        topk_ids, topk_weights = ops.route_softmax_topk(logits, TOP_K, True)
+        outs = []
+        for deterministic in (False, True):
+            out = ops.fused_moe(
+                x, topk_ids, topk_weights, weights.w1, weights.w1_scales, w1_alpha, weights.w2, weights.w2_scales,
+                w2_alpha, quant_mode="w4a16", weight_layout="sm90", deterministic=deterministic,
+            )
+            torch.cuda.synchronize()
+            print(tokens, deterministic, float(out.float().norm()), flush=True)
+            outs.append(out.float())
+        ok &= torch.allclose(outs[0], outs[1], rtol=1e-2, atol=1e-2)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
