@@ -10,6 +10,8 @@ import textwrap
 
 import pytest
 
+from fp4moe import dispatch
+from fp4moe.kernels.sm90 import moe_launch
 from tests.sm90_compile import compile_in_subprocess, sass
 
 # (epilogue, (experts, prepared rows, prepared K, tile features, tile rows, MMA rows, tile K, stages, CTAs per SM,
@@ -24,6 +26,24 @@ GEMM_VARIANTS = [
     ("gemm2_fused", (256, 7168, 2048, 128, 8, 8, 128, 8, 2, 264), 2048, 7168, 8, "none", (None, None, None), True),
     ("gemm2_expanded", (256, 7168, 2048, 128, 128, 64, 128, 4, 1, 132), 2048, 7100, 8, "none", (None, None, None), False),
 ]
+
+
+def _fused_moe_variants():
+    """The GEMM configurations `fused_moe` compiles for DeepSeek-V3 (E=256, top-8, H=7168, I=2048) on
+    132 SMs at token counts that pick each plan tile (`moe_dispatch`, `moe_launch.GemmShape`)."""
+    variants = []
+    for tokens in (1, 128, 256, 1024, 2048, 4096):
+        tile = dispatch.moe_tile_m(tokens, 8, 256)
+        expected = moe_launch._expected_tiles(tokens * 8, 256, tile)
+        gemm1 = moe_launch.GemmShape((256, 64, 112, 2048), tile, expected, 132).key()
+        gemm2 = moe_launch.GemmShape((256, 112, 32, 2048), tile, expected, 132).key()
+        variants.append(("gemm1", gemm1, 7168, 2048, 8, "swiglu", (None, None, None), False))
+        variants.append(("gemm2_fused", gemm2, 2048, 7168, 8, "none", (None, None, None), True))
+    assert sorted({key[4] for _, key, *_ in variants}) == list(dispatch.MOE_TILE_M_CHOICES)
+    return variants
+
+
+GEMM_VARIANTS += _fused_moe_variants()
 PLAN_VARIANTS = [(256, 8, 7168), (32, 128, None)]
 FINALIZE_VARIANTS = [("fused", 7168, 8, "bfloat16"), ("deterministic", 2048, 6, "float32")]
 
@@ -84,16 +104,32 @@ def test_gemms_feed_register_sourced_wgmma_from_bulk_copies_and_gathers(compiled
         assert sass.count("HMUL2.BF16_V2") >= 4 * key[6] // 16, GEMM_VARIANTS[i]
 
 
-def test_gemm_mmas_stay_in_flight(compiled):
+def _serializes(key) -> bool:
+    """A known defect: a 16- or 32-row tile of 128 features at two CTAs per SM leaves too few registers
+    (96 per consumer thread) to keep its `wgmma`s in flight. `fused_moe` picks such configurations for
+    DeepSeek-V3 at about 65 <= T <= 1024; the fix (one CTA per SM, or 64 features) awaits a measurement."""
+    tile_features, tile_rows, ctas_per_sm = key[3], key[4], key[8]
+    return ctas_per_sm == 2 and tile_features == 128 and tile_rows > 8
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        pytest.param(i, marks=pytest.mark.xfail(strict=True, reason=_serializes.__doc__)) if _serializes(v[1]) else i
+        for i, v in enumerate(GEMM_VARIANTS)
+    ],
+)
+def test_gemm_mmas_stay_in_flight(compiled, index):
     """ptxas serializes `wgmma`s it cannot keep in flight (too few registers, accumulators touched
     between them), waiting for each one to finish: the k loops wait for all of them only once per
     variant of the loop (`tile_rows / mma_rows` variants), never after every `HGMMA`. (A K of two k
     tiles, far below model sizes, is unrolled into the variants' branches and serialized.)"""
-    for i, (_epilogue, key, *_rest) in enumerate(GEMM_VARIANTS):
-        prepared_k, tile_rows, mma_rows, tile_k = key[2], key[4], key[5], key[6]
-        if prepared_k // tile_k > 2:
-            sass = _sass(compiled, f"gemm_{i}")
-            assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") <= tile_rows // mma_rows, GEMM_VARIANTS[i]
+    _epilogue, key, *_rest = GEMM_VARIANTS[index]
+    prepared_k, tile_rows, mma_rows, tile_k = key[2], key[4], key[5], key[6]
+    if prepared_k // tile_k <= 2:
+        pytest.skip("a k loop of two k tiles")
+    sass = _sass(compiled, f"gemm_{index}")
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") <= tile_rows // mma_rows, GEMM_VARIANTS[index]
 
 
 def test_no_kernel_spills_to_local_memory(compiled):

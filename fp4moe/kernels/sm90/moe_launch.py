@@ -106,9 +106,9 @@ def moe_plan(topk_ids, num_local_experts, local_expert_offset, tile_m):
 class GemmShape:
     """The static configuration of one grouped GEMM launch, chosen from host-static sizes."""
 
-    def __init__(self, prepared_codes: torch.Tensor, tile_rows: int, expected_tiles: int):
-        experts, row_blocks, k_tiles, _ = prepared_codes.shape
-        sms = sm_count(prepared_codes.device.index)
+    def __init__(self, prepared_shape: tuple, tile_rows: int, expected_tiles: int, sms: int):
+        """`prepared_shape`: the prepared codes' [E, J, K/64, 2048]; `sms`: the GPU's multiprocessors."""
+        experts, row_blocks, k_tiles, _ = prepared_shape
         self.num_experts = experts
         self.prepared_rows = row_blocks * weight_layout.ROW_BLOCK
         self.prepared_k = k_tiles * weight_layout.K_TILE
@@ -215,7 +215,9 @@ def gemm1(
     if tiles == 0:
         return out, empty.view(torch.float8_e4m3fn), empty
     tile_rows = num_rows // tiles
-    shape = GemmShape(w1, tile_rows, _expected_tiles(a.shape[0] * top_k, w1.shape[0], tile_rows))
+    shape = GemmShape(
+        w1.shape, tile_rows, _expected_tiles(a.shape[0] * top_k, w1.shape[0], tile_rows), sm_count(w1.device.index)
+    )
     kernel = compile_gemm(
         "gemm1", shape.key(), a.shape[1], out_features, top_k, activation, (swiglu_alpha, swiglu_beta, swiglu_limit),
         router_weights is not None,
@@ -240,7 +242,9 @@ def gemm2(
     if tiles == 0:
         return out
     tile_rows = num_rows // tiles
-    shape = GemmShape(w2, tile_rows, _expected_tiles(num_tokens * top_k, w2.shape[0], tile_rows))
+    shape = GemmShape(
+        w2.shape, tile_rows, _expected_tiles(num_tokens * top_k, w2.shape[0], tile_rows), sm_count(w2.device.index)
+    )
     kernel = compile_gemm(
         epilogue, shape.key(), a.shape[1], hidden, top_k, "none", (None, None, None), router_weights is not None
     )
