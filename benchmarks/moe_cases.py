@@ -128,6 +128,15 @@ def random_nvfp4_experts(experts: int, rows: int, cols: int, generator: torch.Ge
     return codes, scales.to(torch.float8_e4m3fn), global_scale
 
 
+def random_moe_weights(
+    experts: int, hidden: int, intermediate: int, generator: torch.Generator, device: torch.device
+) -> MoEWeights:
+    """`random_nvfp4_experts` for both projections of SwiGLU experts (FC1 [2I, H], FC2 [H, I]), linear layout."""
+    w1, w1_scales, w1_gs = random_nvfp4_experts(experts, 2 * intermediate, hidden, generator, device)
+    w2, w2_scales, w2_gs = random_nvfp4_experts(experts, hidden, intermediate, generator, device)
+    return MoEWeights(w1, w1_scales, w1_gs, w2, w2_scales, w2_gs, "swiglu")
+
+
 @dataclass(frozen=True)
 class MoECase:
     """The first `num_tokens` tokens of a problem, with the host-side counts that judge its timings
@@ -168,9 +177,7 @@ class MoEProblem:
         self.device = device
         generator = torch.Generator(device=device).manual_seed(seed)
         h, i, experts = shape.hidden_size, shape.intermediate_size, shape.local_experts
-        w1, w1_scales, w1_gs = random_nvfp4_experts(experts, 2 * i, h, generator, device)
-        w2, w2_scales, w2_gs = random_nvfp4_experts(experts, h, i, generator, device)
-        self.weights = MoEWeights(w1, w1_scales, w1_gs, w2, w2_scales, w2_gs, "swiglu")
+        self.weights = random_moe_weights(experts, h, i, generator, device)
         self.x = torch.randn(max_tokens, h, generator=generator, device=device).to(torch.bfloat16)
         logits = torch.randn(max_tokens, shape.num_experts, generator=generator, device=device)
         if shape.routing == "deepseek_v3":

@@ -41,14 +41,10 @@ HOST_CALLS = 100
 
 def problem(tokens: int = 1):
     """Prepared DeepSeek-V3-shaped NVFP4 experts and one routed batch, from a fixed seed."""
-    import fp4moe
-    from benchmarks.moe_cases import random_nvfp4_experts
+    from benchmarks.moe_cases import random_moe_weights
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    w1, s1, gs1 = random_nvfp4_experts(EXPERTS, 2 * INTERMEDIATE, HIDDEN, g, "cuda")
-    w2, s2, gs2 = random_nvfp4_experts(EXPERTS, HIDDEN, INTERMEDIATE, g, "cuda")
-    weights = fp4moe.MoEWeights(w1, s1, gs1, w2, s2, gs2).prepared()
-    del w1, w2
+    weights = random_moe_weights(EXPERTS, HIDDEN, INTERMEDIATE, g, "cuda").prepared()
     w1_alpha, w2_alpha = weights.alphas()
     x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
     logits = torch.randn(tokens, EXPERTS, generator=g, device="cuda")

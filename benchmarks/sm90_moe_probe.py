@@ -16,7 +16,7 @@ import time
 import torch
 
 import fp4moe
-from benchmarks.moe_cases import random_nvfp4_experts
+from benchmarks.moe_cases import random_moe_weights, random_nvfp4_experts
 from fp4moe import pipeline
 from fp4moe.kernels.sm90 import moe_launch
 from fp4moe.reference import moe as reference
@@ -116,10 +116,7 @@ def time_stages(weights, tokens: int, hidden: int, experts: int, top_k: int, g) 
 def time_fused_moe(tokens_list, experts: int, replays: int = 50) -> None:
     hidden, intermediate, top_k = 7168, 2048, 8
     g = torch.Generator(device="cuda").manual_seed(1)
-    w1, w1_scales, w1_gs = random_nvfp4_experts(experts, 2 * intermediate, hidden, g, "cuda")
-    w2, w2_scales, w2_gs = random_nvfp4_experts(experts, hidden, intermediate, g, "cuda")
-    weights = fp4moe.MoEWeights(w1, w1_scales, w1_gs, w2, w2_scales, w2_gs).prepared()
-    del w1, w2
+    weights = random_moe_weights(experts, hidden, intermediate, g, "cuda").prepared()
     w1_alpha, w2_alpha = weights.alphas()
     bytes_per_expert = (2 * intermediate * hidden + hidden * intermediate) * (0.5 + 1 / 16)
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")

@@ -12,8 +12,7 @@ import sys
 
 import torch
 
-import fp4moe
-from benchmarks.moe_cases import random_nvfp4_experts
+from benchmarks.moe_cases import random_moe_weights
 
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 8, 256, 128, 2
 
@@ -21,9 +20,7 @@ EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 8, 256, 128, 2
 def main() -> int:
     ops = torch.ops.fp4moe
     g = torch.Generator(device="cuda").manual_seed(0)
-    w1, s1, gs1 = random_nvfp4_experts(EXPERTS, 2 * INTERMEDIATE, HIDDEN, g, "cuda")
-    w2, s2, gs2 = random_nvfp4_experts(EXPERTS, HIDDEN, INTERMEDIATE, g, "cuda")
-    weights = fp4moe.MoEWeights(w1, s1, gs1, w2, s2, gs2).prepared()
+    weights = random_moe_weights(EXPERTS, HIDDEN, INTERMEDIATE, g, "cuda").prepared()
     w1_alpha, w2_alpha = weights.alphas()
     ok = True
     for tokens in (1, 37, 300):
