@@ -1,0 +1,153 @@
+"""Tuning the sm90 W4A16 grouped GEMMs: every launch configuration near the default one, timed alone.
+
+    python -m benchmarks.sm90_gemm_sweep [--tokens 1,64,512,4096] [--replays 30]
+
+For development (the benchmark of record is `python -m benchmarks.moe`). DeepSeek-V3 shape, softmax
+routing; per token count the plan tile is `moe_dispatch`'s. For GEMM1 and the fused GEMM2 it compiles
+the configuration `moe_launch.GemmShape` picks and its neighbours (features per CTA, CTAs per SM for
+small tiles, K per k tile, rows per MMA), checks each one's output against the default's (GEMM1
+bitwise, GEMM2's atomics to 1e-5), and times each in a CUDA graph with a cold L2 (interleaved rounds,
+median). Prints one line per configuration, fastest first, and the default's rank; exits 1 if a
+configuration gave another result. Needs a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import sys
+
+import torch
+
+from benchmarks.moe_cases import random_moe_weights
+from benchmarks.timing import PreparedCall, time_interleaved
+from fp4moe import dispatch, weight_layout
+from fp4moe.kernels.sm90 import moe_launch
+from fp4moe.kernels.sm90.arguments import standard_strides
+from fp4moe.kernels.sm90.moe_gemm import pipeline_stages
+
+HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 7168, 2048, 256, 8
+
+
+def neighbours(default: moe_launch.GemmShape) -> list[tuple]:
+    """Shape keys around `default`: features per CTA, CTAs per SM (tiles of at most 32 rows), K per
+    k tile, rows per MMA (the tile's, or the default's); stages: as many as fit."""
+    rows = default.tile_rows
+    keys = []
+    for features, ctas, tile_k, mma in itertools.product(
+        (64, 128), (1, 2) if rows <= 32 else (1,), (64, 128), sorted({rows, default.mma_rows})
+    ):
+        stages = pipeline_stages(features, rows, tile_k, ctas)
+        keys.append((
+            default.num_experts, default.prepared_rows, default.prepared_k, features, rows, mma, tile_k, stages,
+            ctas, default.max_ctas // default.ctas_per_sm * ctas,
+        ))
+    return keys
+
+
+def describe(key: tuple) -> str:
+    _, _, _, features, rows, mma, tile_k, stages, ctas, _ = key
+    return f"features {features:3d}  rows {rows:3d}/{mma:3d}  K {tile_k:3d}  stages {stages:2d}  CTAs/SM {ctas}"
+
+
+def sweep_gemm(name, compile_for, launch, default: moe_launch.GemmShape, check, flops, replays) -> bool:
+    """Compile, check and time `default`'s configuration and its neighbours; print them fastest
+    first. Whether every configuration that compiled gave the default's result."""
+    default_key = default.key()
+    keys = [default_key] + [k for k in neighbours(default) if k != default_key]
+    reference = launch(compile_for(default_key)).clone()
+    ok = True
+    with contextlib.ExitStack() as stack:
+        calls, labels = [], []
+        for key in keys:
+            try:
+                kernel = compile_for(key)
+            except Exception as error:  # a configuration the kernel does not accept: reported, not timed
+                print(f"  {name} {describe(key)}: does not compile ({type(error).__name__})", flush=True)
+                continue
+            mismatch = check(launch(kernel), reference)
+            if mismatch:
+                print(f"  {name} {describe(key)}: WRONG ({mismatch})", flush=True)
+                ok = False
+                continue
+            calls.append(stack.enter_context(PreparedCall(lambda kernel=kernel: launch(kernel), "cuda")))
+            labels.append(key)
+        timings = time_interleaved(calls, "cuda", replays, warmup=3, cold_l2=True)
+    ranked = sorted(zip(labels, timings, strict=True), key=lambda item: item[1].median_s)
+    for rank, (key, timing) in enumerate(ranked, 1):
+        mark = "  <- default" if key == default_key else ""
+        us = timing.median_s * 1e6
+        print(f"  {name} {rank:2d}. {describe(key)}: {us:9.1f} us  {flops / timing.median_s / 1e12:6.1f} TFLOP/s{mark}")
+    return ok
+
+
+def run(tokens: int, weights, replays: int, g) -> bool:
+    w1_alpha, w2_alpha = weights.alphas()
+    x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(tokens, EXPERTS, generator=g, device="cuda")
+    topk_ids, topk_weights = torch.ops.fp4moe.route_softmax_topk(logits, TOP_K, True)
+    tile_m = dispatch.moe_tile_m(tokens, TOP_K, EXPERTS)
+    (permuted_to_pair, _, tile_expert, _, _), _ = moe_launch.plan(topk_ids, EXPERTS, 0, tile_m)
+    used = permuted_to_pair >= 0
+    expected = moe_launch._expected_tiles(tokens * TOP_K, EXPERTS, tile_m)
+    sms = moe_launch.sm_count(torch.cuda.current_device())
+    print(f"T={tokens} tile_m={tile_m}", flush=True)
+
+    inter = torch.empty(permuted_to_pair.shape[0], weights.w1.shape[1] * weight_layout.ROW_BLOCK // 2,
+                        dtype=torch.bfloat16, device="cuda")
+    w1 = [standard_strides(t) for t in (weights.w1, weights.w1_scales, w1_alpha)]
+    shape1 = moe_launch.GemmShape(weights.w1.shape, tile_m, expected, sms)
+
+    def gemm1_launch(kernel):
+        kernel(w1[0], w1[1], x, permuted_to_pair, tile_expert, w1[2], None, inter)
+        return inter
+
+    def gemm1_check(out, reference):
+        return None if torch.equal(out[used], reference[used]) else "not bitwise equal to the default"
+
+    ok = sweep_gemm(
+        "gemm1", lambda key: moe_launch.compile_gemm("gemm1", key, HIDDEN, INTERMEDIATE, TOP_K, "swiglu", (None,) * 3, False),
+        gemm1_launch, shape1, gemm1_check, 2 * tokens * TOP_K * 2 * INTERMEDIATE * HIDDEN, replays,
+    )
+
+    intermediate = torch.randn(inter.shape, generator=g, device="cuda").to(torch.bfloat16)
+    accumulator = torch.zeros(tokens, HIDDEN, device="cuda")
+    w2 = [standard_strides(t) for t in (weights.w2, weights.w2_scales, w2_alpha)]
+    router = standard_strides(topk_weights.reshape(-1))
+    shape2 = moe_launch.GemmShape(weights.w2.shape, tile_m, expected, sms)
+
+    def gemm2_launch(kernel):
+        accumulator.zero_()
+        kernel(w2[0], w2[1], intermediate, permuted_to_pair, tile_expert, w2[2], router, accumulator)
+        return accumulator
+
+    def gemm2_check(out, reference):
+        error = float(torch.linalg.norm(out - reference) / torch.linalg.norm(reference).clamp(min=1e-30))
+        return None if error < 1e-5 else f"relative error {error:.1e} against the default"
+
+    return ok & sweep_gemm(
+        "gemm2", lambda key: moe_launch.compile_gemm("gemm2_fused", key, INTERMEDIATE, HIDDEN, TOP_K, "none", (None,) * 3, True),
+        gemm2_launch, shape2, gemm2_check, 2 * tokens * TOP_K * HIDDEN * INTERMEDIATE, replays,
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="1,64,512,4096")
+    parser.add_argument("--replays", type=int, default=30)
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print("benchmarks.sm90_gemm_sweep needs a Hopper GPU (the sm90 kernels)", file=sys.stderr)
+        return 2
+    print(torch.cuda.get_device_name(), flush=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    weights = random_moe_weights(EXPERTS, HIDDEN, INTERMEDIATE, g, "cuda").prepared()
+    ok = True
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        ok &= run(tokens, weights, args.replays, g)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
