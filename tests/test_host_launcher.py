@@ -33,6 +33,14 @@ def test_the_launcher_builds_and_owns_the_cuda_kernels():
     assert "host_launcher.cpp" not in torch._C._dispatch_dump("fp4moe::dequantize")
 
 
+def test_the_launcher_takes_the_contract_numbers_from_python():
+    """The C++ side restates none of the numbers its fast paths need: `install` hands them over."""
+    if not host_launcher.install():
+        pytest.skip("the C++ host launcher is not in use")
+    assert host_launcher.module().contract() == host_launcher.contract()
+    assert host_launcher.contract()["many_elements"] == MANY_ELEMENTS
+
+
 def test_the_native_autograd_kernels_refuse_grad_and_pass_the_rest_down():
     """Runs on the CPU: the launcher's Autograd kernels serve every device."""
     if not host_launcher.install():

@@ -43,16 +43,22 @@
 namespace fp4moe {
 namespace {
 
-constexpr int64_t kBlockSize = 16;         // NVFP4 block (nvfp4.BLOCK_SIZE)
-constexpr int64_t kSwizzleRows = 128;      // nvfp4.SWIZZLE_ROWS
-constexpr int64_t kSwizzleCols = 4;        // nvfp4.SWIZZLE_COLS
-constexpr int64_t kAmaxRowGroup = 8;       // validation.AUX_AMAX_ROW_GROUP
-constexpr int64_t kVectorBytes = 16;       // sm90/arguments.VECTOR_BYTES
-constexpr int64_t kMaxElements = (int64_t{1} << 31) - 1;  // quantize_launch.MAX_ELEMENTS
-// validation.check_global_scale_inv: global_scale_inv and its reciprocal are normal FP32 numbers.
-// Compared in double, so a value that only rounds into the range goes to Python, which accepts it.
-constexpr double kMinGlobalScaleInv = 1.1754943508222875e-38;  // 2^-126
-constexpr double kMaxGlobalScaleInv = 8.507059173023462e+37;   // 2^126
+// The numbers of the ops' contract the fast paths need. Python defines each of them once and hands
+// them over at `install` (host_launcher.contract() names where each comes from); none is restated here.
+struct Contract {
+  int64_t block_size = 0;      // NVFP4 block
+  int64_t swizzle_rows = 0;    // swizzled scale layout: rows and columns are padded to these
+  int64_t swizzle_cols = 0;
+  int64_t amax_row_group = 0;  // rows per entry group of the blocked aux-amax layout
+  int64_t vector_bytes = 0;    // activation rows are read this many bytes at a time
+  int64_t max_elements = 0;    // the kernels index with 32-bit integers
+  int64_t many_elements = 0;   // launches of at least this many elements (M * K) use the other kernel class
+  // global_scale_inv and its reciprocal must be normal FP32 numbers. Compared in double, so a value
+  // that only rounds into the range goes to Python, which accepts it.
+  double min_global_scale_inv = 0;
+  double max_global_scale_inv = 0;
+};
+Contract contract;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
@@ -64,10 +70,9 @@ std::mutex registry_mutex;
 std::unordered_map<std::string, TVMFFIObjectHandle> registry;
 std::atomic<int64_t> slow_path_calls{0};
 
-// The quantizers have one class of kernels for launches of fewer elements (M * K) than this and one
-// for the rest (quantize.MANY_ELEMENTS, given to `install`); the key spells which.
-int64_t many_elements = 0;
-const char* rows_class(const at::Tensor& x) { return x.size(0) * x.size(1) >= many_elements ? "1" : "0"; }
+// The quantizers have one class of kernels for launches of fewer elements (M * K) than
+// `contract.many_elements` and one for the rest; the key spells which.
+const char* rows_class(const at::Tensor& x) { return x.size(0) * x.size(1) >= contract.many_elements ? "1" : "0"; }
 
 // A registered function, with a reference held for one call (a re-registration may drop the
 // registry's reference meanwhile).
@@ -234,14 +239,14 @@ bool same_cuda_device(const at::Tensor& t, const at::Tensor& x) { return t.devic
 
 // x is a CUDA [M, K] activation with M > 0 that the kernels index with 32-bit integers.
 bool launchable_activation(const at::Tensor& x) {
-  return x.is_cuda() && x.dim() == 2 && x.size(0) > 0 && x.numel() <= kMaxElements &&
+  return x.is_cuda() && x.dim() == 2 && x.size(0) > 0 && x.numel() <= contract.max_elements &&
          dtype_name(x.scalar_type()) != nullptr;
 }
 
 // Rows readable 16 bytes at a time (sm90/arguments.vector_rows returns x itself).
 bool vector_rows(const at::Tensor& x) {
-  return x.stride(1) == 1 && (x.stride(0) * x.element_size()) % kVectorBytes == 0 &&
-         reinterpret_cast<uintptr_t>(x.data_ptr()) % kVectorBytes == 0;
+  return x.stride(1) == 1 && (x.stride(0) * x.element_size()) % contract.vector_bytes == 0 &&
+         reinterpret_cast<uintptr_t>(x.data_ptr()) % contract.vector_bytes == 0;
 }
 
 at::Tensor new_empty(const at::Tensor& like, c10::IntArrayRef shape, c10::ScalarType dtype) {
@@ -250,11 +255,12 @@ at::Tensor new_empty(const at::Tensor& like, c10::IntArrayRef shape, c10::Scalar
 
 // op_outputs.quantize_outputs
 std::tuple<at::Tensor, at::Tensor> quantize_outputs(const at::Tensor& x, std::string_view sf_layout) {
-  const int64_t rows = x.size(0), k = x.size(1), scale_cols = k / kBlockSize;
+  const int64_t rows = x.size(0), k = x.size(1), scale_cols = k / contract.block_size;
   auto codes = new_empty(x, {rows, k / 2}, c10::ScalarType::Byte);
   auto block_scales =
       sf_layout == "swizzled"
-          ? new_empty(x, {round_up(rows, kSwizzleRows), round_up(scale_cols, kSwizzleCols)}, c10::ScalarType::Float8_e4m3fn)
+          ? new_empty(x, {round_up(rows, contract.swizzle_rows), round_up(scale_cols, contract.swizzle_cols)},
+                      c10::ScalarType::Float8_e4m3fn)
           : new_empty(x, {rows, scale_cols}, c10::ScalarType::Float8_e4m3fn);
   return {codes, block_scales};
 }
@@ -302,14 +308,14 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, const at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_per_token(
     const at::Tensor& x, double global_scale_inv, c10::string_view sf_layout, c10::string_view four_over_six,
     const std::optional<at::Tensor>& input_amax, const std::optional<at::Tensor>& input_amax_valid_rows) {
-  bool fast = launchable_activation(x) && vector_rows(x) && global_scale_inv >= kMinGlobalScaleInv &&
-              global_scale_inv <= kMaxGlobalScaleInv;
+  bool fast = launchable_activation(x) && vector_rows(x) && global_scale_inv >= contract.min_global_scale_inv &&
+              global_scale_inv <= contract.max_global_scale_inv;
   int64_t amax_tiles = 0;
   if (fast && input_amax.has_value()) {
     const at::Tensor& amax = *input_amax;
     fast = amax.scalar_type() == x.scalar_type() && amax.dim() == 3 && same_cuda_device(amax, x) &&
-           amax.size(0) == ceil_div(x.size(0), kAmaxRowGroup) && amax.size(1) >= 1 && amax.size(2) == kAmaxRowGroup &&
-           amax.is_contiguous() && amax.numel() <= kMaxElements;
+           amax.size(0) == ceil_div(x.size(0), contract.amax_row_group) && amax.size(1) >= 1 &&
+           amax.size(2) == contract.amax_row_group && amax.is_contiguous() && amax.numel() <= contract.max_elements;
     amax_tiles = amax.size(1);
   }
   if (fast && input_amax_valid_rows.has_value()) {
@@ -349,16 +355,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_per_token(
 at::Tensor tile_amax(const at::Tensor& x, int64_t tile_n) {
   // Only the widest loads (16 bytes) are launched here; narrower ones go through Python.
   if (launchable_activation(x) && tile_n >= 1) {
-    const int64_t vector = kVectorBytes / x.element_size();
+    const int64_t vector = contract.vector_bytes / x.element_size();
     const bool aligned = x.stride(1) == 1 && x.size(1) % vector == 0 && tile_n % vector == 0 &&
-                         x.stride(0) % vector == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % kVectorBytes == 0;
+                         x.stride(0) % vector == 0 &&
+                         reinterpret_cast<uintptr_t>(x.data_ptr()) % contract.vector_bytes == 0;
     if (aligned) {
       const std::string key = join_key({"tile_amax", dtype_name(x.scalar_type()), std::to_string(x.size(1)),
                                         std::to_string(tile_n), std::to_string(vector),
                                         std::to_string(x.get_device())});
       if (Kernel kernel = find_kernel(key)) {
-        auto out = new_empty(x, {ceil_div(x.size(0), kAmaxRowGroup), ceil_div(x.size(1), tile_n), kAmaxRowGroup},
-                             x.scalar_type());
+        auto out = new_empty(
+            x, {ceil_div(x.size(0), contract.amax_row_group), ceil_div(x.size(1), tile_n), contract.amax_row_group},
+            x.scalar_type());
         Arguments args;
         args.tensor(x);
         args.tensor(out);
@@ -419,15 +427,38 @@ at::Tensor tile_amax_autograd(const at::Tensor& x, int64_t tile_n) {
 
 std::unique_ptr<torch::Library> cuda_library, autograd_library;
 
+// Every field of the contract, by name, in the order of `Contract`.
+#define FP4MOE_CONTRACT_FIELDS(X)                                                                      \
+  X(block_size) X(swizzle_rows) X(swizzle_cols) X(amax_row_group) X(vector_bytes) X(max_elements)       \
+      X(many_elements) X(min_global_scale_inv) X(max_global_scale_inv)
+
+Contract contract_from(const py::dict& values) {
+  Contract result;
+  TORCH_CHECK(values.size() == 9, "fp4moe host launcher: the contract has 9 numbers, got ", values.size());
+#define FP4MOE_READ_FIELD(name)                                                                          \
+  TORCH_CHECK(values.contains(#name), "fp4moe host launcher: the contract lacks " #name);               \
+  result.name = values[#name].cast<decltype(result.name)>();                                            \
+  TORCH_CHECK(result.name > 0, "fp4moe host launcher: " #name " must be positive");
+  FP4MOE_CONTRACT_FIELDS(FP4MOE_READ_FIELD)
+#undef FP4MOE_READ_FIELD
+  return result;
+}
+
+py::dict contract_values() {
+  py::dict values;
+#define FP4MOE_WRITE_FIELD(name) values[#name] = contract.name;
+  FP4MOE_CONTRACT_FIELDS(FP4MOE_WRITE_FIELD)
+#undef FP4MOE_WRITE_FIELD
+  return values;
+}
+
 // Takes over the CUDA and Autograd kernels of the ops (ops.library.hand_over_to_native), keeping the
-// Python kernels it is given for the calls it hands back; `many_elements_from` is
-// quantize.MANY_ELEMENTS.
-void install(int64_t many_elements_from, py::object quantize_cuda, py::object quantize_per_token_cuda,
+// Python kernels it is given for the calls it hands back; `values` is host_launcher.contract().
+void install(const py::dict& values, py::object quantize_cuda, py::object quantize_per_token_cuda,
              py::object tile_amax_cuda, py::object quantize_autograd_python,
              py::object quantize_per_token_autograd_python, py::object tile_amax_autograd_python) {
   TORCH_CHECK(cuda_library == nullptr, "fp4moe host launcher: already installed");
-  TORCH_CHECK(many_elements_from > 0, "fp4moe host launcher: many_elements_from must be positive");
-  many_elements = many_elements_from;
+  contract = contract_from(values);
   py::object given[kNumOps][kNumRoles] = {{quantize_cuda, quantize_autograd_python},
                                           {quantize_per_token_cuda, quantize_per_token_autograd_python},
                                           {tile_amax_cuda, tile_amax_autograd_python}};
@@ -454,6 +485,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("install", &fp4moe::install,
         "Register the C++ CUDA and Autograd kernels of quantize, quantize_per_token, tile_amax");
   m.def("register_kernel", &fp4moe::register_kernel, "Register a compiled TVM-FFI function under its key");
+  m.def("contract", &fp4moe::contract_values, "The contract's numbers given to install (zeros before)");
   m.def("slow_path_calls", [] { return fp4moe::slow_path_calls.load(); },
         "How many calls have gone to the Python implementations");
 }

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from fp4moe import nvfp4, validation
+from fp4moe.kernels.sm90.arguments import VECTOR_BYTES
 from fp4moe.kernels.sm90.quantize import MANY_ELEMENTS
 from fp4moe.ops.library import hand_over_to_native
 
@@ -37,6 +39,24 @@ OPS = ("quantize", "quantize_per_token", "tile_amax")
 """The ops whose CUDA and Autograd kernels the launcher takes over (the argument order of its `install`)."""
 MODE_VARIABLE = "FP4MOE_HOST_LAUNCHER"
 MODES = ("cpp", "python")
+
+
+def contract() -> dict:
+    """The numbers of the ops' contract the launcher's fast paths need, from where Python defines
+    them; `install` hands them to the C++ side, which restates none."""
+    from fp4moe.kernels.sm90.quantize_launch import MAX_ELEMENTS  # it imports this module
+
+    return {
+        "block_size": nvfp4.BLOCK_SIZE,
+        "swizzle_rows": nvfp4.SWIZZLE_ROWS,
+        "swizzle_cols": nvfp4.SWIZZLE_COLS,
+        "amax_row_group": validation.AUX_AMAX_ROW_GROUP,
+        "vector_bytes": VECTOR_BYTES,
+        "max_elements": MAX_ELEMENTS,
+        "many_elements": MANY_ELEMENTS,
+        "min_global_scale_inv": validation.FLT_MIN,
+        "max_global_scale_inv": 1.0 / validation.FLT_MIN,
+    }
 
 
 def build_directory() -> Path:
@@ -101,7 +121,7 @@ def install() -> bool:
             stacklevel=2,
         )
         return False
-    hand_over_to_native(OPS, functools.partial(launcher.install, MANY_ELEMENTS))
+    hand_over_to_native(OPS, functools.partial(launcher.install, contract()))
     return True
 
 
