@@ -4,6 +4,7 @@ matplotlib, which is optional (imported only when a plot is asked for)."""
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib.metadata
 import json
 import math
@@ -71,7 +72,19 @@ def environment(device: torch.device, module: str, argv: list[str]) -> dict:
         "nvidia-cutlass-dsl": _package_version("nvidia-cutlass-dsl"),
         "fp4moe": fp4moe.__version__,
         "git_commit": _source_revision(),
+        "fp4moe_source_sha256": source_digest(),
     }
+
+
+def source_digest() -> str:
+    """A digest of the `fp4moe` package's Python and C++ sources: names the code a result measured even
+    where the checkout's git metadata is missing or stale (a copied working tree)."""
+    package = Path(fp4moe.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(p for p in package.rglob("*") if p.suffix in (".py", ".cpp")):
+        digest.update(str(path.relative_to(package)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def _source_revision() -> str | None:

@@ -62,6 +62,7 @@ def test_smoke_run_measures_every_implementation(smoke_run):
         assert ceilings is None and results["config"]["smoke_test_only"] is True
     env = results["environment"]
     assert "--smoke" in env["command"] and env["torch"] == torch.__version__ and env["date"]
+    assert env["fp4moe_source_sha256"] == report.source_digest()  # names the code without git
     assert results["config"]["cold_l2_applied"] is on_gpu
 
     assert [s["shape"]["name"] for s in results["shapes"]] == ["smoke", "smoke_ep"]
