@@ -4,7 +4,6 @@ matplotlib, which is optional (imported only when a plot is asked for)."""
 from __future__ import annotations
 
 import datetime
-import hashlib
 import importlib.metadata
 import json
 import math
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 import fp4moe
+from fp4moe.provenance import source_digest
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -75,16 +75,6 @@ def environment(device: torch.device, module: str, argv: list[str]) -> dict:
         "fp4moe_source_sha256": source_digest(),
     }
 
-
-def source_digest() -> str:
-    """A digest of the `fp4moe` package's Python and C++ sources: names the code a result measured even
-    where the checkout's git metadata is missing or stale (a copied working tree)."""
-    package = Path(fp4moe.__file__).resolve().parent
-    digest = hashlib.sha256()
-    for path in sorted(p for p in package.rglob("*") if p.suffix in (".py", ".cpp")):
-        digest.update(str(path.relative_to(package)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
 
 
 def _source_revision() -> str | None:

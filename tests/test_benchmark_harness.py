@@ -15,6 +15,7 @@ import torch
 from benchmarks import moe, moe_implementations, report, timing
 from benchmarks import quantize as quantize_benchmark
 from benchmarks.moe_cases import W4A16
+from fp4moe import provenance
 from benchmarks.moe_implementations import FUSED_MOE_TOLERANCE, REGISTRY, Implementation
 from tests.devices import DEVICES
 
@@ -62,7 +63,7 @@ def test_smoke_run_measures_every_implementation(smoke_run):
         assert ceilings is None and results["config"]["smoke_test_only"] is True
     env = results["environment"]
     assert "--smoke" in env["command"] and env["torch"] == torch.__version__ and env["date"]
-    assert env["fp4moe_source_sha256"] == report.source_digest()  # names the code without git
+    assert env["fp4moe_source_sha256"] == provenance.source_digest()  # names the code without git
     assert results["config"]["cold_l2_applied"] is on_gpu
 
     assert [s["shape"]["name"] for s in results["shapes"]] == ["smoke", "smoke_ep"]

@@ -9,7 +9,7 @@ The disk cache holds one object file per kernel, exported by CuTe DSL and loaded
 in `$XDG_CACHE_HOME/fp4moe/kernels` (default `~/.cache/fp4moe/kernels`); `FP4MOE_KERNEL_CACHE=<directory>`
 puts it elsewhere and `FP4MOE_KERNEL_CACHE=off` turns it off. A file's
 name is a digest of the caller's static configuration (`cache_key`), the target architecture and a
-fingerprint of everything the binary depends on: the source of the `fp4moe` package and the versions
+fingerprint of everything the binary depends on: fp4moe's sources (`fp4moe.provenance`) and the versions
 of CuTe DSL and TVM-FFI — so any change to the code or the toolchain compiles afresh. A file is written
 under a temporary name and renamed into place, so processes compiling the same kernel at once each
 leave a whole file (the last rename wins) and a reader never sees a partial one.
@@ -28,8 +28,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import load_module, make_fake_stream
 
-import fp4moe
 from fp4moe import dispatch
+from fp4moe.provenance import source_digest
 
 ARCH = dispatch.ARCH_BY_BACKEND[dispatch.CUTE_SM90_BACKEND]
 CACHE_VARIABLE = "FP4MOE_KERNEL_CACHE"
@@ -56,15 +56,11 @@ def cache_directory() -> Path | None:
 
 @functools.cache
 def toolchain_fingerprint() -> str:
-    """A digest of the `fp4moe` package's Python source and the CuTe DSL and TVM-FFI versions."""
+    """A digest of fp4moe's sources (`provenance.source_digest`) and the CuTe DSL and TVM-FFI versions."""
     import tvm_ffi
 
-    digest = hashlib.sha256(f"cutlass-dsl {cutlass.__version__} tvm-ffi {tvm_ffi.__version__}".encode())
-    package = Path(fp4moe.__file__).resolve().parent
-    for path in sorted(package.rglob("*.py")):
-        digest.update(str(path.relative_to(package)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
+    versions = f"cutlass-dsl {cutlass.__version__} tvm-ffi {tvm_ffi.__version__}"
+    return hashlib.sha256(f"{versions} {source_digest()}".encode()).hexdigest()
 
 
 def cache_file(directory: Path, cache_key: tuple, arch: str, fingerprint: str) -> Path:
