@@ -142,12 +142,12 @@ class MoEGemmSm90:
         self.stages = stages
         self.ctas_per_sm = ctas_per_sm
         self.max_ctas = max_ctas
-        self.feature_blocks = self.row_blocks // (tile_features // weight_layout.ROW_BLOCK)
         self.top_k = top_k
         self.activation = activation
         self.swiglu = (swiglu_alpha, swiglu_beta, swiglu_limit)
         self.router_weighted = router_weighted
         self.consumer_groups = tile_features // weight_layout.ROW_BLOCK
+        self.feature_blocks = self.row_blocks // self.consumer_groups
         self.threads = WARPGROUP_THREADS * (1 + self.consumer_groups)
         self.k_iterations = prepared_k // tile_k
         self.k64_per_tile = tile_k // weight_layout.K_TILE
@@ -188,11 +188,10 @@ class MoEGemmSm90:
             act: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
 
         self.shared_storage = SharedStorage
-        items = mTileExpert.shape[0] * self.feature_blocks
         self.kernel(
             mCodes, mScales, mAct, mPermutedToPair, mTileExpert, mAlpha, mRouterWeights, mOut, tiled_mma, b_layout
         ).launch(
-            grid=[cutlass.min(items, self.max_ctas), 1, 1],
+            grid=[cutlass.min(self.item_count(mTileExpert), self.max_ctas), 1, 1],
             block=[self.threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             min_blocks_per_mp=self.ctas_per_sm,
@@ -232,6 +231,16 @@ class MoEGemmSm90:
                 full, empty, group - 1,
             )
 
+    def item_count(self, mTileExpert):
+        """Work items: one per (plan tile, feature block), from the host-static worst-case tile count."""
+        return mTileExpert.shape[0] * self.feature_blocks
+
+    @cute.jit
+    def item_bounds(self, mTileExpert):
+        """(first, end, step) of this CTA's items `c, c + grid, ...`: the producer and the consumers walk
+        the same ones (the range itself must be written in the `for`, which the DSL rewrites)."""
+        return cute.arch.block_idx()[0], self.item_count(mTileExpert), cute.arch.grid_dim()[0]
+
     @cute.jit
     def item_expert(self, mTileExpert, item):
         """The plan tile, feature block and expert of a work item; expert -1 when the tile is unused
@@ -257,7 +266,8 @@ class MoEGemmSm90:
     @cute.jit
     def produce(self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage):
         iteration = Int32(0)  # k tiles this CTA has loaded so far: the pipeline's stage and phase
-        for item in cutlass.range(cute.arch.block_idx()[0], mTileExpert.shape[0] * self.feature_blocks, cute.arch.grid_dim()[0], unroll=1):
+        first, end, step = self.item_bounds(mTileExpert)
+        for item in cutlass.range(first, end, step, unroll=1):
             tile, feature_block, expert = self.item_expert(mTileExpert, item)
             if expert >= 0:
                 self.produce_item(
@@ -373,7 +383,8 @@ class MoEGemmSm90:
         scales_smem = storage.scales.data_ptr().toint() + group * self.scale_bytes + (thread // 4) * 8
 
         iteration = Int32(0)  # k tiles this CTA has consumed so far (the producer's count)
-        for item in cutlass.range(cute.arch.block_idx()[0], mTileExpert.shape[0] * self.feature_blocks, cute.arch.grid_dim()[0], unroll=1):
+        first, end, step = self.item_bounds(mTileExpert)
+        for item in cutlass.range(first, end, step, unroll=1):
             tile, feature_block, expert = self.item_expert(mTileExpert, item)
             if expert >= 0:
                 for n in cutlass.range_constexpr(self.row_chunks):
