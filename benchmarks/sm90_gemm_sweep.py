@@ -90,7 +90,7 @@ def run(tokens: int, weights, replays: int, g) -> bool:
     tile_m = dispatch.moe_tile_m(tokens, TOP_K, EXPERTS)
     (permuted_to_pair, _, tile_expert, _, _), _ = moe_launch.plan(topk_ids, EXPERTS, 0, tile_m)
     used = permuted_to_pair >= 0
-    expected = moe_launch._expected_tiles(tokens * TOP_K, EXPERTS, tile_m)
+    expected = moe_launch.expected_tiles(tokens * TOP_K, EXPERTS, tile_m)
     sms = moe_launch.sm_count(torch.cuda.current_device())
     print(f"T={tokens} tile_m={tile_m}", flush=True)
 

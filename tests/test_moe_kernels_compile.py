@@ -34,7 +34,7 @@ def _fused_moe_variants():
     variants = []
     for tokens in (1, 128, 256, 1024, 2048, 4096):
         tile = dispatch.moe_tile_m(tokens, 8, 256)
-        expected = moe_launch._expected_tiles(tokens * 8, 256, tile)
+        expected = moe_launch.expected_tiles(tokens * 8, 256, tile)
         gemm1 = moe_launch.GemmShape((256, 64, 112, 2048), tile, expected, 132).key()
         gemm2 = moe_launch.GemmShape((256, 112, 32, 2048), tile, expected, 132).key()
         variants.append(("gemm1", gemm1, 7168, 2048, 8, "swiglu", (None, None, None), False))

@@ -161,7 +161,7 @@ def compile_gemm(
     return compile_kernel(kernel, codes, scales, act, _i32(rows_dim), _i32(_dynamic()), alpha, router, out, cache_key=key)
 
 
-def _expected_tiles(num_pairs: int, num_local_experts: int, tile_rows: int) -> int:
+def expected_tiles(num_pairs: int, num_local_experts: int, tile_rows: int) -> int:
     """Used plan tiles under uniform routing: one per expert that receives a pair, at least."""
     return max(-(-num_pairs // tile_rows), min(num_local_experts, num_pairs))
 
@@ -216,7 +216,7 @@ def gemm1(
         return out, empty.view(torch.float8_e4m3fn), empty
     tile_rows = num_rows // tiles
     shape = GemmShape(
-        w1.shape, tile_rows, _expected_tiles(a.shape[0] * top_k, w1.shape[0], tile_rows), sm_count(w1.device.index)
+        w1.shape, tile_rows, expected_tiles(a.shape[0] * top_k, w1.shape[0], tile_rows), sm_count(w1.device.index)
     )
     kernel = compile_gemm(
         "gemm1", shape.key(), a.shape[1], out_features, top_k, activation, (swiglu_alpha, swiglu_beta, swiglu_limit),
@@ -243,7 +243,7 @@ def gemm2(
         return out
     tile_rows = num_rows // tiles
     shape = GemmShape(
-        w2.shape, tile_rows, _expected_tiles(num_tokens * top_k, w2.shape[0], tile_rows), sm_count(w2.device.index)
+        w2.shape, tile_rows, expected_tiles(num_tokens * top_k, w2.shape[0], tile_rows), sm_count(w2.device.index)
     )
     kernel = compile_gemm(
         epilogue, shape.key(), a.shape[1], hidden, top_k, "none", (None, None, None), router_weights is not None
