@@ -24,7 +24,6 @@ from benchmarks.moe_cases import random_moe_weights
 from benchmarks.timing import PreparedCall, time_interleaved
 from fp4moe import dispatch, weight_layout
 from fp4moe.kernels.sm90 import moe_launch
-from fp4moe.kernels.sm90.arguments import standard_strides
 from fp4moe.kernels.sm90.moe_gemm import pipeline_stages
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 7168, 2048, 256, 8
@@ -96,11 +95,10 @@ def run(tokens: int, weights, replays: int, g) -> bool:
 
     inter = torch.empty(permuted_to_pair.shape[0], weights.w1.shape[1] * weight_layout.ROW_BLOCK // 2,
                         dtype=torch.bfloat16, device="cuda")
-    w1 = [standard_strides(t) for t in (weights.w1, weights.w1_scales, w1_alpha)]
     shape1 = moe_launch.GemmShape(weights.w1.shape, tile_m, expected, sms)
 
     def gemm1_launch(kernel):
-        kernel(w1[0], w1[1], x, permuted_to_pair, tile_expert, w1[2], None, inter)
+        moe_launch.launch_gemm(kernel, weights.w1, weights.w1_scales, x, permuted_to_pair, tile_expert, w1_alpha, None, inter)
         return inter
 
     def gemm1_check(out, reference):
@@ -113,13 +111,14 @@ def run(tokens: int, weights, replays: int, g) -> bool:
 
     intermediate = torch.randn(inter.shape, generator=g, device="cuda").to(torch.bfloat16)
     accumulator = torch.zeros(tokens, HIDDEN, device="cuda")
-    w2 = [standard_strides(t) for t in (weights.w2, weights.w2_scales, w2_alpha)]
-    router = standard_strides(topk_weights.reshape(-1))
     shape2 = moe_launch.GemmShape(weights.w2.shape, tile_m, expected, sms)
 
     def gemm2_launch(kernel):
         accumulator.zero_()
-        kernel(w2[0], w2[1], intermediate, permuted_to_pair, tile_expert, w2[2], router, accumulator)
+        moe_launch.launch_gemm(
+            kernel, weights.w2, weights.w2_scales, intermediate, permuted_to_pair, tile_expert, w2_alpha, topk_weights,
+            accumulator,
+        )
         return accumulator
 
     def gemm2_check(out, reference):

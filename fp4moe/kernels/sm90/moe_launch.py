@@ -193,6 +193,15 @@ def _activation_rows(a: torch.Tensor) -> torch.Tensor:
     return a
 
 
+def launch_gemm(kernel, codes, scales, a, permuted_to_pair, tile_expert, alpha, router_weights, out) -> None:
+    """Call a compiled grouped GEMM (`compile_gemm`) with its arguments in the layouts it was compiled for."""
+    router = None if router_weights is None else standard_strides(router_weights.reshape(-1))
+    kernel(
+        standard_strides(codes), standard_strides(scales), _activation_rows(a), permuted_to_pair, tile_expert,
+        standard_strides(alpha), router, out,
+    )
+
+
 def _w4a16_only(a_scales, output_global_scale=None, aux_amax_tile_n=0) -> None:
     if a_scales is not None or output_global_scale is not None or aux_amax_tile_n:
         raise NotImplementedError("the sm90 MoE GEMMs take bf16 activations (W4A16) only")
@@ -222,8 +231,7 @@ def gemm1(
         "gemm1", shape.key(), a.shape[1], out_features, top_k, activation, (swiglu_alpha, swiglu_beta, swiglu_limit),
         router_weights is not None,
     )
-    router = None if router_weights is None else standard_strides(router_weights.reshape(-1))
-    kernel(standard_strides(w1), standard_strides(w1_scales), _activation_rows(a), permuted_to_pair, tile_expert, standard_strides(w1_alpha), router, out)
+    launch_gemm(kernel, w1, w1_scales, a, permuted_to_pair, tile_expert, w1_alpha, router_weights, out)
     return out, empty.view(torch.float8_e4m3fn), empty
 
 
@@ -248,8 +256,7 @@ def gemm2(
     kernel = compile_gemm(
         epilogue, shape.key(), a.shape[1], hidden, top_k, "none", (None, None, None), router_weights is not None
     )
-    router = None if router_weights is None else standard_strides(router_weights.reshape(-1))
-    kernel(standard_strides(w2), standard_strides(w2_scales), _activation_rows(a), permuted_to_pair, tile_expert, standard_strides(w2_alpha), router, out)
+    launch_gemm(kernel, w2, w2_scales, a, permuted_to_pair, tile_expert, w2_alpha, router_weights, out)
     return out
 
 
