@@ -432,9 +432,14 @@ std::unique_ptr<torch::Library> cuda_library, autograd_library;
   X(block_size) X(swizzle_rows) X(swizzle_cols) X(amax_row_group) X(vector_bytes) X(max_elements)       \
       X(many_elements) X(min_global_scale_inv) X(max_global_scale_inv)
 
+#define FP4MOE_COUNT_FIELD(name) +1
+constexpr size_t kContractFields = 0 FP4MOE_CONTRACT_FIELDS(FP4MOE_COUNT_FIELD);
+#undef FP4MOE_COUNT_FIELD
+
 Contract contract_from(const py::dict& values) {
   Contract result;
-  TORCH_CHECK(values.size() == 9, "fp4moe host launcher: the contract has 9 numbers, got ", values.size());
+  TORCH_CHECK(values.size() == kContractFields, "fp4moe host launcher: the contract has ", kContractFields,
+              " numbers, got ", values.size());
 #define FP4MOE_READ_FIELD(name)                                                                          \
   TORCH_CHECK(values.contains(#name), "fp4moe host launcher: the contract lacks " #name);               \
   result.name = values[#name].cast<decltype(result.name)>();                                            \
