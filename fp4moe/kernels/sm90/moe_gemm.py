@@ -484,7 +484,7 @@ class MoEGemmSm90:
         block = feature_block * self.consumer_groups + group
         first_row = tile * self.tile_rows
         if const_expr(self.epilogue == "gemm1"):
-            self.finish_gemm1(acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, mOut)
+            self.finish_gemm1(acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, num_pairs, mOut)
         else:
             self.finish_gemm2(acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, num_pairs, mOut)
 
@@ -505,32 +505,48 @@ class MoEGemmSm90:
         return result
 
     @cute.jit
-    def finish_gemm1(self, acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, mOut):
-        if const_expr(self.activation == "swiglu"):
-            # Gate and up of one feature are the thread's rows 16w+g and 16w+g+8 (weight_layout).
-            # Accumulator element v + 2 is element v's row + 8 (the fragment's second mode).
-            for c in cutlass.range_constexpr(self.row_chunks):
-                for v in cutlass.range_constexpr(cute.size(acc[0], mode=[0])):
-                    if const_expr((v // 2) % 2 == 0):
-                        m, n = coordinates[v, 0, 0]
-                        value = self.activate(acc[c][v, 0, 0] * alpha, acc[c][v + 2, 0, 0] * alpha)
-                        feature = block * 32 + (m // 16) * 8 + m % 16
-                        self.store_gemm1(value, feature, first_row + c * self.mma_rows + n, mRouterWeights, mPermutedToPair, mOut)
-        else:
-            for c in cutlass.range_constexpr(self.row_chunks):
-                for v in cutlass.range_constexpr(cute.size(acc[0], mode=[0])):
-                    m, n = coordinates[v, 0, 0]
-                    y = acc[c][v, 0, 0] * alpha
-                    y = cute.arch.fmax(y, Float32(0.0))
-                    self.store_gemm1(y * y, block * 64 + m, first_row + c * self.mma_rows + n, mRouterWeights, mPermutedToPair, mOut)
+    def chunk_rows(self, coordinates, first_row, c, mRouterWeights, mPermutedToPair, num_pairs):
+        """The thread's rows of row chunk `c`, loaded before any store: per accumulator element `v`
+        whose row mode is 0, the row's pair (-1 for a padding row) and, with `router_weighted`, its
+        router weight (element `v + 2` has the same row). The loads are independent of each other, so
+        they overlap; loaded next to each store, each waited for a round trip."""
+        pairs, weights = {}, {}
+        for v in cutlass.range_constexpr(cute.size(coordinates, mode=[0])):
+            if const_expr((v // 2) % 2 == 0):
+                _, n = coordinates[v, 0, 0]
+                pair = mPermutedToPair[first_row + c * self.mma_rows + n]
+                valid = (pair >= 0) & (pair < num_pairs)
+                pairs[v] = cutlass.select_(valid, pair, Int32(-1))
+                if const_expr(self.router_weighted):
+                    weights[v] = mRouterWeights[cutlass.select_(valid, pair, Int32(0))]
+        return pairs, weights
 
     @cute.jit
-    def store_gemm1(self, value, feature, row, mRouterWeights, mPermutedToPair, mOut):
+    def finish_gemm1(self, acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, num_pairs, mOut):
+        for c in cutlass.range_constexpr(self.row_chunks):
+            pairs, weights = self.chunk_rows(coordinates, first_row, c, mRouterWeights, mPermutedToPair, num_pairs)
+            for v in cutlass.range_constexpr(cute.size(acc[0], mode=[0])):
+                m, n = coordinates[v, 0, 0]
+                row = first_row + c * self.mma_rows + n
+                same_row = v - 2 * ((v // 2) % 2)  # the element of mode 0 with this element's row
+                if const_expr(self.activation == "swiglu"):
+                    # Gate and up of one feature are the thread's rows 16w+g and 16w+g+8 (weight_layout);
+                    # accumulator element v + 2 is element v's row + 8.
+                    if const_expr((v // 2) % 2 == 0):
+                        value = self.activate(acc[c][v, 0, 0] * alpha, acc[c][v + 2, 0, 0] * alpha)
+                        feature = block * 32 + (m // 16) * 8 + m % 16
+                        self.store_gemm1(value, feature, row, pairs[v], weights.get(v), mOut)
+                else:
+                    y = cute.arch.fmax(acc[c][v, 0, 0] * alpha, Float32(0.0))
+                    self.store_gemm1(y * y, block * 64 + m, row, pairs[same_row], weights.get(same_row), mOut)
+
+    @cute.jit
+    def store_gemm1(self, value, feature, row, pair, weight, mOut):
+        """The router weight applies to rows that hold a pair; padding rows are written too (zeros)."""
         if feature < self.out_features:
             if const_expr(self.router_weighted):
-                pair = mPermutedToPair[row]
-                if (pair >= 0) & (pair < mRouterWeights.shape[0]):
-                    value = value * mRouterWeights[pair]
+                if pair >= 0:
+                    value = value * weight
             mOut[row, feature] = value.to(BFloat16)
 
     @cute.jit
@@ -538,14 +554,16 @@ class MoEGemmSm90:
         out_address = mOut.iterator.toint()
         row_bytes = Int64(mOut.stride[0]) * 4
         for c in cutlass.range_constexpr(self.row_chunks):
+            pairs, weights = self.chunk_rows(coordinates, first_row, c, mRouterWeights, mPermutedToPair, num_pairs)
             for v in cutlass.range_constexpr(cute.size(acc[0], mode=[0])):
-                m, n = coordinates[v, 0, 0]
+                m, _ = coordinates[v, 0, 0]
                 feature = block * 64 + m
-                pair = mPermutedToPair[first_row + c * self.mma_rows + n]
-                if (pair >= 0) & (pair < num_pairs) & (feature < self.out_features):
+                same_row = v - 2 * ((v // 2) % 2)
+                pair = pairs[same_row]
+                if (pair >= 0) & (feature < self.out_features):
                     y = acc[c][v, 0, 0] * alpha
                     if const_expr(self.router_weighted):
-                        y = y * mRouterWeights[pair]
+                        y = y * weights[same_row]
                     if const_expr(self.epilogue == "gemm2_fused"):
                         token = pair // self.top_k
                         dev.reduce_add_f32(out_address + Int64(token) * row_bytes + Int64(feature) * 4, y)
