@@ -1,6 +1,7 @@
 """Tuning the sm90 W4A16 grouped GEMMs: every launch configuration near the default one, timed alone.
 
     python -m benchmarks.sm90_gemm_sweep [--tokens 1,64,512,4096] [--replays 30]
+    python -m benchmarks.sm90_gemm_sweep --compile-only [--sms 132]   # no GPU needed
 
 For development (the benchmark of record is `python -m benchmarks.moe`). DeepSeek-V3 shape, softmax
 routing; per token count the plan tile is `moe_dispatch`'s. For GEMM1 and the fused GEMM2 it compiles
@@ -9,6 +10,10 @@ small tiles, K per k tile, rows per MMA), checks each one's output against the d
 bitwise, GEMM2's atomics to 1e-5), and times each in a CUDA graph with a cold L2 (interleaved rounds,
 median). Prints one line per configuration, fastest first, and the default's rank; exits 1 if a
 configuration gave another result. Needs a Hopper GPU.
+
+`--compile-only` compiles the same configurations into the disk kernel cache (`FP4MOE_KERNEL_CACHE`)
+without a GPU, for a GPU with `--sms` multiprocessors: a GPU run on the same sources then loads them
+instead of compiling.
 """
 
 from __future__ import annotations
@@ -81,21 +86,56 @@ def sweep_gemm(name, compile_for, launch, default: moe_launch.GemmShape, check, 
     return ok
 
 
+def gemm_shapes(tokens: int, sms: int) -> tuple[int, moe_launch.GemmShape, moe_launch.GemmShape]:
+    """The plan tile and the default GEMM1 and GEMM2 configurations for `tokens` tokens."""
+    tile_m = dispatch.moe_tile_m(tokens, TOP_K, EXPERTS)
+    expected = moe_launch.expected_tiles(tokens * TOP_K, EXPERTS, tile_m)
+    w1_shape, _ = weight_layout.prepared_shapes(EXPERTS, 2 * INTERMEDIATE, HIDDEN, gated=True)
+    w2_shape, _ = weight_layout.prepared_shapes(EXPERTS, HIDDEN, INTERMEDIATE, gated=False)
+    return (
+        tile_m,
+        moe_launch.GemmShape(w1_shape, tile_m, expected, sms),
+        moe_launch.GemmShape(w2_shape, tile_m, expected, sms),
+    )
+
+
+def compile_gemm1(key):
+    return moe_launch.compile_gemm("gemm1", key, HIDDEN, INTERMEDIATE, TOP_K, "swiglu", (None,) * 3, False)
+
+
+def compile_gemm2(key):
+    return moe_launch.compile_gemm("gemm2_fused", key, INTERMEDIATE, HIDDEN, TOP_K, "none", (None,) * 3, True)
+
+
+def compile_only(token_counts, sms: int) -> bool:
+    """Compile every configuration the sweep times into the disk cache. Whether all compiled."""
+    ok = True
+    for tokens in token_counts:
+        _, shape1, shape2 = gemm_shapes(tokens, sms)
+        for name, compile_for, default in (("gemm1", compile_gemm1, shape1), ("gemm2", compile_gemm2, shape2)):
+            keys = [default.key()] + [k for k in neighbours(default) if k != default.key()]
+            for number, key in enumerate(keys, 1):
+                print(f"T={tokens} {name} [{number}/{len(keys)}] {describe(key)}", flush=True)
+                try:
+                    compile_for(key)
+                except Exception as error:
+                    print(f"  does not compile ({type(error).__name__}: {error})", flush=True)
+                    ok = False
+    return ok
+
+
 def run(tokens: int, weights, replays: int, g) -> bool:
     w1_alpha, w2_alpha = weights.alphas()
     x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
     logits = torch.randn(tokens, EXPERTS, generator=g, device="cuda")
     topk_ids, topk_weights = torch.ops.fp4moe.route_softmax_topk(logits, TOP_K, True)
-    tile_m = dispatch.moe_tile_m(tokens, TOP_K, EXPERTS)
+    tile_m, shape1, shape2 = gemm_shapes(tokens, moe_launch.sm_count(torch.cuda.current_device()))
     (permuted_to_pair, _, tile_expert, _, _), _ = moe_launch.plan(topk_ids, EXPERTS, 0, tile_m)
     used = permuted_to_pair >= 0
-    expected = moe_launch.expected_tiles(tokens * TOP_K, EXPERTS, tile_m)
-    sms = moe_launch.sm_count(torch.cuda.current_device())
     print(f"T={tokens} tile_m={tile_m}", flush=True)
 
     inter = torch.empty(permuted_to_pair.shape[0], weights.w1.shape[1] * weight_layout.ROW_BLOCK // 2,
                         dtype=torch.bfloat16, device="cuda")
-    shape1 = moe_launch.GemmShape(weights.w1.shape, tile_m, expected, sms)
 
     def gemm1_launch(kernel):
         moe_launch.launch_gemm(kernel, weights.w1, weights.w1_scales, x, permuted_to_pair, tile_expert, w1_alpha, None, inter)
@@ -105,13 +145,11 @@ def run(tokens: int, weights, replays: int, g) -> bool:
         return None if torch.equal(out[used], reference[used]) else "not bitwise equal to the default"
 
     ok = sweep_gemm(
-        "gemm1", lambda key: moe_launch.compile_gemm("gemm1", key, HIDDEN, INTERMEDIATE, TOP_K, "swiglu", (None,) * 3, False),
-        gemm1_launch, shape1, gemm1_check, 2 * tokens * TOP_K * 2 * INTERMEDIATE * HIDDEN, replays,
+        "gemm1", compile_gemm1, gemm1_launch, shape1, gemm1_check, 2 * tokens * TOP_K * 2 * INTERMEDIATE * HIDDEN, replays,
     )
 
     intermediate = torch.randn(inter.shape, generator=g, device="cuda").to(torch.bfloat16)
     accumulator = torch.zeros(tokens, HIDDEN, device="cuda")
-    shape2 = moe_launch.GemmShape(weights.w2.shape, tile_m, expected, sms)
 
     def gemm2_launch(kernel):
         accumulator.zero_()
@@ -126,8 +164,7 @@ def run(tokens: int, weights, replays: int, g) -> bool:
         return None if error < 1e-5 else f"relative error {error:.1e} against the default"
 
     return ok & sweep_gemm(
-        "gemm2", lambda key: moe_launch.compile_gemm("gemm2_fused", key, INTERMEDIATE, HIDDEN, TOP_K, "none", (None,) * 3, True),
-        gemm2_launch, shape2, gemm2_check, 2 * tokens * TOP_K * HIDDEN * INTERMEDIATE, replays,
+        "gemm2", compile_gemm2, gemm2_launch, shape2, gemm2_check, 2 * tokens * TOP_K * HIDDEN * INTERMEDIATE, replays,
     )
 
 
@@ -135,7 +172,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,64,512,4096")
     parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument("--compile-only", action="store_true", help="fill the disk kernel cache; no GPU needed")
+    parser.add_argument("--sms", type=int, default=132, help="with --compile-only: the GPU's multiprocessors")
     args = parser.parse_args()
+    token_counts = [int(t) for t in args.tokens.split(",")]
+    if args.compile_only:
+        return 0 if compile_only(token_counts, args.sms) else 1
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("benchmarks.sm90_gemm_sweep needs a Hopper GPU (the sm90 kernels)", file=sys.stderr)
         return 2
@@ -143,7 +185,7 @@ def main() -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     weights = random_moe_weights(EXPERTS, HIDDEN, INTERMEDIATE, g, "cuda").prepared()
     ok = True
-    for tokens in (int(t) for t in args.tokens.split(",")):
+    for tokens in token_counts:
         ok &= run(tokens, weights, args.replays, g)
     return 0 if ok else 1
 
