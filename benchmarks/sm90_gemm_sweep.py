@@ -6,7 +6,7 @@
 For development (the benchmark of record is `python -m benchmarks.moe`). DeepSeek-V3 shape, softmax
 routing; per token count the plan tile is `moe_dispatch`'s. For GEMM1 and the fused GEMM2 it compiles
 the configuration `moe_launch.GemmShape` picks and its neighbours (features per CTA, CTAs per SM for
-small tiles, K per k tile, rows per MMA), checks each one's output against the default's (GEMM1
+small tiles, K per k tile, row granule), checks each one's output against the default's (GEMM1
 bitwise, GEMM2's atomics to 1e-5), and times each in a CUDA graph with a cold L2 (interleaved rounds,
 median). Prints one line per configuration, fastest first, and the default's rank; exits 1 if a
 configuration gave another result. Needs a Hopper GPU.
@@ -36,23 +36,24 @@ HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 7168, 2048, 256, 8
 
 def neighbours(default: moe_launch.GemmShape) -> list[tuple]:
     """Shape keys around `default`: features per CTA, CTAs per SM (tiles of at most 32 rows), K per
-    k tile, rows per MMA (the tile's, or the default's); stages: as many as fit."""
+    k tile, row granule (the default's, 32, 64 or the whole tile); stages: as many as fit."""
     rows = default.tile_rows
+    granules = sorted({g for g in (default.row_granule, 32, 64, rows) if g <= rows and rows % g == 0})
     keys = []
-    for features, ctas, tile_k, mma in itertools.product(
-        (64, 128), (1, 2) if rows <= 32 else (1,), (64, 128), sorted({rows, default.mma_rows})
+    for features, ctas, tile_k, granule in itertools.product(
+        (64, 128), (1, 2) if rows <= 32 else (1,), (64, 128), granules
     ):
         stages = pipeline_stages(features, rows, tile_k, ctas)
         keys.append((
-            default.num_experts, default.prepared_rows, default.prepared_k, features, rows, mma, tile_k, stages,
+            default.num_experts, default.prepared_rows, default.prepared_k, features, rows, granule, tile_k, stages,
             ctas, default.max_ctas // default.ctas_per_sm * ctas,
         ))
     return keys
 
 
 def describe(key: tuple) -> str:
-    _, _, _, features, rows, mma, tile_k, stages, ctas, _ = key
-    return f"features {features:3d}  rows {rows:3d}/{mma:3d}  K {tile_k:3d}  stages {stages:2d}  CTAs/SM {ctas}"
+    _, _, _, features, rows, granule, tile_k, stages, ctas, _ = key
+    return f"features {features:3d}  rows {rows:3d}/{granule:3d}  K {tile_k:3d}  stages {stages:2d}  CTAs/SM {ctas}"
 
 
 def sweep_gemm(name, compile_for, launch, default: moe_launch.GemmShape, check, flops, replays) -> bool:

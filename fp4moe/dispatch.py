@@ -121,8 +121,8 @@ def moe_tile_m(num_tokens: int, top_k: int, num_local_experts: int) -> int:
     deviations to spare (rows per expert are close to Poisson with mean `⌈T·k / E⌉`), at most 192.
 
     A tile only just above the mean would give about half the experts a second, mostly empty tile
-    that streams and decodes their weights again; the sm90 GEMMs skip the MMAs of a tile's trailing
-    chunks of padding rows, so the spare rows cost little."""
+    that streams and decodes their weights again; the sm90 GEMMs' MMAs cover a tile's rows only up
+    to its last 16- or 32-row granule that holds a pair, so the spare rows cost little."""
     expected_rows = ceil_div(num_tokens * top_k, num_local_experts)
     rows = expected_rows + 3 * math.sqrt(expected_rows)
     return next((t for t in MOE_TILE_M_CHOICES if t >= rows), MOE_TILE_M_CHOICES[-1])

@@ -12,19 +12,20 @@ import pytest
 
 from fp4moe import dispatch
 from fp4moe.kernels.sm90 import moe_launch
+from fp4moe.kernels.sm90.moe_gemm import MIN_WIDE_TILE_ROWS
 from tests.sm90_compile import compile_in_subprocess, sass
 
-# (epilogue, (experts, prepared rows, prepared K, tile features, tile rows, MMA rows, tile K, stages, CTAs per SM,
+# (epilogue, (experts, prepared rows, prepared K, tile features, tile rows, row granule, tile K, stages, CTAs per SM,
 #  most CTAs),
 #  act_k, out_features, top_k, activation, swiglu (alpha, beta, limit), router weighted)
 GEMM_VARIANTS = [
     ("gemm1", (256, 4096, 7168, 128, 8, 8, 128, 8, 2, 264), 7168, 2048, 8, "swiglu", (None, None, None), False),
     ("gemm1", (32, 512, 1024, 64, 16, 16, 128, 8, 2, 264), 1000, 256, 2, "swiglu", (1.702, 1.0, 7.0), True),
-    ("gemm1", (8, 256, 256, 128, 128, 64, 128, 4, 1, 132), 208, 256, 8, "relu2", (None, None, None), False),
-    ("gemm1", (256, 4096, 7168, 128, 192, 64, 64, 7, 1, 132), 7168, 2048, 8, "swiglu", (None, None, None), False),
-    ("gemm1", (64, 1024, 2048, 64, 64, 32, 128, 10, 1, 132), 2000, 512, 4, "swiglu", (None, None, None), True),
+    ("gemm1", (8, 256, 256, 128, 128, 32, 128, 4, 1, 132), 208, 256, 8, "relu2", (None, None, None), False),
+    ("gemm1", (256, 4096, 7168, 128, 192, 32, 64, 7, 1, 132), 7168, 2048, 8, "swiglu", (None, None, None), False),
+    ("gemm1", (64, 1024, 2048, 64, 64, 16, 128, 10, 1, 132), 2000, 512, 4, "swiglu", (None, None, None), True),
     ("gemm2_fused", (256, 7168, 2048, 128, 8, 8, 128, 8, 2, 264), 2048, 7168, 8, "none", (None, None, None), True),
-    ("gemm2_expanded", (256, 7168, 2048, 128, 128, 64, 128, 4, 1, 132), 2048, 7100, 8, "none", (None, None, None), False),
+    ("gemm2_expanded", (256, 7168, 2048, 128, 128, 32, 128, 4, 1, 132), 2048, 7100, 8, "none", (None, None, None), False),
 ]
 
 
@@ -95,13 +96,22 @@ def test_every_kernel_compiles_for_sm90a(compiled):
 def test_gemms_feed_register_sourced_wgmma_from_bulk_copies_and_gathers(compiled):
     for i, (_epilogue, key, *_rest) in enumerate(GEMM_VARIANTS):
         sass = _sass(compiled, f"gemm_{i}")
-        mma_rows = key[5]
-        # HGMMA.64xNx16 whose A operand is a register (`R..`), not a shared-memory descriptor.
-        assert re.search(rf"HGMMA\.64x{mma_rows}x16\.F32\.BF16 R\d+, R\d+, gdesc", sass), GEMM_VARIANTS[i]
+        # HGMMA.64xNx16 whose A operand is a register (`R..`), not a shared-memory descriptor: one
+        # width per variant of the k loop.
+        for rows in _variant_rows(key):
+            assert re.search(rf"HGMMA\.64x{rows}x16\.F32\.BF16 R\d+, R\d+, gdesc", sass), (rows, GEMM_VARIANTS[i])
         assert "UBLKCP.S.G" in sass and "LDGSTS" in sass, GEMM_VARIANTS[i]
         assert "USETMAXREG" in sass, GEMM_VARIANTS[i]
         # one mul.rn.bf16x2 per decoded pair: 4 per k16 step and thread
         assert sass.count("HMUL2.BF16_V2") >= 4 * key[6] // 16, GEMM_VARIANTS[i]
+
+
+def _variant_rows(key) -> list[int]:
+    """The rows of each variant of a GEMM's k loop: multiples of the row granule, from 64 rows for
+    tiles of more than 64 (`moe_gemm.MIN_WIDE_TILE_ROWS`)."""
+    tile_rows, granule = key[4], key[5]
+    narrowest = granule if tile_rows <= MIN_WIDE_TILE_ROWS else max(granule, MIN_WIDE_TILE_ROWS // granule * granule)
+    return list(range(narrowest, tile_rows + 1, granule))
 
 
 def _serializes(key) -> bool:
@@ -122,14 +132,14 @@ def _serializes(key) -> bool:
 def test_gemm_mmas_stay_in_flight(compiled, index):
     """ptxas serializes `wgmma`s it cannot keep in flight (too few registers, accumulators touched
     between them), waiting for each one to finish: the k loops wait for all of them only once per
-    variant of the loop (`tile_rows / mma_rows` variants), never after every `HGMMA`. (A K of two k
+    variant of the loop (`_variant_rows`), never after every `HGMMA`. (A K of two k
     tiles, far below model sizes, is unrolled into the variants' branches and serialized.)"""
     _epilogue, key, *_rest = GEMM_VARIANTS[index]
-    prepared_k, tile_rows, mma_rows, tile_k = key[2], key[4], key[5], key[6]
+    prepared_k, tile_k = key[2], key[6]
     if prepared_k // tile_k <= 2:
         pytest.skip("a k loop of two k tiles")
     sass = _sass(compiled, f"gemm_{index}")
-    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") <= tile_rows // mma_rows, GEMM_VARIANTS[index]
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") <= len(_variant_rows(key)), GEMM_VARIANTS[index]
 
 
 def test_no_kernel_spills_to_local_memory(compiled):

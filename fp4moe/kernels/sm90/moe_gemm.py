@@ -34,6 +34,10 @@ CHUNK_ELEMENTS = 8
 SHARED_MEMORY_BYTES = 227 * 1024
 """Opt-in shared memory of one CTA on sm_90."""
 MAX_STAGES = 16
+EPILOGUE_ROWS = 32
+"""Plan rows whose pairs and router weights the epilogue loads at once (registers held by the loads)."""
+MIN_WIDE_TILE_ROWS = 64
+"""Rows that the MMAs of an item of a larger tile always cover."""
 
 
 def stage_bytes(tile_features: int, tile_rows: int, tile_k: int) -> int:
@@ -92,9 +96,10 @@ class MoEGemmSm90:
       into the A fragment (`gemm_device`), `wgmma` RS against the B tile, commit; wait for the previous
       k tile's `wgmma` and release its stage (`empty`, one arrival per thread). A fragments alternate
       between two register sets (k tiles unrolled by two) so decoding tile k + 1 overlaps the
-      tensor-core work of tile k. The MMAs of a tile run in chunks of `mma_rows` rows, one accumulator
-      per chunk, and an item computes only its chunks up to the last one that holds a pair
-      (`used_row_chunks`, `mainloop`).
+      tensor-core work of tile k. An item's MMAs cover its rows up to the last `row_granule` rows that
+      hold a pair, as one `wgmma` of that many rows per 16 K (`used_row_granules`, `mainloop`): the
+      rows of one accumulator, of which a partly filled tile computes a prefix. One wide `wgmma` keeps
+      the tensor core busier than several narrow ones over the same rows.
 
     Epilogue (consumers, straight from the accumulators): the FP32 accumulator times
     `alpha[e] * 2^8` (the decode's `2^-8`, `gemm_device`), then per `epilogue`.
@@ -111,7 +116,7 @@ class MoEGemmSm90:
         out_features: int,
         tile_features: int,
         tile_rows: int,
-        mma_rows: int,
+        row_granule: int,
         tile_k: int,
         stages: int,
         ctas_per_sm: int,
@@ -127,7 +132,7 @@ class MoEGemmSm90:
         assert tile_features in (64, 128) and prepared_rows % tile_features == 0
         assert tile_k in (64, 128) and prepared_k % tile_k == 0 and act_k <= prepared_k
         assert tile_rows % 8 == 0 and 8 <= tile_rows <= 256
-        assert tile_rows % mma_rows == 0 and mma_rows % 8 == 0
+        assert tile_rows % row_granule == 0 and row_granule % 8 == 0
         self.epilogue = epilogue
         self.num_experts = num_experts
         self.row_blocks = prepared_rows // weight_layout.ROW_BLOCK
@@ -136,8 +141,12 @@ class MoEGemmSm90:
         self.out_features = out_features
         self.tile_features = tile_features
         self.tile_rows = tile_rows
-        self.mma_rows = mma_rows
-        self.row_chunks = tile_rows // mma_rows
+        self.row_granule = row_granule
+        self.row_variants = tile_rows // row_granule
+        # The narrowest variant: a tile of more than 64 rows computes at least 64 (ptxas serializes
+        # every `wgmma` of a kernel that also has 32-row ones next to its 128- and 192-row ones).
+        self.first_variant = 1 if tile_rows <= MIN_WIDE_TILE_ROWS else max(1, MIN_WIDE_TILE_ROWS // row_granule)
+        self.epilogue_rows = min(tile_rows, EPILOGUE_ROWS)
         self.tile_k = tile_k
         self.stages = stages
         self.ctas_per_sm = ctas_per_sm
@@ -171,10 +180,7 @@ class MoEGemmSm90:
         mOut: cute.Tensor,  # gemm1: bf16 [R, out]; gemm2_fused: fp32 [T, out]; gemm2_expanded: fp32 [T*k, out]
         stream,
     ):
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
-            (1, 1, 1), (weight_layout.ROW_BLOCK, self.mma_rows), warpgroup.OperandSource.RMEM,
-        )
+        tiled_mma = self.tiled_mma(self.tile_rows)
         b_layout = sm90_utils.make_smem_layout_b(
             LayoutEnum.ROW_MAJOR, (weight_layout.ROW_BLOCK, self.tile_rows, self.tile_k), BFloat16, self.stages
         )
@@ -198,6 +204,13 @@ class MoEGemmSm90:
             preferred_smem_carveout=100,
             stream=stream,
             use_pdl=USE_PDL,
+        )
+
+    def tiled_mma(self, rows: int):
+        """The `wgmma` (RS, bf16 in, FP32 accumulate) of a 64-feature block against `rows` plan rows."""
+        return sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
+            (1, 1, 1), (weight_layout.ROW_BLOCK, rows), warpgroup.OperandSource.RMEM,
         )
 
     @cute.kernel
@@ -367,18 +380,20 @@ class MoEGemmSm90:
         thread = tidx % WARPGROUP_THREADS
         thr_mma = tiled_mma.get_slice(thread)
         act_smem = storage.act.get_tensor(b_layout.outer, swizzle=b_layout.inner)
-        # One B view and one accumulator per chunk of `mma_rows` rows.
-        tCrB = [
-            tiled_mma.make_fragment_B(
-                thr_mma.partition_B(cute.local_tile(act_smem, (self.mma_rows, self.tile_k), (n, 0, None)))
-            )
-            for n in range(self.row_chunks)
-        ]
+        # The B descriptors of the whole tile serve every variant: a `wgmma` of fewer rows reads the
+        # same 8-row core matrices from the tile's start, only fewer of them.
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(act_smem))
         fragment_shape = tiled_mma.partition_shape_A((weight_layout.ROW_BLOCK, self.tile_k))
         fragments = [tiled_mma.make_fragment_A(fragment_shape) for _ in range(2)]
-        acc_shape = thr_mma.partition_shape_C((weight_layout.ROW_BLOCK, self.mma_rows))
-        acc = [thr_mma.make_fragment_C(acc_shape) for _ in range(self.row_chunks)]
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        acc = thr_mma.make_fragment_C(thr_mma.partition_shape_C((weight_layout.ROW_BLOCK, self.tile_rows)))
+        # Variant v computes the first v granules of rows: the accumulator's registers are ordered by
+        # 8-row groups, so its rows are a prefix of the whole tile's accumulator.
+        variants = {}
+        for v in cutlass.range_constexpr(self.first_variant, self.row_variants + 1):
+            variant_mma = self.tiled_mma(v * self.row_granule)
+            variant_mma.set(warpgroup.Field.ACCUMULATE, True)
+            variant_shape = variant_mma.get_slice(thread).partition_shape_C((weight_layout.ROW_BLOCK, v * self.row_granule))
+            variants[v] = (variant_mma, cute.make_tensor(acc.iterator, cute.make_layout(variant_shape)))
         codes_smem = storage.codes.data_ptr().toint() + group * self.code_bytes + thread * 16
         scales_smem = storage.scales.data_ptr().toint() + group * self.scale_bytes + (thread // 4) * 8
 
@@ -387,18 +402,14 @@ class MoEGemmSm90:
         for item in cutlass.range(first, end, step, unroll=1):
             tile, feature_block, expert = self.item_expert(mTileExpert, item)
             if expert >= 0:
-                for n in cutlass.range_constexpr(self.row_chunks):
-                    acc[n].fill(0.0)
-                if const_expr(self.row_chunks == 1):
-                    self.mainloop(1, tiled_mma, iteration, acc, fragments, tCrB, full, empty, codes_smem, scales_smem)
+                acc.fill(0.0)
+                if const_expr(self.first_variant == self.row_variants):
+                    self.mainloop(variants[self.row_variants], iteration, fragments, tCrB, full, empty, codes_smem, scales_smem)
                 else:
-                    chunks = self.used_row_chunks(mPermutedToPair, num_pairs, tile, thread, group)
-                    for variant in cutlass.range_constexpr(1, self.row_chunks + 1):
-                        if chunks == variant:
-                            self.mainloop(
-                                variant, tiled_mma, iteration, acc, fragments, tCrB, full, empty, codes_smem,
-                                scales_smem,
-                            )
+                    granules = self.used_row_granules(mPermutedToPair, num_pairs, tile, thread, group)
+                    for v in cutlass.range_constexpr(self.first_variant, self.row_variants + 1):
+                        if granules == v:
+                            self.mainloop(variants[v], iteration, fragments, tCrB, full, empty, codes_smem, scales_smem)
                 iteration += self.k_iterations
                 cute.arch.mbarrier_arrive(empty + (iteration - 1) % self.stages)
                 self.finish(
@@ -407,39 +418,39 @@ class MoEGemmSm90:
                 )
 
     @cute.jit
-    def used_row_chunks(self, mPermutedToPair, num_pairs, tile, thread, group):
-        """The chunks of `mma_rows` rows to compute: up to the last one holding a pair (at least
-        one). Trailing chunks of padding rows only are left out of the MMAs (their accumulators stay
+    def used_row_granules(self, mPermutedToPair, num_pairs, tile, thread, group):
+        """The granules of `row_granule` rows to compute: up to the last one holding a pair (at least
+        `first_variant`). Trailing granules of padding rows only are left out of the MMAs (their accumulators stay
         zero), so the partly filled last tile of an expert costs tensor-core time for its used rows.
-        One `bar.red.or` of the warpgroup per chunk."""
-        chunks = Int32(1)
+        One `bar.red.or` of the warpgroup per granule."""
+        granules = Int32(self.first_variant)
         rows_per_thread = -(-self.tile_rows // WARPGROUP_THREADS)
-        for c in cutlass.range_constexpr(1, self.row_chunks):
+        for c in cutlass.range_constexpr(self.first_variant, self.row_variants):
             mine = Int32(0)
             for j in cutlass.range_constexpr(rows_per_thread):
                 row = thread + j * WARPGROUP_THREADS
-                if (row >= c * self.mma_rows) & (row < (c + 1) * self.mma_rows):
+                if (row >= c * self.row_granule) & (row < (c + 1) * self.row_granule):
                     pair = mPermutedToPair[tile * self.tile_rows + row]
                     if (pair >= 0) & (pair < num_pairs):
                         mine = Int32(1)
             if dev.warpgroup_any(mine, 1 + group) != 0:
-                chunks = Int32(c + 1)
-        return chunks
+                granules = Int32(c + 1)
+        return granules
 
     @cute.jit
-    def mainloop(self, chunks, tiled_mma, iteration, acc, fragments, tCrB, full, empty, codes_smem, scales_smem):
-        """The k loop of one item over its first `chunks` row chunks, to the completion of its last
-        `wgmma`. `chunks` is static and no `wgmma` is in flight where the variants' branches meet:
-        ptxas serializes every `wgmma` otherwise."""
+    def mainloop(self, variant, iteration, fragments, tCrB, full, empty, codes_smem, scales_smem):
+        """The k loop of one item with one `variant` (its `wgmma` and the accumulator prefix it
+        computes), to the completion of its last `wgmma`. The variant is static and no `wgmma` is in
+        flight where the variants' branches meet: ptxas serializes every `wgmma` otherwise."""
         for k2 in cutlass.range(self.k_iterations // 2, unroll=1):
-            self.mma_step(chunks, tiled_mma, iteration, 2 * k2, acc, fragments[0], tCrB, full, empty, codes_smem, scales_smem)
-            self.mma_step(chunks, tiled_mma, iteration, 2 * k2 + 1, acc, fragments[1], tCrB, full, empty, codes_smem, scales_smem)
+            self.mma_step(variant, iteration, 2 * k2, fragments[0], tCrB, full, empty, codes_smem, scales_smem)
+            self.mma_step(variant, iteration, 2 * k2 + 1, fragments[1], tCrB, full, empty, codes_smem, scales_smem)
         if const_expr(self.k_iterations % 2 == 1):
-            self.mma_step(chunks, tiled_mma, iteration, self.k_iterations - 1, acc, fragments[0], tCrB, full, empty, codes_smem, scales_smem)
+            self.mma_step(variant, iteration, self.k_iterations - 1, fragments[0], tCrB, full, empty, codes_smem, scales_smem)
         warpgroup.wait_group(0)
 
     @cute.jit
-    def mma_step(self, chunks, tiled_mma, iteration, k, acc, fragment, tCrB, full, empty, codes_smem, scales_smem):
+    def mma_step(self, variant, iteration, k, fragment, tCrB, full, empty, codes_smem, scales_smem):
         """One k tile of an item whose first k tile is the CTA's `iteration`-th: wait for its stage,
         decode the A fragment, issue the MMAs, release the previous k tile's stage once its MMAs are
         done (the item's last stage is released after the final wait)."""
@@ -451,9 +462,9 @@ class MoEGemmSm90:
             scales_smem + stage * (self.consumer_groups * self.scale_bytes),
         )
         warpgroup.fence()
-        for n in cutlass.range_constexpr(chunks):
-            for b in cutlass.range_constexpr(self.k16_per_tile):
-                cute.gemm(tiled_mma, acc[n], fragment[None, None, b], tCrB[n][None, None, b, stage], acc[n])
+        variant_mma, acc = variant
+        for b in cutlass.range_constexpr(self.k16_per_tile):
+            cute.gemm(variant_mma, acc, fragment[None, None, b], tCrB[None, None, b, stage], acc)
         warpgroup.commit_group()
         warpgroup.wait_group(1)
         if k > 0:
@@ -479,7 +490,7 @@ class MoEGemmSm90:
     # -----------------------------------------------------------------------------------------------
     @cute.jit
     def finish(self, acc, thr_mma, mAlpha, mRouterWeights, mPermutedToPair, num_pairs, mOut, tile, feature_block, expert, group):
-        coordinates = thr_mma.partition_C(cute.make_identity_tensor((weight_layout.ROW_BLOCK, self.mma_rows)))
+        coordinates = thr_mma.partition_C(cute.make_identity_tensor((weight_layout.ROW_BLOCK, self.tile_rows)))
         alpha = mAlpha[expert] * Float32(2.0**dev.WEIGHT_DECODE_EXPONENT)
         block = feature_block * self.consumer_groups + group
         first_row = tile * self.tile_rows
@@ -505,16 +516,23 @@ class MoEGemmSm90:
         return result
 
     @cute.jit
+    def chunk_values(self, c):
+        """The accumulator elements of epilogue chunk `c` (`epilogue_rows` rows; 4 elements per 8 rows)."""
+        per_chunk = self.epilogue_rows // 2
+        return range(c * per_chunk, (c + 1) * per_chunk)
+
+    @cute.jit
     def chunk_rows(self, coordinates, first_row, c, mRouterWeights, mPermutedToPair, num_pairs):
-        """The thread's rows of row chunk `c`, loaded before any store: per accumulator element `v`
-        whose row mode is 0, the row's pair (-1 for a padding row) and, with `router_weighted`, its
-        router weight (element `v + 2` has the same row). The loads are independent of each other, so
-        they overlap; loaded next to each store, each waited for a round trip."""
+        """The thread's rows of epilogue chunk `c`, loaded before any store: per accumulator element
+        `v` whose row mode is 0, the row's pair (-1 for a padding row) and, with `router_weighted`,
+        its router weight (element `v + 2` has the same row). The loads are independent of each other,
+        so they overlap; loaded next to each store, each waited for a round trip. Chunks bound the
+        registers the loaded rows take."""
         pairs, weights = {}, {}
-        for v in cutlass.range_constexpr(cute.size(coordinates, mode=[0])):
+        for v in cutlass.range_constexpr(self.chunk_values(c).start, self.chunk_values(c).stop):
             if const_expr((v // 2) % 2 == 0):
                 _, n = coordinates[v, 0, 0]
-                pair = mPermutedToPair[first_row + c * self.mma_rows + n]
+                pair = mPermutedToPair[first_row + n]
                 valid = (pair >= 0) & (pair < num_pairs)
                 pairs[v] = cutlass.select_(valid, pair, Int32(-1))
                 if const_expr(self.router_weighted):
@@ -523,21 +541,21 @@ class MoEGemmSm90:
 
     @cute.jit
     def finish_gemm1(self, acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, num_pairs, mOut):
-        for c in cutlass.range_constexpr(self.row_chunks):
+        for c in cutlass.range_constexpr(self.tile_rows // self.epilogue_rows):
             pairs, weights = self.chunk_rows(coordinates, first_row, c, mRouterWeights, mPermutedToPair, num_pairs)
-            for v in cutlass.range_constexpr(cute.size(acc[0], mode=[0])):
+            for v in cutlass.range_constexpr(self.chunk_values(c).start, self.chunk_values(c).stop):
                 m, n = coordinates[v, 0, 0]
-                row = first_row + c * self.mma_rows + n
+                row = first_row + n
                 same_row = v - 2 * ((v // 2) % 2)  # the element of mode 0 with this element's row
                 if const_expr(self.activation == "swiglu"):
                     # Gate and up of one feature are the thread's rows 16w+g and 16w+g+8 (weight_layout);
                     # accumulator element v + 2 is element v's row + 8.
                     if const_expr((v // 2) % 2 == 0):
-                        value = self.activate(acc[c][v, 0, 0] * alpha, acc[c][v + 2, 0, 0] * alpha)
+                        value = self.activate(acc[v, 0, 0] * alpha, acc[v + 2, 0, 0] * alpha)
                         feature = block * 32 + (m // 16) * 8 + m % 16
                         self.store_gemm1(value, feature, row, pairs[v], weights.get(v), mOut)
                 else:
-                    y = cute.arch.fmax(acc[c][v, 0, 0] * alpha, Float32(0.0))
+                    y = cute.arch.fmax(acc[v, 0, 0] * alpha, Float32(0.0))
                     self.store_gemm1(y * y, block * 64 + m, row, pairs[same_row], weights.get(same_row), mOut)
 
     @cute.jit
@@ -553,15 +571,15 @@ class MoEGemmSm90:
     def finish_gemm2(self, acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, num_pairs, mOut):
         out_address = mOut.iterator.toint()
         row_bytes = Int64(mOut.stride[0]) * 4
-        for c in cutlass.range_constexpr(self.row_chunks):
+        for c in cutlass.range_constexpr(self.tile_rows // self.epilogue_rows):
             pairs, weights = self.chunk_rows(coordinates, first_row, c, mRouterWeights, mPermutedToPair, num_pairs)
-            for v in cutlass.range_constexpr(cute.size(acc[0], mode=[0])):
+            for v in cutlass.range_constexpr(self.chunk_values(c).start, self.chunk_values(c).stop):
                 m, _ = coordinates[v, 0, 0]
                 feature = block * 64 + m
                 same_row = v - 2 * ((v // 2) % 2)
                 pair = pairs[same_row]
                 if (pair >= 0) & (feature < self.out_features):
-                    y = acc[c][v, 0, 0] * alpha
+                    y = acc[v, 0, 0] * alpha
                     if const_expr(self.router_weighted):
                         y = y * weights[same_row]
                     if const_expr(self.epilogue == "gemm2_fused"):

@@ -44,12 +44,19 @@ def sm_count(device_index: int) -> int:
 ZERO_CTAS_PER_SM = 4
 TWO_CTA_TILE_ROWS = 32
 """Plan tiles of at most this many rows run two CTAs per SM (small accumulators, few registers)."""
-MAX_MMA_ROWS = 64
-"""Plan rows per MMA, at most. A tile of more than `TWO_CTA_TILE_ROWS` rows is computed in chunks of
-half its rows (64 at most), and its trailing chunks that hold no pair are skipped: the plan tile is
-sized with rows to spare (`fp4moe.dispatch.moe_tile_m`), and a tile's spare rows then cost no
-tensor-core time. Smaller tiles (decode, bound by the weight stream) are one chunk: two CTAs per SM
-leave too few registers for a second variant of the k loop without serializing the `wgmma`s."""
+
+
+def row_granule(tile_rows: int) -> int:
+    """Rows of the steps in which an item's MMAs cover its tile. The plan tile is sized with rows to
+    spare (`fp4moe.dispatch.moe_tile_m`), so the last tile of an expert is partly filled; its MMAs
+    cover its rows up to the last granule that holds a pair, and its spare rows cost no tensor-core
+    time. Each granule count is one variant of the k loop: tiles of at most `TWO_CTA_TILE_ROWS` rows
+    (decode, bound by the weight stream) have one, because two CTAs per SM leave too few registers
+    for a second variant without serializing the `wgmma`s; larger tiles have 3 to 5 (from 64 rows
+    for tiles of more than 64: `moe_gemm.MIN_WIDE_TILE_ROWS`)."""
+    if tile_rows <= TWO_CTA_TILE_ROWS:
+        return tile_rows
+    return 16 if tile_rows <= 64 else 32
 
 
 def _i32(*shape):
@@ -113,7 +120,7 @@ class GemmShape:
         self.prepared_rows = row_blocks * weight_layout.ROW_BLOCK
         self.prepared_k = k_tiles * weight_layout.K_TILE
         self.tile_rows = tile_rows
-        self.mma_rows = tile_rows if tile_rows <= TWO_CTA_TILE_ROWS else min(MAX_MMA_ROWS, tile_rows // 2)
+        self.row_granule = row_granule(tile_rows)
         self.ctas_per_sm = 2 if tile_rows <= TWO_CTA_TILE_ROWS else 1
         # 128 features per CTA (more bytes per barrier and per activation tile) unless that leaves SMs idle.
         self.tile_features = 128 if (row_blocks // 2) * expected_tiles >= sms else 64
@@ -124,7 +131,7 @@ class GemmShape:
 
     def key(self):
         return (
-            self.num_experts, self.prepared_rows, self.prepared_k, self.tile_features, self.tile_rows, self.mma_rows,
+            self.num_experts, self.prepared_rows, self.prepared_k, self.tile_features, self.tile_rows, self.row_granule,
             self.tile_k, self.stages, self.ctas_per_sm, self.max_ctas,
         )
 
@@ -134,10 +141,10 @@ def compile_gemm(
     epilogue: str, shape_key: tuple, act_k: int, out_features: int, top_k: int, activation: str,
     swiglu: tuple, router_weighted: bool,
 ):
-    experts, rows, k, tile_features, tile_rows, mma_rows, tile_k, stages, ctas_per_sm, max_ctas = shape_key
+    experts, rows, k, tile_features, tile_rows, granule, tile_k, stages, ctas_per_sm, max_ctas = shape_key
     kernel = MoEGemmSm90(
         epilogue=epilogue, num_experts=experts, prepared_rows=rows, prepared_k=k, act_k=act_k,
-        out_features=out_features, tile_features=tile_features, tile_rows=tile_rows, mma_rows=mma_rows, tile_k=tile_k,
+        out_features=out_features, tile_features=tile_features, tile_rows=tile_rows, row_granule=granule, tile_k=tile_k,
         stages=stages, ctas_per_sm=ctas_per_sm, max_ctas=max_ctas, top_k=top_k, activation=activation,
         swiglu_alpha=swiglu[0], swiglu_beta=swiglu[1], swiglu_limit=swiglu[2], router_weighted=router_weighted,
     )
