@@ -24,16 +24,21 @@ ZERO_VECTOR = 4
 class MoEPlanSm90:
     """Group the (token, slot) pairs by local expert, each expert's segment padded to `tile_m` rows.
 
-    One CTA of `PLAN_THREADS` threads, in passes separated by CTA barriers:
+    One CTA of `PLAN_THREADS` threads. Warp `w` owns the `w`-th contiguous chunk of the pairs, so a
+    stable sort by expert orders pairs by (expert, warp, position in the warp's chunk). In passes
+    separated by CTA barriers:
 
-    1. count the pairs of every local expert (shared-memory atomics; counts are order-free);
-    2. one warp scans the padded counts into segment starts and writes `totals`;
-    3. every row of `permuted_to_pair` is set to -1; every tile gets its owner (a binary search over
-       the segment ends) or -1, and its count of real rows;
-    4. pairs are ranked stably in rounds of `PLAN_THREADS`: within a warp, `match.any` groups lanes of
-       the same expert and a population count below the lane gives its rank; across warps, a table of
-       per-warp counts of the round (`[warp][expert]`) gives the offset; a running count per expert
-       carries the rounds. Row = segment start + running + offset + rank, as a stable sort orders them.
+    1. each warp ranks its chunk, 32 pairs at a time: `match.any` groups the lanes of one expert, a
+       population count below the lane gives the rank in the group, and the warp's own count per
+       expert (a `[warp][expert]` table that only this warp writes) carries the earlier groups. The
+       rank inside the warp's chunk goes to `pair_to_permuted` for the moment;
+    2. per expert, the counts of the warps become exclusive offsets and their sum the expert's count;
+    3. one warp scans the padded counts into segment starts and writes `totals`; the others set every
+       row of `permuted_to_pair` to -1;
+    4. every tile gets its owner (a binary search over the segment ends) or -1, and its count of real
+       rows; each warp turns its pairs' ranks into rows: segment start + the warp's offset + rank.
+
+    No pass waits on another warp except at the three barriers.
 
     With `zero_rows`, CTAs 1.. zero an FP32 `[rows, cols]` accumulator (cols a multiple of 4).
     """
@@ -62,8 +67,7 @@ class MoEPlanSm90:
         class SharedStorage:
             counts: cute.struct.MemRange[Int32, self.num_experts]
             segment_end: cute.struct.MemRange[Int32, self.num_experts]
-            running: cute.struct.MemRange[Int32, self.num_experts]
-            round_counts: cute.struct.MemRange[Int32, WARPS * self.num_experts]
+            warp_counts: cute.struct.MemRange[Int32, WARPS * self.num_experts]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -107,22 +111,42 @@ class MoEPlanSm90:
         storage = smem.allocate(self.shared_storage)
         counts = storage.counts.get_tensor(cute.make_layout(self.num_experts))
         segment_end = storage.segment_end.get_tensor(cute.make_layout(self.num_experts))
-        running = storage.running.get_tensor(cute.make_layout(self.num_experts))
-        round_counts = storage.round_counts.get_tensor(cute.make_layout((WARPS, self.num_experts)))
+        warp_counts = storage.warp_counts.get_tensor(cute.make_layout((WARPS, self.num_experts)))
         num_pairs = cute.size(mTopkIds)
         num_rows = cute.size(mPermutedToPair)
         num_tiles = cute.size(mTileExpert)
         lane = tidx % 32
         warp = tidx // 32
+        chunk = (num_pairs + PLAN_THREADS - 1) // PLAN_THREADS * 32
+        chunk_first = warp * chunk
+        chunk_end = cutlass.min(chunk_first + chunk, num_pairs)
+
+        for i in cutlass.range(tidx, WARPS * self.num_experts, PLAN_THREADS, unroll=1):
+            warp_counts.iterator[i] = 0
+        cute.arch.sync_threads()
+        for base in cutlass.range(chunk_first, chunk_first + chunk, 32, unroll=1):
+            p = base + lane
+            e = self.local_expert(mTopkIds, p, chunk_end, local_expert_offset)
+            same = cute.arch.match_sync(cute.arch.FULL_MASK, e)
+            rank = Int32(cute.arch.popc(same & cute.arch.lanemask_lt()))
+            earlier = Int32(0)
+            if e >= 0:
+                earlier = warp_counts[warp, e]
+            cute.arch.sync_warp()
+            if (rank == 0) & (e >= 0):
+                warp_counts[warp, e] = earlier + Int32(cute.arch.popc(same))
+            cute.arch.sync_warp()
+            if p < chunk_end:
+                mPairToPermuted[p] = cutlass.select_(e >= 0, earlier + rank, Int32(-1))
+        cute.arch.sync_threads()
 
         for e in cutlass.range(tidx, self.num_experts, PLAN_THREADS, unroll=1):
-            counts[e] = 0
-            running[e] = 0
-        cute.arch.sync_threads()
-        for p in cutlass.range(tidx, num_pairs, PLAN_THREADS, unroll=1):
-            e = mTopkIds[p] - local_expert_offset
-            if (e >= 0) & (e < self.num_experts):
-                cute.arch.atomic_add(counts.iterator + e, Int32(1), scope="cta")
+            total = Int32(0)
+            for w in cutlass.range_constexpr(WARPS):
+                count = warp_counts[w, e]
+                warp_counts[w, e] = total
+                total += count
+            counts[e] = total
         cute.arch.sync_threads()
 
         if warp == 0:
@@ -138,41 +162,32 @@ class MoEPlanSm90:
             valid = Int32(0)
             if first < total_rows:
                 owner = self.owner_of(segment_end, first)
-                start = segment_end[owner] - (counts[owner] + self.tile_m - 1) // self.tile_m * self.tile_m
-                valid = cutlass.max(cutlass.min(counts[owner] - (first - start), self.tile_m), 0)
+                valid = cutlass.max(cutlass.min(counts[owner] - (first - self.segment_start(segment_end, counts, owner)), self.tile_m), 0)
             mTileExpert[t] = owner
             mTileValidRows[t] = valid
 
-        for base in cutlass.range(0, num_pairs, PLAN_THREADS, unroll=1):
-            for i in cutlass.range(tidx, WARPS * self.num_experts, PLAN_THREADS, unroll=1):
-                round_counts.iterator[i] = 0
-            p = base + tidx
-            e = Int32(-1)
-            if p < num_pairs:
-                e = mTopkIds[p] - local_expert_offset
-                if (e < 0) | (e >= self.num_experts):
-                    e = Int32(-1)
-            same = cute.arch.match_sync(cute.arch.FULL_MASK, e)
-            rank = cute.arch.popc(same & cute.arch.lanemask_lt())
-            leader = rank == 0
-            cute.arch.sync_threads()
-            if leader & (e >= 0):
-                round_counts[warp, e] = Int32(cute.arch.popc(same))
-            cute.arch.sync_threads()
+        for base in cutlass.range(chunk_first, chunk_first + chunk, 32, unroll=1):
+            p = base + lane
+            e = self.local_expert(mTopkIds, p, chunk_end, local_expert_offset)
             if e >= 0:
-                before = Int32(0)
-                for w in cutlass.range(warp, unroll=1):
-                    before += round_counts[w, e]
-                start = segment_end[e] - (counts[e] + self.tile_m - 1) // self.tile_m * self.tile_m
-                row = start + running[e] + before + Int32(rank)
+                row = self.segment_start(segment_end, counts, e) + warp_counts[warp, e] + mPairToPermuted[p]
                 mPermutedToPair[row] = p
                 mPairToPermuted[p] = row
-            elif p < num_pairs:
-                mPairToPermuted[p] = -1
-            cute.arch.sync_threads()
-            if leader & (e >= 0):  # several warps of the round may hold the same expert
-                cute.arch.atomic_add(running.iterator + e, Int32(cute.arch.popc(same)), scope="cta")
-            cute.arch.sync_threads()
+
+    @cute.jit
+    def local_expert(self, mTopkIds, p, end, local_expert_offset):
+        """The local expert of pair `p`, or -1 (not a local expert, or `p` at or past `end`)."""
+        e = Int32(-1)
+        if p < end:
+            e = mTopkIds[p] - local_expert_offset
+            if (e < 0) | (e >= self.num_experts):
+                e = Int32(-1)
+        return e
+
+    @cute.jit
+    def segment_start(self, segment_end, counts, e):
+        """The first row of expert `e`'s segment (its end less its tile-padded count)."""
+        return segment_end[e] - (counts[e] + self.tile_m - 1) // self.tile_m * self.tile_m
 
     @cute.jit
     def scan(self, counts, segment_end, mTotals, lane):
