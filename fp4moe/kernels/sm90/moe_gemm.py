@@ -36,6 +36,9 @@ SHARED_MEMORY_BYTES = 227 * 1024
 MAX_STAGES = 16
 EPILOGUE_ROWS = 32
 """Plan rows whose pairs and router weights the epilogue loads at once (registers held by the loads)."""
+EARLY_ROWS_TILE_ROWS = 16
+"""Tiles of at most this many rows (decode) load their epilogue's plan entries and router weights
+before the MMAs, which hide the loads' latency; larger tiles would hold too many registers."""
 MIN_WIDE_TILE_ROWS = 64
 """Rows that the MMAs of an item of a larger tile always cover."""
 
@@ -394,6 +397,7 @@ class MoEGemmSm90:
             variant_mma.set(warpgroup.Field.ACCUMULATE, True)
             variant_shape = variant_mma.get_slice(thread).partition_shape_C((weight_layout.ROW_BLOCK, v * self.row_granule))
             variants[v] = (variant_mma, cute.make_tensor(acc.iterator, cute.make_layout(variant_shape)))
+        coordinates = thr_mma.partition_C(cute.make_identity_tensor((weight_layout.ROW_BLOCK, self.tile_rows)))
         codes_smem = storage.codes.data_ptr().toint() + group * self.code_bytes + thread * 16
         scales_smem = storage.scales.data_ptr().toint() + group * self.scale_bytes + (thread // 4) * 8
 
@@ -402,6 +406,11 @@ class MoEGemmSm90:
         for item in cutlass.range(first, end, step, unroll=1):
             tile, feature_block, expert = self.item_expert(mTileExpert, item)
             if expert >= 0:
+                early_rows = None
+                if const_expr(self.tile_rows <= EARLY_ROWS_TILE_ROWS):
+                    early_rows = self.chunk_rows(
+                        coordinates, tile * self.tile_rows, 0, mRouterWeights, mPermutedToPair, num_pairs
+                    )
                 acc.fill(0.0)
                 if const_expr(self.first_variant == self.row_variants):
                     self.mainloop(variants[self.row_variants], iteration, fragments, tCrB, full, empty, codes_smem, scales_smem)
@@ -413,8 +422,8 @@ class MoEGemmSm90:
                 iteration += self.k_iterations
                 cute.arch.mbarrier_arrive(empty + (iteration - 1) % self.stages)
                 self.finish(
-                    acc, thr_mma, mAlpha, mRouterWeights, mPermutedToPair, num_pairs, mOut, tile, feature_block, expert,
-                    group,
+                    acc, coordinates, mAlpha, mRouterWeights, mPermutedToPair, num_pairs, mOut, tile, feature_block,
+                    expert, group, early_rows,
                 )
 
     @cute.jit
@@ -489,15 +498,18 @@ class MoEGemmSm90:
     # Epilogues
     # -----------------------------------------------------------------------------------------------
     @cute.jit
-    def finish(self, acc, thr_mma, mAlpha, mRouterWeights, mPermutedToPair, num_pairs, mOut, tile, feature_block, expert, group):
-        coordinates = thr_mma.partition_C(cute.make_identity_tensor((weight_layout.ROW_BLOCK, self.tile_rows)))
+    def finish(
+        self, acc, coordinates, mAlpha, mRouterWeights, mPermutedToPair, num_pairs, mOut, tile, feature_block, expert,
+        group, early_rows,
+    ):
+        """The epilogue of one item; `early_rows`: its rows (`chunk_rows`), when they were loaded before the MMAs."""
         alpha = mAlpha[expert] * Float32(2.0**dev.WEIGHT_DECODE_EXPONENT)
         block = feature_block * self.consumer_groups + group
         first_row = tile * self.tile_rows
         if const_expr(self.epilogue == "gemm1"):
-            self.finish_gemm1(acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, num_pairs, mOut)
+            self.finish_gemm1(acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, num_pairs, mOut, early_rows)
         else:
-            self.finish_gemm2(acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, num_pairs, mOut)
+            self.finish_gemm2(acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, num_pairs, mOut, early_rows)
 
     @cute.jit
     def activate(self, gate, up):
@@ -540,9 +552,12 @@ class MoEGemmSm90:
         return pairs, weights
 
     @cute.jit
-    def finish_gemm1(self, acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, num_pairs, mOut):
+    def finish_gemm1(self, acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, num_pairs, mOut, early_rows):
         for c in cutlass.range_constexpr(self.tile_rows // self.epilogue_rows):
-            pairs, weights = self.chunk_rows(coordinates, first_row, c, mRouterWeights, mPermutedToPair, num_pairs)
+            if const_expr(early_rows is not None):
+                pairs, weights = early_rows
+            else:
+                pairs, weights = self.chunk_rows(coordinates, first_row, c, mRouterWeights, mPermutedToPair, num_pairs)
             for v in cutlass.range_constexpr(self.chunk_values(c).start, self.chunk_values(c).stop):
                 m, n = coordinates[v, 0, 0]
                 row = first_row + n
@@ -568,11 +583,14 @@ class MoEGemmSm90:
             mOut[row, feature] = value.to(BFloat16)
 
     @cute.jit
-    def finish_gemm2(self, acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, num_pairs, mOut):
+    def finish_gemm2(self, acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, num_pairs, mOut, early_rows):
         out_address = mOut.iterator.toint()
         row_bytes = Int64(mOut.stride[0]) * 4
         for c in cutlass.range_constexpr(self.tile_rows // self.epilogue_rows):
-            pairs, weights = self.chunk_rows(coordinates, first_row, c, mRouterWeights, mPermutedToPair, num_pairs)
+            if const_expr(early_rows is not None):
+                pairs, weights = early_rows
+            else:
+                pairs, weights = self.chunk_rows(coordinates, first_row, c, mRouterWeights, mPermutedToPair, num_pairs)
             for v in cutlass.range_constexpr(self.chunk_values(c).start, self.chunk_values(c).stop):
                 m, _ = coordinates[v, 0, 0]
                 feature = block * 64 + m
