@@ -84,8 +84,10 @@ def quantize_backend(device) -> str:
     return device_backend(device)
 
 
+@functools.cache
 def kernel_module(family: str, backend: str):
-    """The module of `backend`'s stage functions for a kernel family (`KERNEL_MODULES`)."""
+    """The module of `backend`'s stage functions for a kernel family (`KERNEL_MODULES`); looked up
+    once per (family, backend), as every eager call asks for its stages' modules."""
     return importlib.import_module(KERNEL_MODULES[(family, backend)])
 
 
