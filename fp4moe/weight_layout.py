@@ -14,11 +14,13 @@ Layout. Rows (output features) are grouped in blocks of 64 (one `wgmma` m64 atom
   owns fragment rows `16 w + g` and `16 w + g + 8` and, in k16 step `b`, columns
   `16 b + 2 c + {0, 1, 8, 9}` (the m16n8k16 A-fragment of its warp). Word `b` holds those eight values
   as four bf16 pairs `p` (p = 0: row g, cols 2c, 2c+1; 1: row g+8, same cols; 2: row g, cols 2c+8, 2c+9;
-  3: row g+8, same cols). The bits are placed so that pair `p` decodes in four integer operations
-  (`decode_pair_sm90`): the 3 magnitude bits of the low / high value at `(6 + 3p + i) mod 32` /
-  `(22 + 3p + i) mod 32` (i = 0..2, mantissa bit first), their signs at bits `2 + p` / `18 + p`;
-  rotating the word right by `3p` lands the magnitudes on bf16 bits 6..8 and 22..24, shifting it left
-  by `13 - p` lands the signs on bits 15 and 31. The 32 bit positions are used exactly once.
+  3: row g+8, same cols). The bits are placed so that a word decodes in nine integer operations
+  (`decode_pair_sm90`): a value's 3 magnitude bits (mantissa bit first) go to bf16 bits 6..8 and its
+  sign to bit 15 (the high value of the pair: 22..24 and 31) when the word is rotated right by
+  `PAIR_ROTATIONS[p]`: pair 0 is a mask of the word itself, pairs 1 and 2 a rotation and a mask each.
+  Pair 3 takes the bits that are left: its mantissa bits from the rotation by `PAIR3_MANTISSA_ROTATION`,
+  its other bits from the rotation by `PAIR3_ROTATION` (a search over all placements finds none
+  cheaper). The 32 bit positions are used exactly once.
 - scales: 256 bytes, `[32 row pairs][8]`; row pair `8 w + g` holds, for k16 step `b`, the scale of
   row `16 w + g` at byte `2 b` and of row `16 w + g + 8` at byte `2 b + 1` (the four threads of a quad
   read the same 8 bytes).
@@ -58,6 +60,11 @@ CODE_BYTES = THREADS * 16
 SCALE_BYTES = 32 * 8
 """Scale bytes of one (row block, k tile): 8 per row pair."""
 BLOCKS_PER_TILE = K_TILE // nvfp4.BLOCK_SIZE
+PAIR_ROTATIONS = (0, 4, 10, 6)
+"""Right rotation of a code word that lands pair p's bits on their bf16 places (pair 3: all but the
+mantissa bits)."""
+PAIR3_MANTISSA_ROTATION = 14
+"""Right rotation that lands pair 3's mantissa bits on bf16 bits 6 and 22."""
 
 
 def prepared_rows(rows: int, gated: bool) -> int:
@@ -95,13 +102,14 @@ def _fragment_coordinates(device):
 
 
 def _bit_positions(device):
-    """[pair p, half v, bit i] -> word bit of magnitude bit i (i < 3) or of the sign (i == 3)."""
-    p = torch.arange(4, device=device)[:, None, None]
+    """[pair p, half v, bit i] -> word bit of magnitude bit i (i < 3, mantissa first) or of the sign
+    (i == 3): the bf16 place of the bit (6 + i or 15, plus 16 for the high half) plus the rotation
+    that brings it there."""
+    rotation = torch.tensor(PAIR_ROTATIONS, device=device)[:, None].expand(4, 4).clone()
+    rotation[3, 0] = PAIR3_MANTISSA_ROTATION
+    place = torch.tensor((6, 7, 8, 15), device=device)
     v = torch.arange(2, device=device)[None, :, None]
-    i = torch.arange(3, device=device)[None, None, :]
-    magnitude = (6 + 16 * v + 3 * p + i) % 32
-    sign = (2 + 16 * v + p).expand(4, 2, 1)
-    return torch.cat((magnitude, sign), dim=2)
+    return (place[None, None, :] + 16 * v + rotation[:, None, :]) % 32
 
 
 def _row_order(rows: int, gated: bool, device) -> torch.Tensor:
@@ -195,13 +203,25 @@ def linear_from_sm90(
     return codes, scales.view(torch.float8_e4m3fn)
 
 
+SIGN_AND_MAGNITUDE_BITS = 0x81C081C0
+"""The bf16 places of both values of a pair: signs 15 / 31, magnitudes 6..8 / 22..24."""
+MANTISSA_BITS = 0x00400040
+
+
+def _rotate_right(word: torch.Tensor, r: int) -> torch.Tensor:
+    return ((word >> r) | (word << (32 - r))) & 0xFFFFFFFF if r else word
+
+
 def decode_pair_sm90(word: torch.Tensor, pair: int) -> torch.Tensor:
     """The kernels' decode of pair `pair` of prepared code words (int64 holding uint32), in torch:
     two bf16 bit patterns packed in a uint32 whose values are the E2M1 values times 2^-126
     (`sign | magnitude bits` on the bf16 exponent/mantissa boundary). Documents and tests the bit
-    placement the kernels rely on."""
-    rotated = ((word >> (3 * pair)) | (word << (32 - 3 * pair))) & 0xFFFFFFFF if pair else word
-    return (((word << (13 - pair)) & 0x80008000) | (rotated & 0x01C001C0)) & 0xFFFFFFFF
+    placement the kernels rely on (`gemm_device.decode_pair`)."""
+    rotated = _rotate_right(word, PAIR_ROTATIONS[pair])
+    if pair < 3:
+        return rotated & SIGN_AND_MAGNITUDE_BITS
+    mantissas = _rotate_right(word, PAIR3_MANTISSA_ROTATION) & MANTISSA_BITS
+    return (rotated & (SIGN_AND_MAGNITUDE_BITS & ~MANTISSA_BITS)) | mantissas
 
 
 def as_linear(codes, scales, layout: str, gated: bool, rows: int | None, k: int):

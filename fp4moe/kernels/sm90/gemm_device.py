@@ -3,9 +3,10 @@
 The weight decode turns the prepared code words (`fp4moe.weight_layout`) into the bf16 `wgmma` A
 fragment, exactly:
 
-- `decode_pair`: four integer operations per bf16 pair put each E2M1 code's sign on bit 15 and its
-  three magnitude bits on the bf16 exponent / mantissa boundary (bits 6..8). The bf16 read from those
-  bits is the E2M1 value times 2^-126 (0.5 becomes the bf16 subnormal 2^-127).
+- `decode_pair`: rotations and masks (nine integer operations per word of four bf16 pairs) put each
+  E2M1 code's sign on bit 15 and its three magnitude bits on the bf16 exponent / mantissa boundary
+  (bits 6..8). The bf16 read from those bits is the E2M1 value times 2^-126 (0.5 becomes the bf16
+  subnormal 2^-127).
 - `expand_scale_pair`: two E4M3 block scales (rows g and g + 8) become a bf16 pair equal to
   `scale * 2^118` through `cvt.rn.f16x2.e4m3x2` (exact: every E4M3 value is a normal f16) and an
   integer re-bias of the f16 exponent (E4M3 has 3 mantissa bits, so f16 -> bf16 drops only zeros).
@@ -25,13 +26,13 @@ from cutlass import Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from fp4moe import weight_layout
+
 WEIGHT_DECODE_EXPONENT = 8
 """Decoded weights are `value * 2^-8`; the epilogue scales the accumulator back by `2^8`."""
 SCALE_REBIAS = (112 + 126 - WEIGHT_DECODE_EXPONENT) << 7
 """Added to an f16 scale shifted right by 3 (per half): the f16 -> bf16 exponent re-bias (112) plus
 the 2^118 that cancels the decode's 2^-126 up to 2^-8."""
-SIGN_BITS = 0x80008000
-MAGNITUDE_BITS = 0x01C001C0
 
 
 def _asm(result_type, ptx: str, constraints: str, operands, side_effects: bool, loc, ip):
@@ -112,12 +113,19 @@ def warpgroup_any(predicate, barrier_id, *, loc=None, ip=None) -> Int32:
 # ---------------------------------------------------------------------------------------------------
 # Weight decode
 # ---------------------------------------------------------------------------------------------------
+def _rotate_right(word: Uint32, r: int) -> Uint32:
+    return word if r == 0 else (word >> r) | (word << (32 - r))
+
+
 def decode_pair(word: Uint32, pair: int) -> Uint32:
-    """Pair `pair` (0..3) of a prepared code word as two bf16 bit patterns (E2M1 value * 2^-126):
-    the signs shifted onto bits 15 / 31, the magnitudes rotated onto bits 6..8 / 22..24."""
-    signs = word << (13 - pair)
-    magnitudes = word if pair == 0 else (word >> (3 * pair)) | (word << (32 - 3 * pair))
-    return (signs & Uint32(SIGN_BITS)) | (magnitudes & Uint32(MAGNITUDE_BITS))
+    """Pair `pair` (0..3) of a prepared code word as two bf16 bit patterns (E2M1 value * 2^-126): the
+    word rotated so that the pair's signs land on bits 15 / 31 and its magnitudes on 6..8 / 22..24,
+    then masked (`weight_layout.decode_pair_sm90` is the same in torch)."""
+    rotated = _rotate_right(word, weight_layout.PAIR_ROTATIONS[pair])
+    if pair < 3:
+        return rotated & Uint32(weight_layout.SIGN_AND_MAGNITUDE_BITS)
+    mantissas = _rotate_right(word, weight_layout.PAIR3_MANTISSA_ROTATION) & Uint32(weight_layout.MANTISSA_BITS)
+    return (rotated & Uint32(weight_layout.SIGN_AND_MAGNITUDE_BITS & ~weight_layout.MANTISSA_BITS)) | mantissas
 
 
 @dsl_user_op
