@@ -551,13 +551,19 @@ class MoEGemmSm90:
                     weights[v] = mRouterWeights[cutlass.select_(valid, pair, Int32(0))]
         return pairs, weights
 
+    def epilogue_rows_of(self, early_rows, coordinates, first_row, c, mRouterWeights, mPermutedToPair, num_pairs):
+        """Epilogue chunk `c`'s rows (`chunk_rows`): `early_rows` when they were loaded before the
+        MMAs, else loaded now. Plain Python, run while the kernel is traced."""
+        if early_rows is not None:
+            return early_rows
+        return self.chunk_rows(coordinates, first_row, c, mRouterWeights, mPermutedToPair, num_pairs)
+
     @cute.jit
     def finish_gemm1(self, acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, num_pairs, mOut, early_rows):
         for c in cutlass.range_constexpr(self.tile_rows // self.epilogue_rows):
-            if const_expr(early_rows is not None):
-                pairs, weights = early_rows
-            else:
-                pairs, weights = self.chunk_rows(coordinates, first_row, c, mRouterWeights, mPermutedToPair, num_pairs)
+            pairs, weights = self.epilogue_rows_of(
+                early_rows, coordinates, first_row, c, mRouterWeights, mPermutedToPair, num_pairs
+            )
             for v in cutlass.range_constexpr(self.chunk_values(c).start, self.chunk_values(c).stop):
                 m, n = coordinates[v, 0, 0]
                 row = first_row + n
@@ -587,10 +593,9 @@ class MoEGemmSm90:
         out_address = mOut.iterator.toint()
         row_bytes = Int64(mOut.stride[0]) * 4
         for c in cutlass.range_constexpr(self.tile_rows // self.epilogue_rows):
-            if const_expr(early_rows is not None):
-                pairs, weights = early_rows
-            else:
-                pairs, weights = self.chunk_rows(coordinates, first_row, c, mRouterWeights, mPermutedToPair, num_pairs)
+            pairs, weights = self.epilogue_rows_of(
+                early_rows, coordinates, first_row, c, mRouterWeights, mPermutedToPair, num_pairs
+            )
             for v in cutlass.range_constexpr(self.chunk_values(c).start, self.chunk_values(c).stop):
                 m, _ = coordinates[v, 0, 0]
                 feature = block * 64 + m
