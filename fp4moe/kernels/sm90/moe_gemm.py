@@ -429,8 +429,9 @@ class MoEGemmSm90:
     @cute.jit
     def used_row_granules(self, mPermutedToPair, num_pairs, tile, thread, group):
         """The granules of `row_granule` rows to compute: up to the last one holding a pair (at least
-        `first_variant`). Trailing granules of padding rows only are left out of the MMAs (their accumulators stay
-        zero), so the partly filled last tile of an expert costs tensor-core time for its used rows.
+        `first_variant`). Trailing granules of padding rows only are left out of the MMAs (their
+        accumulators stay zero), so the partly filled last tile of an expert costs tensor-core time for
+        its used rows.
         One `bar.red.or` of the warpgroup per granule."""
         granules = Int32(self.first_variant)
         rows_per_thread = -(-self.tile_rows // WARPGROUP_THREADS)
@@ -527,9 +528,9 @@ class MoEGemmSm90:
             result = gate / (Float32(1.0) + cute.math.exp(-(gate * Float32(alpha)))) * (up + Float32(beta))
         return result
 
-    @cute.jit
     def chunk_values(self, c):
-        """The accumulator elements of epilogue chunk `c` (`epilogue_rows` rows; 4 elements per 8 rows)."""
+        """The accumulator elements of epilogue chunk `c` (`epilogue_rows` rows; 4 elements per 8 rows).
+        Plain Python, run while the kernel is traced."""
         per_chunk = self.epilogue_rows // 2
         return range(c * per_chunk, (c + 1) * per_chunk)
 
