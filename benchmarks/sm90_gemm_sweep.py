@@ -34,9 +34,10 @@ from fp4moe.kernels.sm90.moe_gemm import pipeline_stages
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 7168, 2048, 256, 8
 
 
-def neighbours(default: moe_launch.GemmShape) -> list[tuple]:
-    """Shape keys around `default`: features per CTA, CTAs per SM (tiles of at most 32 rows), K per
-    k tile, row granule (the default's, 32, 64 or the whole tile); stages: as many as fit."""
+def configurations(default: moe_launch.GemmShape) -> list[tuple]:
+    """`default`'s shape key, then the keys around it: features per CTA, CTAs per SM (tiles of at
+    most 32 rows), K per k tile, row granule (the default's, 32, 64 or the whole tile); stages: as
+    many as fit."""
     rows = default.tile_rows
     granules = sorted({g for g in (default.row_granule, 32, 64, rows) if g <= rows and rows % g == 0})
     keys = []
@@ -48,7 +49,7 @@ def neighbours(default: moe_launch.GemmShape) -> list[tuple]:
             default.num_experts, default.prepared_rows, default.prepared_k, features, rows, granule, tile_k, stages,
             ctas, default.max_ctas // default.ctas_per_sm * ctas,
         ))
-    return keys
+    return [default.key()] + [k for k in keys if k != default.key()]
 
 
 def describe(key: tuple) -> str:
@@ -60,7 +61,7 @@ def sweep_gemm(name, compile_for, launch, default: moe_launch.GemmShape, check, 
     """Compile, check and time `default`'s configuration and its neighbours; print them fastest
     first. Whether every configuration that compiled gave the default's result."""
     default_key = default.key()
-    keys = [default_key] + [k for k in neighbours(default) if k != default_key]
+    keys = configurations(default)
     reference = launch(compile_for(default_key)).clone()
     ok = True
     with contextlib.ExitStack() as stack:
@@ -114,7 +115,7 @@ def compile_only(token_counts, sms: int) -> bool:
     for tokens in token_counts:
         _, shape1, shape2 = gemm_shapes(tokens, sms)
         for name, compile_for, default in (("gemm1", compile_gemm1, shape1), ("gemm2", compile_gemm2, shape2)):
-            keys = [default.key()] + [k for k in neighbours(default) if k != default.key()]
+            keys = configurations(default)
             for number, key in enumerate(keys, 1):
                 print(f"T={tokens} {name} [{number}/{len(keys)}] {describe(key)}", flush=True)
                 try:
