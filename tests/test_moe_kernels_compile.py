@@ -12,7 +12,7 @@ import pytest
 
 from fp4moe import dispatch
 from fp4moe.kernels.sm90 import moe_launch
-from fp4moe.kernels.sm90.moe_gemm import MIN_WIDE_TILE_ROWS
+from fp4moe.kernels.sm90.moe_gemm import variant_rows
 from tests.sm90_compile import compile_in_subprocess, sass
 
 # (epilogue, (experts, prepared rows, prepared K, tile features, tile rows, row granule, tile K, stages, CTAs per SM,
@@ -107,11 +107,8 @@ def test_gemms_feed_register_sourced_wgmma_from_bulk_copies_and_gathers(compiled
 
 
 def _variant_rows(key) -> list[int]:
-    """The rows of each variant of a GEMM's k loop: multiples of the row granule, from 64 rows for
-    tiles of more than 64 (`moe_gemm.MIN_WIDE_TILE_ROWS`)."""
-    tile_rows, granule = key[4], key[5]
-    narrowest = granule if tile_rows <= MIN_WIDE_TILE_ROWS else max(granule, MIN_WIDE_TILE_ROWS // granule * granule)
-    return list(range(narrowest, tile_rows + 1, granule))
+    """The rows of each variant of a GEMM's k loop (`moe_gemm.variant_rows`)."""
+    return variant_rows(key[4], key[5])
 
 
 def _serializes(key) -> bool:

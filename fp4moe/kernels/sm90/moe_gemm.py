@@ -43,6 +43,14 @@ MIN_WIDE_TILE_ROWS = 64
 """Rows that the MMAs of an item of a larger tile always cover."""
 
 
+def variant_rows(tile_rows: int, row_granule: int) -> list[int]:
+    """The rows of each variant of the k loop, narrowest first: multiples of the granule, from 64 for
+    a tile of more than 64 rows (ptxas serializes every `wgmma` of a kernel that also has 32-row ones
+    next to its 128- and 192-row ones)."""
+    first = 1 if tile_rows <= MIN_WIDE_TILE_ROWS else max(1, MIN_WIDE_TILE_ROWS // row_granule)
+    return [v * row_granule for v in range(first, tile_rows // row_granule + 1)]
+
+
 def stage_bytes(tile_features: int, tile_rows: int, tile_k: int) -> int:
     """Shared memory of one pipeline stage: weight codes, scales and the activation tile."""
     tiles = (tile_features // weight_layout.ROW_BLOCK) * (tile_k // weight_layout.K_TILE)
@@ -146,9 +154,7 @@ class MoEGemmSm90:
         self.tile_rows = tile_rows
         self.row_granule = row_granule
         self.row_variants = tile_rows // row_granule
-        # The narrowest variant: a tile of more than 64 rows computes at least 64 (ptxas serializes
-        # every `wgmma` of a kernel that also has 32-row ones next to its 128- and 192-row ones).
-        self.first_variant = 1 if tile_rows <= MIN_WIDE_TILE_ROWS else max(1, MIN_WIDE_TILE_ROWS // row_granule)
+        self.first_variant = variant_rows(tile_rows, row_granule)[0] // row_granule
         self.epilogue_rows = min(tile_rows, EPILOGUE_ROWS)
         self.tile_k = tile_k
         self.stages = stages

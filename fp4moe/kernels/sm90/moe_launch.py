@@ -53,7 +53,7 @@ def row_granule(tile_rows: int) -> int:
     time. Each granule count is one variant of the k loop: tiles of at most `TWO_CTA_TILE_ROWS` rows
     (decode, bound by the weight stream) have one, because two CTAs per SM leave too few registers
     for a second variant without serializing the `wgmma`s; larger tiles have 3 to 5 (from 64 rows
-    for tiles of more than 64: `moe_gemm.MIN_WIDE_TILE_ROWS`)."""
+    for tiles of more than 64: `moe_gemm.variant_rows`)."""
     if tile_rows <= TWO_CTA_TILE_ROWS:
         return tile_rows
     return 16 if tile_rows <= 64 else 32
