@@ -309,7 +309,17 @@ def test_aux_and_rescan_paths_give_bitwise_equal_moe_outputs(device, tokens):
     rescan = _pipeline_with_path(p, "rescan")
     aux = _pipeline_with_path(p, "aux_amax")
     assert_bitwise_equal(aux, rescan)
-    assert_bitwise_equal(p.run(), rescan)  # fused_moe takes the dispatched path for this T
+    # fused_moe takes the dispatched path for this T; where its GEMMs are kernels, they sum in their
+    # own FP32 order.
+    choice = fp4moe.moe_dispatch(tokens, 4, 6, "w4a4", True, device=device)
+    check = assert_bitwise_equal if choice.gemm1 == dispatch.REFERENCE_BACKEND else assert_moe_close
+    check(p.run(), rescan)
+
+
+def test_per_token_w4a4_rescans_where_gemm1_writes_no_aux_amax(monkeypatch):
+    assert fp4moe.moe_dispatch(4096, 8, 256, "w4a4", True).per_token_path == dispatch.AUX_AMAX_PATH
+    monkeypatch.setattr(dispatch, "AUX_AMAX_GEMM1_BACKENDS", ())
+    assert fp4moe.moe_dispatch(4096, 8, 256, "w4a4", True).per_token_path == dispatch.RESCAN_PATH
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from tests.sm90_compile import compile_in_subprocess, sass
 
 # (epilogue, (experts, prepared rows, prepared K, tile features, tile rows, row granule, tile K, stages, CTAs per SM,
 #  most CTAs),
-#  act_k, out_features, top_k, activation, swiglu (alpha, beta, limit), router weighted)
+#  act_k, out_features, top_k, activation, swiglu (alpha, beta, limit), router weighted[, row scaled, FP32 out])
 GEMM_VARIANTS = [
     ("gemm1", (256, 4096, 7168, 128, 8, 8, 128, 8, 2, 264), 7168, 2048, 8, "swiglu", (None, None, None), False),
     ("gemm1", (32, 512, 1024, 64, 16, 16, 128, 8, 2, 264), 1000, 256, 2, "swiglu", (1.702, 1.0, 7.0), True),
@@ -26,6 +26,10 @@ GEMM_VARIANTS = [
     ("gemm1", (64, 1024, 2048, 64, 64, 16, 128, 10, 1, 132), 2000, 512, 4, "swiglu", (None, None, None), True),
     ("gemm2_fused", (256, 7168, 2048, 128, 8, 8, 128, 8, 2, 264), 2048, 7168, 8, "none", (None, None, None), True),
     ("gemm2_expanded", (256, 7168, 2048, 128, 128, 32, 128, 4, 1, 132), 2048, 7100, 8, "none", (None, None, None), False),
+    # W4A4: per-token scaled rows (GEMM1 by token, GEMM2 by row); per-tensor GEMM1 writes FP32.
+    ("gemm1", (256, 4096, 7168, 128, 8, 8, 128, 8, 2, 264), 7168, 2048, 8, "swiglu", (None, None, None), True, True, False),
+    ("gemm1", (256, 4096, 7168, 128, 192, 32, 64, 7, 1, 132), 7168, 2048, 8, "swiglu", (None, None, None), False, False, True),
+    ("gemm2_fused", (256, 7168, 2048, 128, 192, 32, 64, 7, 1, 132), 2048, 7168, 8, "none", (None, None, None), True, True),
 ]
 
 
@@ -46,6 +50,7 @@ def _fused_moe_variants():
 
 GEMM_VARIANTS += _fused_moe_variants()
 PLAN_VARIANTS = [(256, 8, 7168), (32, 128, None)]
+DECODE_VARIANTS = [7168, 2048, 272]
 FINALIZE_VARIANTS = [("fused", 7168, 8, "bfloat16"), ("deterministic", 2048, 6, "float32")]
 
 _COMPILE_SCRIPT = textwrap.dedent(
@@ -59,10 +64,12 @@ _COMPILE_SCRIPT = textwrap.dedent(
     def save(name, compiled):
         (out / f"{name}.ptx").write_text(compiled.__ptx__)
         (out / f"{name}.cubin").write_bytes(compiled.__cubin__)
-    for i, (epilogue, key, act_k, out_features, top_k, activation, swiglu, router) in enumerate(spec["gemm"]):
-        save(f"gemm_{i}", launch.compile_gemm(epilogue, tuple(key), act_k, out_features, top_k, activation, tuple(swiglu), router))
+    for i, (epilogue, key, act_k, out_features, top_k, activation, swiglu, *flags) in enumerate(spec["gemm"]):
+        save(f"gemm_{i}", launch.compile_gemm(epilogue, tuple(key), act_k, out_features, top_k, activation, tuple(swiglu), *flags))
     for i, (experts, tile_m, hidden) in enumerate(spec["plan"]):
         save(f"plan_{i}", launch.compile_plan(experts, tile_m, hidden))
+    for i, k in enumerate(spec["decode"]):
+        save(f"decode_{i}", launch.compile_decode(k))
     for i, (mode, hidden, top_k, dtype) in enumerate(spec["finalize"]):
         save(f"finalize_{i}", launch.compile_finalize(mode, hidden, top_k, getattr(torch, dtype)))
     """
@@ -72,7 +79,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("sm90_moe_kernels")
-    spec = {"gemm": GEMM_VARIANTS, "plan": PLAN_VARIANTS, "finalize": FINALIZE_VARIANTS}
+    spec = {"gemm": GEMM_VARIANTS, "plan": PLAN_VARIANTS, "decode": DECODE_VARIANTS, "finalize": FINALIZE_VARIANTS}
     return compile_in_subprocess(_COMPILE_SCRIPT, spec, out)
 
 
@@ -84,6 +91,7 @@ def _names():
     return (
         [f"gemm_{i}" for i in range(len(GEMM_VARIANTS))]
         + [f"plan_{i}" for i in range(len(PLAN_VARIANTS))]
+        + [f"decode_{i}" for i in range(len(DECODE_VARIANTS))]
         + [f"finalize_{i}" for i in range(len(FINALIZE_VARIANTS))]
     )
 

@@ -1,4 +1,4 @@
-"""The sm90 MoE kernels (plan, W4A16 grouped GEMMs, finalize) on the GPU, against the reference.
+"""The sm90 MoE kernels (plan, grouped GEMMs for W4A16 and W4A4, finalize) on the GPU, against the reference.
 
 Every `fused_moe` here runs with prepared weights (`weight_layout="sm90"`) unless a test says
 otherwise, and is compared with the per-pair loop reference (`tests.moe_problems`) or with the reference
@@ -42,13 +42,77 @@ def run_reference(p, **overrides):
     return pipeline.fused_moe(**args, **{**defaults, **kwargs, "weight_layout": "sm90"}, reference=True)
 
 
-def test_dispatch_reports_the_kernels_of_every_w4a16_stage():
+def test_dispatch_reports_the_kernels_of_every_stage():
     choice = fp4moe.moe_dispatch(1, 8, 256, "w4a16", False, device="cuda")
     assert (choice.plan, choice.gemm1, choice.gemm2, choice.finalize) == (dispatch.CUTE_SM90_BACKEND,) * 4
     assert choice.quantize is None
     w4a4 = fp4moe.moe_dispatch(16, 8, 256, "w4a4", True, device="cuda")
-    assert (w4a4.plan, w4a4.quantize, w4a4.finalize) == (dispatch.CUTE_SM90_BACKEND,) * 3
-    assert (w4a4.gemm1, w4a4.gemm2) == (dispatch.REFERENCE_BACKEND,) * 2
+    assert (w4a4.plan, w4a4.quantize, w4a4.gemm1, w4a4.gemm2, w4a4.finalize) == (dispatch.CUTE_SM90_BACKEND,) * 5
+    # The sm90 GEMM1 writes no aux-amax handoff: per-token W4A4 rescans at every token count.
+    assert w4a4.per_token_path == dispatch.RESCAN_PATH
+
+
+W4A4_MODES = ("w4a4", "w4a4_per_token")
+
+
+@pytest.mark.parametrize("mode", W4A4_MODES)
+@pytest.mark.parametrize("activation", ["swiglu", "gptoss", "relu2"])
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+@pytest.mark.parametrize("on_input", [False, True])
+def test_w4a4_matches_the_loop_reference(mode, activation, top_k, on_input):
+    p = make_problem(
+        tokens=17, hidden=80, intermediate=48, num_experts=10, top_k=top_k, mode=mode, device="cuda",
+        activation="relu2" if activation == "relu2" else "swiglu", seed=top_k, apply_router_weight_on_input=on_input,
+        **SWIGLU_VARIANTS.get(activation, {}),
+    )
+    if activation == "gptoss":
+        p.x *= 4
+    assert_moe_close(run_prepared(p), loop_reference(p))
+
+
+@pytest.mark.parametrize("mode", W4A4_MODES)
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("tokens", [0, 1, 3, 17, 100, 1000, 4099])
+def test_w4a4_token_counts_match_the_reference_pipeline(mode, deterministic, tokens):
+    p = make_problem(tokens=tokens, hidden=256, intermediate=128, num_experts=32, top_k=8, mode=mode,
+                     device="cuda", seed=tokens, deterministic=deterministic)
+    out = run_prepared(p)
+    assert out.shape == (tokens, 256)
+    if tokens:
+        assert_moe_close(out, run_reference(p))
+
+
+def test_w4a4_per_tensor_gemm1_output_is_the_reference_quantization_of_its_fp32_values():
+    from fp4moe import nvfp4
+    from fp4moe.kernels.sm90 import moe_launch
+
+    p = make_problem(tokens=33, hidden=256, intermediate=128, num_experts=8, top_k=2, mode="w4a4", device="cuda", seed=5)
+    w = p.weights.prepared()
+    w1_alpha, _ = p.alphas
+    tile_m = fp4moe.moe_dispatch(33, 2, 8, "w4a4", False, device="cuda").tile_m
+    (permuted_to_pair, _, tile_expert, _, _), _ = moe_launch.plan(p.topk_ids, 8, 0, tile_m)
+    codes, scales = ops.quantize(p.x, p.fc1_input_scale.reshape(1), sf_layout="linear")
+    args = (codes, scales, None, permuted_to_pair, tile_expert, w.w1, w.w1_scales, w1_alpha, "sm90", 2, "swiglu")
+    fp32 = moe_launch.gemm1_values(*args, (None, None, None), None, float32=True)  # the kernel's own FP32 values
+    gs = p.fc2_input_scale.reshape(1)
+    ref_codes, ref_scales = nvfp4.quantize_blocks(fp32, gs.float().expand(fp32.shape[0]))
+    out_codes, out_scales, _ = moe_launch.gemm1(*args, None, None, None, None, gs, 0)
+    used = permuted_to_pair >= 0
+    assert_bitwise_equal(out_codes[used], nvfp4.pack_e2m1(ref_codes)[used])
+    assert_bitwise_equal(out_scales[used], ref_scales[used])
+
+
+def test_nvfp4_activations_decode_to_their_exact_values():
+    from fp4moe import nvfp4
+    from fp4moe.kernels.sm90 import moe_launch
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(37, 272, generator=g, device="cuda") * torch.logspace(-3, 3, 37, device="cuda")[:, None]
+    codes, scales, _ = ops.quantize_per_token(x.to(torch.bfloat16), sf_layout="linear")
+    out = moe_launch.decoded(codes, scales)
+    assert out.dtype == torch.bfloat16
+    assert_bitwise_equal(out, nvfp4.dequantize_blocks(codes, scales).to(torch.bfloat16))
+    assert torch.equal(out.float(), nvfp4.dequantize_blocks(codes, scales))  # exact in bf16
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gptoss", "relu2"])

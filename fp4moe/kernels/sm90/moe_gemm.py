@@ -3,10 +3,15 @@
 One kernel class serves both projections; `MoEGemmSm90`'s static parameters choose the epilogue:
 
 - ``"gemm1"``: activation rows gathered from the tokens by the plan (`pair // top_k`), then
-  `alpha`, SwiGLU / ReLU2, the router weight when it is applied on input; bf16 intermediate out.
-- ``"gemm2_fused"``: rows are the plan's rows of the intermediate; `alpha`, the router weight, and an
-  FP32 atomic reduction into the token's output row (finalize fused).
+  `alpha`, the token's activation scale (`row_scaled`), SwiGLU / ReLU2, the router weight when it is
+  applied on input; bf16 intermediate out (FP32 with `float32_out`).
+- ``"gemm2_fused"``: rows are the plan's rows of the intermediate; `alpha`, the row's activation scale
+  (`row_scaled`), the router weight, and an FP32 atomic reduction into the token's output row
+  (finalize fused).
 - ``"gemm2_expanded"``: the same, written to the (token, slot) row instead (deterministic finalize).
+
+W4A4 runs the same kernels on activations decoded exactly to bf16 (`nvfp4_decode`): `e2m1 * scale`
+is exact in bf16, and the factor left out of it (a per-token scale) is `row_scaled`'s.
 
 The weights are the MMA's M side (A, decoded to bf16 in registers) and the plan's rows the N side (B,
 in shared memory), so a decode step with one row per expert is an n8 MMA, not a padded 64-row one.
@@ -138,6 +143,8 @@ class MoEGemmSm90:
         swiglu_beta: float | None = None,
         swiglu_limit: float | None = None,
         router_weighted: bool = False,
+        row_scaled: bool = False,
+        float32_out: bool = False,
     ):
         assert epilogue in EPILOGUES
         assert tile_features in (64, 128) and prepared_rows % tile_features == 0
@@ -164,6 +171,9 @@ class MoEGemmSm90:
         self.activation = activation
         self.swiglu = (swiglu_alpha, swiglu_beta, swiglu_limit)
         self.router_weighted = router_weighted
+        self.row_scaled = row_scaled
+        assert not float32_out or epilogue == "gemm1"
+        self.out_type = Float32 if float32_out or epilogue != "gemm1" else BFloat16
         self.consumer_groups = tile_features // weight_layout.ROW_BLOCK
         self.feature_blocks = self.row_blocks // self.consumer_groups
         self.threads = WARPGROUP_THREADS * (1 + self.consumer_groups)
@@ -186,7 +196,8 @@ class MoEGemmSm90:
         mTileExpert: cute.Tensor,  # int32 [R / tile_rows]
         mAlpha: cute.Tensor,  # fp32 [E]
         mRouterWeights: cute.Tensor | None,  # fp32 [T * k], with router_weighted
-        mOut: cute.Tensor,  # gemm1: bf16 [R, out]; gemm2_fused: fp32 [T, out]; gemm2_expanded: fp32 [T*k, out]
+        mRowScales: cute.Tensor | None,  # fp32, with row_scaled: gemm1 [T] (per token), gemm2 [R] (per row)
+        mOut: cute.Tensor,  # gemm1: bf16/fp32 [R, out]; gemm2_fused: fp32 [T, out]; gemm2_expanded: fp32 [T*k, out]
         stream,
     ):
         tiled_mma = self.tiled_mma(self.tile_rows)
@@ -204,7 +215,8 @@ class MoEGemmSm90:
 
         self.shared_storage = SharedStorage
         self.kernel(
-            mCodes, mScales, mAct, mPermutedToPair, mTileExpert, mAlpha, mRouterWeights, mOut, tiled_mma, b_layout
+            mCodes, mScales, mAct, mPermutedToPair, mTileExpert, mAlpha, mRouterWeights, mRowScales, mOut, tiled_mma,
+            b_layout,
         ).launch(
             grid=[cutlass.min(self.item_count(mTileExpert), self.max_ctas), 1, 1],
             block=[self.threads, 1, 1],
@@ -224,7 +236,8 @@ class MoEGemmSm90:
 
     @cute.kernel
     def kernel(
-        self, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, mAlpha, mRouterWeights, mOut, tiled_mma, b_layout
+        self, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, mAlpha, mRouterWeights, mRowScales, mOut, tiled_mma,
+        b_layout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(tidx // WARP_SIZE)
@@ -249,8 +262,8 @@ class MoEGemmSm90:
         else:
             cute.arch.setmaxregister_increase(consumer_registers(self.tile_features, self.ctas_per_sm))
             self.consume(
-                storage, tiled_mma, b_layout, mAlpha, mRouterWeights, mPermutedToPair, mTileExpert, mOut, num_pairs,
-                full, empty, group - 1,
+                storage, tiled_mma, b_layout, mAlpha, (mRouterWeights, mRowScales), mPermutedToPair, mTileExpert, mOut,
+                num_pairs, full, empty, group - 1,
             )
 
     def item_count(self, mTileExpert):
@@ -382,7 +395,7 @@ class MoEGemmSm90:
     # -----------------------------------------------------------------------------------------------
     @cute.jit
     def consume(
-        self, storage, tiled_mma, b_layout, mAlpha, mRouterWeights, mPermutedToPair, mTileExpert, mOut, num_pairs, full,
+        self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, mOut, num_pairs, full,
         empty, group,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -415,7 +428,7 @@ class MoEGemmSm90:
                 early_rows = None
                 if const_expr(self.tile_rows <= EARLY_ROWS_TILE_ROWS):
                     early_rows = self.chunk_rows(
-                        coordinates, tile * self.tile_rows, 0, mRouterWeights, mPermutedToPair, num_pairs
+                        coordinates, tile * self.tile_rows, 0, row_factors, mPermutedToPair, num_pairs
                     )
                 acc.fill(0.0)
                 if const_expr(self.first_variant == self.row_variants):
@@ -428,7 +441,7 @@ class MoEGemmSm90:
                 iteration += self.k_iterations
                 cute.arch.mbarrier_arrive(empty + (iteration - 1) % self.stages)
                 self.finish(
-                    acc, coordinates, mAlpha, mRouterWeights, mPermutedToPair, num_pairs, mOut, tile, feature_block,
+                    acc, coordinates, mAlpha, row_factors, mPermutedToPair, num_pairs, mOut, tile, feature_block,
                     expert, group, early_rows,
                 )
 
@@ -506,7 +519,7 @@ class MoEGemmSm90:
     # -----------------------------------------------------------------------------------------------
     @cute.jit
     def finish(
-        self, acc, coordinates, mAlpha, mRouterWeights, mPermutedToPair, num_pairs, mOut, tile, feature_block, expert,
+        self, acc, coordinates, mAlpha, row_factors, mPermutedToPair, num_pairs, mOut, tile, feature_block, expert,
         group, early_rows,
     ):
         """The epilogue of one item; `early_rows`: its rows (`chunk_rows`), when they were loaded before the MMAs."""
@@ -514,9 +527,9 @@ class MoEGemmSm90:
         block = feature_block * self.consumer_groups + group
         first_row = tile * self.tile_rows
         if const_expr(self.epilogue == "gemm1"):
-            self.finish_gemm1(acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, num_pairs, mOut, early_rows)
+            self.finish_gemm1(acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, mOut, early_rows)
         else:
-            self.finish_gemm2(acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, num_pairs, mOut, early_rows)
+            self.finish_gemm2(acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, mOut, early_rows)
 
     @cute.jit
     def activate(self, gate, up):
@@ -541,13 +554,15 @@ class MoEGemmSm90:
         return range(c * per_chunk, (c + 1) * per_chunk)
 
     @cute.jit
-    def chunk_rows(self, coordinates, first_row, c, mRouterWeights, mPermutedToPair, num_pairs):
+    def chunk_rows(self, coordinates, first_row, c, row_factors, mPermutedToPair, num_pairs):
         """The thread's rows of epilogue chunk `c`, loaded before any store: per accumulator element
-        `v` whose row mode is 0, the row's pair (-1 for a padding row) and, with `router_weighted`,
-        its router weight (element `v + 2` has the same row). The loads are independent of each other,
-        so they overlap; loaded next to each store, each waited for a round trip. Chunks bound the
+        `v` whose row mode is 0, the row's pair (-1 for a padding row), with `router_weighted` its
+        router weight and with `row_scaled` its activation scale (element `v + 2` has the same row).
+        `row_factors` is (router weights, row scales). The loads are independent of each other, so
+        they overlap; loaded next to each store, each waited for a round trip. Chunks bound the
         registers the loaded rows take."""
-        pairs, weights = {}, {}
+        router_weights, row_scales = row_factors
+        pairs, weights, scales = {}, {}, {}
         for v in cutlass.range_constexpr(self.chunk_values(c).start, self.chunk_values(c).stop):
             if const_expr((v // 2) % 2 == 0):
                 _, n = coordinates[v, 0, 0]
@@ -555,21 +570,27 @@ class MoEGemmSm90:
                 valid = (pair >= 0) & (pair < num_pairs)
                 pairs[v] = cutlass.select_(valid, pair, Int32(-1))
                 if const_expr(self.router_weighted):
-                    weights[v] = mRouterWeights[cutlass.select_(valid, pair, Int32(0))]
-        return pairs, weights
+                    weights[v] = router_weights[cutlass.select_(valid, pair, Int32(0))]
+                if const_expr(self.row_scaled):
+                    # GEMM1's rows are tokens' (one scale per token), GEMM2's the plan's own.
+                    if const_expr(self.epilogue == "gemm1"):
+                        scales[v] = row_scales[cutlass.select_(valid, pair, Int32(0)) // self.top_k]
+                    else:
+                        scales[v] = row_scales[first_row + n]
+        return pairs, weights, scales
 
-    def epilogue_rows_of(self, early_rows, coordinates, first_row, c, mRouterWeights, mPermutedToPair, num_pairs):
+    def epilogue_rows_of(self, early_rows, coordinates, first_row, c, row_factors, mPermutedToPair, num_pairs):
         """Epilogue chunk `c`'s rows (`chunk_rows`): `early_rows` when they were loaded before the
         MMAs, else loaded now. Plain Python, run while the kernel is traced."""
         if early_rows is not None:
             return early_rows
-        return self.chunk_rows(coordinates, first_row, c, mRouterWeights, mPermutedToPair, num_pairs)
+        return self.chunk_rows(coordinates, first_row, c, row_factors, mPermutedToPair, num_pairs)
 
     @cute.jit
-    def finish_gemm1(self, acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, num_pairs, mOut, early_rows):
+    def finish_gemm1(self, acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, mOut, early_rows):
         for c in cutlass.range_constexpr(self.tile_rows // self.epilogue_rows):
-            pairs, weights = self.epilogue_rows_of(
-                early_rows, coordinates, first_row, c, mRouterWeights, mPermutedToPair, num_pairs
+            pairs, weights, scales = self.epilogue_rows_of(
+                early_rows, coordinates, first_row, c, row_factors, mPermutedToPair, num_pairs
             )
             for v in cutlass.range_constexpr(self.chunk_values(c).start, self.chunk_values(c).stop):
                 m, n = coordinates[v, 0, 0]
@@ -579,12 +600,19 @@ class MoEGemmSm90:
                     # Gate and up of one feature are the thread's rows 16w+g and 16w+g+8 (weight_layout);
                     # accumulator element v + 2 is element v's row + 8.
                     if const_expr((v // 2) % 2 == 0):
-                        value = self.activate(acc[v, 0, 0] * alpha, acc[v + 2, 0, 0] * alpha)
+                        gate = self.row_scale(acc[v, 0, 0] * alpha, scales.get(v))
+                        up = self.row_scale(acc[v + 2, 0, 0] * alpha, scales.get(v))
+                        value = self.activate(gate, up)
                         feature = block * 32 + (m // 16) * 8 + m % 16
                         self.store_gemm1(value, feature, row, pairs[v], weights.get(v), mOut)
                 else:
-                    y = cute.arch.fmax(acc[v, 0, 0] * alpha, Float32(0.0))
+                    y = cute.arch.fmax(self.row_scale(acc[v, 0, 0] * alpha, scales.get(same_row)), Float32(0.0))
                     self.store_gemm1(y * y, block * 64 + m, row, pairs[same_row], weights.get(same_row), mOut)
+
+    def row_scale(self, value, scale):
+        """`value` times its row's activation scale (`row_scaled`), after alpha as the reference
+        orders them; plain Python, run while the kernel is traced."""
+        return value * scale if self.row_scaled else value
 
     @cute.jit
     def store_gemm1(self, value, feature, row, pair, weight, mOut):
@@ -593,15 +621,15 @@ class MoEGemmSm90:
             if const_expr(self.router_weighted):
                 if pair >= 0:
                     value = value * weight
-            mOut[row, feature] = value.to(BFloat16)
+            mOut[row, feature] = value.to(self.out_type)
 
     @cute.jit
-    def finish_gemm2(self, acc, coordinates, alpha, block, first_row, mRouterWeights, mPermutedToPair, num_pairs, mOut, early_rows):
+    def finish_gemm2(self, acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, mOut, early_rows):
         out_address = mOut.iterator.toint()
         row_bytes = Int64(mOut.stride[0]) * 4
         for c in cutlass.range_constexpr(self.tile_rows // self.epilogue_rows):
-            pairs, weights = self.epilogue_rows_of(
-                early_rows, coordinates, first_row, c, mRouterWeights, mPermutedToPair, num_pairs
+            pairs, weights, scales = self.epilogue_rows_of(
+                early_rows, coordinates, first_row, c, row_factors, mPermutedToPair, num_pairs
             )
             for v in cutlass.range_constexpr(self.chunk_values(c).start, self.chunk_values(c).stop):
                 m, _ = coordinates[v, 0, 0]
@@ -609,7 +637,7 @@ class MoEGemmSm90:
                 same_row = v - 2 * ((v // 2) % 2)
                 pair = pairs[same_row]
                 if (pair >= 0) & (feature < self.out_features):
-                    y = acc[v, 0, 0] * alpha
+                    y = self.row_scale(acc[v, 0, 0] * alpha, scales.get(same_row))
                     if const_expr(self.router_weighted):
                         y = y * weights[same_row]
                     if const_expr(self.epilogue == "gemm2_fused"):

@@ -9,11 +9,17 @@ Stage functions (the pipeline in `fp4moe.pipeline` composes them):
 
 - `plan(topk_ids, E, offset, tile_m, accumulator_shape)`: `moe_plan`'s five outputs and, for the fused
   finalize, a zeroed FP32 accumulator `[T, H]`, in one launch;
-- `gemm1(...)`: the bf16 intermediate of W4A16 GEMM1;
-- `gemm2(...)`: W4A16 GEMM2 reduced into the accumulator (fused) or written per (token, slot);
+- `gemm1(...)`: GEMM1's intermediate: bf16 (W4A16, per-token W4A4) or NVFP4 (per-tensor W4A4);
+- `gemm2(...)`: GEMM2 reduced into the accumulator (fused) or written per (token, slot);
 - `finalize(...)`: the bf16 output.
 
 The stage functions have the signatures of `fp4moe.reference.moe`'s, so the pipeline calls either.
+
+W4A4 runs the W4A16 GEMMs on its activations decoded exactly to bf16 (`nvfp4_decode`; the GEMMs'
+epilogues apply the per-token scale): per-tensor W4A4's GEMM1 writes its FP32 intermediate, which
+the sm90 quantizer turns into NVFP4 with `fc2_input_scale` (bitwise what the reference block math
+gives for the kernel's own FP32 values). The aux-amax handoff is not produced: on sm90 per-token
+W4A4 takes the rescan path (`fp4moe.dispatch.moe_dispatch` says so).
 """
 
 from __future__ import annotations
@@ -26,12 +32,14 @@ import cutlass.cute as cute
 import torch
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
-from fp4moe import weight_layout
-from fp4moe.kernels.sm90.arguments import standard_strides, vector_rows
+from fp4moe import nvfp4, weight_layout
+from fp4moe.kernels.sm90.arguments import VECTOR_BYTES, compact_copy, standard_strides, vector_rows
 from fp4moe.kernels.sm90.compiler import compile_kernel
 from fp4moe.kernels.sm90.moe_finalize import VECTOR, MoEFinalizeSm90
 from fp4moe.kernels.sm90.moe_gemm import MoEGemmSm90, pipeline_stages
 from fp4moe.kernels.sm90.moe_plan import MAX_EXPERTS, PLAN_THREADS, ZERO_VECTOR, MoEPlanSm90
+from fp4moe.kernels.sm90.nvfp4_decode import NVFP4DecodeSm90
+from fp4moe.kernels.sm90 import quantize_launch
 from fp4moe.op_outputs import moe_plan_outputs
 
 
@@ -139,7 +147,7 @@ class GemmShape:
 @functools.cache
 def compile_gemm(
     epilogue: str, shape_key: tuple, act_k: int, out_features: int, top_k: int, activation: str,
-    swiglu: tuple, router_weighted: bool,
+    swiglu: tuple, router_weighted: bool, row_scaled: bool = False, float32_out: bool = False,
 ):
     experts, rows, k, tile_features, tile_rows, granule, tile_k, stages, ctas_per_sm, max_ctas = shape_key
     kernel = MoEGemmSm90(
@@ -147,6 +155,7 @@ def compile_gemm(
         out_features=out_features, tile_features=tile_features, tile_rows=tile_rows, row_granule=granule, tile_k=tile_k,
         stages=stages, ctas_per_sm=ctas_per_sm, max_ctas=max_ctas, top_k=top_k, activation=activation,
         swiglu_alpha=swiglu[0], swiglu_beta=swiglu[1], swiglu_limit=swiglu[2], router_weighted=router_weighted,
+        row_scaled=row_scaled, float32_out=float32_out,
     )
     tiles = (experts, rows // weight_layout.ROW_BLOCK, k // weight_layout.K_TILE)
     codes = make_fake_compact_tensor(
@@ -161,11 +170,17 @@ def compile_gemm(
     rows_dim = _dynamic()
     alpha = make_fake_compact_tensor(cutlass.Float32, (experts,))
     router = make_fake_compact_tensor(cutlass.Float32, (_dynamic(),)) if router_weighted else None
-    out_type = cutlass.BFloat16 if epilogue == "gemm1" else cutlass.Float32
+    row_scales = make_fake_compact_tensor(cutlass.Float32, (_dynamic(),)) if row_scaled else None
+    out_type = cutlass.BFloat16 if epilogue == "gemm1" and not float32_out else cutlass.Float32
     out_rows = rows_dim if epilogue == "gemm1" else _dynamic()
     out = make_fake_compact_tensor(out_type, (out_rows, out_features), stride_order=(1, 0))
-    key = ("moe_gemm", epilogue, shape_key, act_k, out_features, top_k, activation, swiglu, router_weighted)
-    return compile_kernel(kernel, codes, scales, act, _i32(rows_dim), _i32(_dynamic()), alpha, router, out, cache_key=key)
+    key = (
+        "moe_gemm", epilogue, shape_key, act_k, out_features, top_k, activation, swiglu, router_weighted, row_scaled,
+        float32_out,
+    )
+    return compile_kernel(
+        kernel, codes, scales, act, _i32(rows_dim), _i32(_dynamic()), alpha, router, row_scales, out, cache_key=key
+    )
 
 
 def expected_tiles(num_pairs: int, num_local_experts: int, tile_rows: int) -> int:
@@ -200,70 +215,132 @@ def _activation_rows(a: torch.Tensor) -> torch.Tensor:
     return a
 
 
-def launch_gemm(kernel, codes, scales, a, permuted_to_pair, tile_expert, alpha, router_weights, out) -> None:
+def launch_gemm(
+    kernel, codes, scales, a, permuted_to_pair, tile_expert, alpha, router_weights, out, row_scales=None
+) -> None:
     """Call a compiled grouped GEMM (`compile_gemm`) with its arguments in the layouts it was compiled for."""
     router = None if router_weights is None else standard_strides(router_weights.reshape(-1))
+    row_scales = None if row_scales is None else standard_strides(row_scales.reshape(-1).float())
     kernel(
         standard_strides(codes), standard_strides(scales), _activation_rows(a), permuted_to_pair, tile_expert,
-        standard_strides(alpha), router, out,
+        standard_strides(alpha), router, row_scales, out,
     )
 
 
-def _w4a16_only(a_scales, output_global_scale=None, aux_amax_tile_n=0) -> None:
-    if a_scales is not None or output_global_scale is not None or aux_amax_tile_n:
-        raise NotImplementedError("the sm90 MoE GEMMs take bf16 activations (W4A16) only")
+# ---------------------------------------------------------------------------------------------------
+# W4A4 activations
+# ---------------------------------------------------------------------------------------------------
+@functools.cache
+def compile_decode(k: int):
+    codes = make_fake_compact_tensor(cutlass.Uint8, (_dynamic(), k // 2), stride_order=(1, 0), assumed_align=16)
+    scales = make_fake_compact_tensor(cutlass.Uint8, (_dynamic(), k // 16), stride_order=(1, 0))
+    out = make_fake_compact_tensor(cutlass.BFloat16, (_dynamic(), k), stride_order=(1, 0), assumed_align=16)
+    return compile_kernel(NVFP4DecodeSm90(k), codes, scales, out, cache_key=("nvfp4_decode", k))
+
+
+def decoded(a: torch.Tensor, a_scales: torch.Tensor | None) -> torch.Tensor:
+    """GEMM input rows: bf16 as given, NVFP4 codes + linear scales decoded to their exact bf16 values."""
+    if a_scales is None:
+        return a
+    out = a.new_empty((a.shape[0], 2 * a.shape[1]), dtype=torch.bfloat16)
+    if a.shape[0]:
+        codes = standard_strides(a)
+        codes = codes if codes.data_ptr() % VECTOR_BYTES == 0 else compact_copy(codes)
+        compile_decode(out.shape[1])(codes, standard_strides(a_scales.view(torch.uint8)), out)
+    return out
+
+
+def _no_aux_amax(aux_amax_tile_n: int) -> None:
+    if aux_amax_tile_n:
+        raise NotImplementedError(
+            "the sm90 MoE GEMM1 does not write the aux-amax handoff; per-token W4A4 takes the rescan path on sm90"
+        )
 
 
 def gemm1(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, layout, top_k,
     activation, swiglu_alpha, swiglu_beta, swiglu_limit, router_weights, output_global_scale, aux_amax_tile_n,
 ):
-    """W4A16 GEMM1 (`fp4moe.reference.moe.gemm1`'s contract): the bf16 intermediate [R, I_pad] of the
-    prepared weights' padded intermediate size (extra features are exact zeros), and two empty
-    tensors in place of the NVFP4 scales and the aux-amax output."""
-    _w4a16_only(a_scales, output_global_scale, aux_amax_tile_n)
+    """GEMM1 (`fp4moe.reference.moe.gemm1`'s contract) on activations that are bf16 (W4A16) or NVFP4
+    (W4A4, with per-token scales or not), over the prepared weights' padded intermediate size (extra
+    features are exact zeros). Returns the intermediate [R, I_pad] (bf16, or NVFP4 codes when
+    `output_global_scale` is given: per-tensor W4A4), its NVFP4 block scales (else empty) and an
+    empty aux-amax output."""
+    _no_aux_amax(aux_amax_tile_n)
+    args = (a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, layout, top_k,
+            activation, (swiglu_alpha, swiglu_beta, swiglu_limit), router_weights)
+    empty = a.new_empty((0,), dtype=torch.bfloat16)
+    if output_global_scale is None:
+        return gemm1_values(*args, float32=False), empty.view(torch.float8_e4m3fn), empty
+    values = gemm1_values(*args, float32=True)
+    if output_global_scale.numel() == 1:
+        codes, scales = quantize_launch.quantize(values, output_global_scale.reshape(1).float(), "linear", "off")
+    else:
+        codes, scales = _quantize_per_expert(values, output_global_scale, permuted_to_pair, tile_expert, w1.shape[0])
+    return codes, scales, empty
+
+
+def gemm1_values(
+    a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, layout, top_k,
+    activation, swiglu, router_weights, float32: bool,
+) -> torch.Tensor:
+    """The GEMM1 kernel's intermediate [R, I_pad] (after the activation and the router weight on input),
+    bf16 or, with `float32`, the FP32 values it rounds. Rows of unused tiles are left unwritten."""
     w1, w1_scales = _prepared(w1, w1_scales, layout, activation == "swiglu")
     prepared_rows = w1.shape[1] * weight_layout.ROW_BLOCK
     out_features = prepared_rows // 2 if activation == "swiglu" else prepared_rows
     num_rows, tiles = permuted_to_pair.shape[0], tile_expert.shape[0]
-    out = a.new_empty((num_rows, out_features), dtype=torch.bfloat16)
-    empty = a.new_empty((0,), dtype=torch.bfloat16)
+    out = a.new_empty((num_rows, out_features), dtype=torch.float32 if float32 else torch.bfloat16)
     if tiles == 0:
-        return out, empty.view(torch.float8_e4m3fn), empty
+        return out
+    num_tokens = a.shape[0]
+    a = decoded(a, a_scales)
     tile_rows = num_rows // tiles
     shape = GemmShape(
-        w1.shape, tile_rows, expected_tiles(a.shape[0] * top_k, w1.shape[0], tile_rows), sm_count(w1.device.index)
+        w1.shape, tile_rows, expected_tiles(num_tokens * top_k, w1.shape[0], tile_rows), sm_count(w1.device.index)
     )
     kernel = compile_gemm(
-        "gemm1", shape.key(), a.shape[1], out_features, top_k, activation, (swiglu_alpha, swiglu_beta, swiglu_limit),
-        router_weights is not None,
+        "gemm1", shape.key(), a.shape[1], out_features, top_k, activation, swiglu, router_weights is not None,
+        a_per_token_scale is not None, float32,
     )
-    launch_gemm(kernel, w1, w1_scales, a, permuted_to_pair, tile_expert, w1_alpha, router_weights, out)
-    return out, empty.view(torch.float8_e4m3fn), empty
+    launch_gemm(kernel, w1, w1_scales, a, permuted_to_pair, tile_expert, w1_alpha, router_weights, out, a_per_token_scale)
+    return out
+
+
+def _quantize_per_expert(values, global_scales, permuted_to_pair, tile_expert, num_experts):
+    """NVFP4 of each row with its expert's FC2 input scale (`fc2_input_scale` [E]): the reference block
+    math in torch ops on the device, as the sm90 quantizer takes one scale per tensor. Rows of unused
+    tiles get expert 0's scale; GEMM2 never reads them."""
+    rows_per_tile = permuted_to_pair.shape[0] // max(1, tile_expert.shape[0])
+    row_expert = tile_expert.clamp(0, num_experts - 1).repeat_interleave(rows_per_tile)
+    codes, scales = nvfp4.quantize_blocks(values, global_scales.reshape(-1).float()[row_expert])
+    return nvfp4.pack_e2m1(codes), scales
 
 
 def gemm2(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w2, w2_scales, w2_alpha, layout,
     router_weights, num_tokens, top_k, hidden, accumulator,
 ):
-    """W4A16 GEMM2 (`fp4moe.reference.moe.gemm2`'s contract): adds into the FP32 `accumulator`
-    [T, hidden] (fused finalize), or, without one, returns the FP32 [T*k, hidden] per-pair rows (rows
-    of non-local pairs unwritten: the deterministic finalize skips them)."""
-    _w4a16_only(a_scales)
+    """GEMM2 (`fp4moe.reference.moe.gemm2`'s contract) on a bf16 (W4A16) or NVFP4 (W4A4) intermediate:
+    adds into the FP32 `accumulator` [T, hidden] (fused finalize), or, without one, returns the FP32
+    [T*k, hidden] per-pair rows (rows of non-local pairs unwritten: the deterministic finalize skips
+    them)."""
     w2, w2_scales = _prepared(w2, w2_scales, layout, gated=False)
     epilogue = "gemm2_fused" if accumulator is not None else "gemm2_expanded"
     out = accumulator if accumulator is not None else a.new_empty((num_tokens * top_k, hidden), dtype=torch.float32)
     num_rows, tiles = permuted_to_pair.shape[0], tile_expert.shape[0]
     if tiles == 0:
         return out
+    a = decoded(a, a_scales)
     tile_rows = num_rows // tiles
     shape = GemmShape(
         w2.shape, tile_rows, expected_tiles(num_tokens * top_k, w2.shape[0], tile_rows), sm_count(w2.device.index)
     )
     kernel = compile_gemm(
-        epilogue, shape.key(), a.shape[1], hidden, top_k, "none", (None, None, None), router_weights is not None
+        epilogue, shape.key(), a.shape[1], hidden, top_k, "none", (None, None, None), router_weights is not None,
+        a_per_token_scale is not None,
     )
-    launch_gemm(kernel, w2, w2_scales, a, permuted_to_pair, tile_expert, w2_alpha, router_weights, out)
+    launch_gemm(kernel, w2, w2_scales, a, permuted_to_pair, tile_expert, w2_alpha, router_weights, out, a_per_token_scale)
     return out
 
 
