@@ -98,10 +98,12 @@ MOE_TILE_M_CHOICES = (8, 16, 32, 64, 128, 192)
 """Rows per plan tile. Each expert's segment is padded to a whole tile, so the tile follows the
 expected rows per expert: small for decode (little padding), up to 192 for prefill."""
 
-AUX_AMAX_GEMM1_BACKENDS = (REFERENCE_BACKEND,)
-"""Backends whose GEMM1 writes the aux-amax handoff (the sm90 GEMM1 does not yet)."""
 AUX_AMAX_TILE_N = 128
-"""Columns of the intermediate covered by one aux-amax entry (GEMM1's output N-tile)."""
+"""Columns of the intermediate covered by one aux-amax entry of the reference GEMM1."""
+AUX_AMAX_TILE_N_BY_BACKEND = {REFERENCE_BACKEND: AUX_AMAX_TILE_N, CUTE_SM90_BACKEND: 8}
+"""The aux-amax tile of each backend whose GEMM1 writes the handoff: the reference's is any width
+(128); the sm90 GEMM1's is the 8 features one warp holds for a row (`moe_gemm.AUX_AMAX_COLUMNS`).
+The per-token quantizer takes any tiling that covers the row."""
 
 
 class MoEDispatch(NamedTuple):
@@ -139,18 +141,18 @@ def moe_dispatch(
     per-token path, the plan tile, and the backend of every stage. Reads no device data.
 
     On a kernel backend (`device_backend`) every stage runs its kernels. The per-token path is the
-    aux-amax handoff only where the GEMM1 backend writes it (`AUX_AMAX_GEMM1_BACKENDS`); elsewhere
-    per-token W4A4 rescans at every token count.
+    aux-amax handoff only where the GEMM1 backend writes it (`AUX_AMAX_TILE_N_BY_BACKEND`), with that
+    backend's tile; elsewhere per-token W4A4 rescans at every token count.
     """
     per_token = quant_mode == "w4a4" and per_token_activation
     backend = device_backend(device)
     per_token_path = None
     if per_token:
-        per_token_path = per_token_quant_path(num_tokens) if backend in AUX_AMAX_GEMM1_BACKENDS else RESCAN_PATH
+        per_token_path = per_token_quant_path(num_tokens) if backend in AUX_AMAX_TILE_N_BY_BACKEND else RESCAN_PATH
     return MoEDispatch(
         per_token_path=per_token_path,
         tile_m=moe_tile_m(num_tokens, top_k, num_local_experts),
-        aux_amax_tile_n=AUX_AMAX_TILE_N,
+        aux_amax_tile_n=AUX_AMAX_TILE_N_BY_BACKEND.get(backend, 0),
         plan=backend,
         quantize=backend if quant_mode == "w4a4" else None,
         gemm1=backend,

@@ -317,8 +317,9 @@ def test_aux_and_rescan_paths_give_bitwise_equal_moe_outputs(device, tokens):
 
 
 def test_per_token_w4a4_rescans_where_gemm1_writes_no_aux_amax(monkeypatch):
-    assert fp4moe.moe_dispatch(4096, 8, 256, "w4a4", True).per_token_path == dispatch.AUX_AMAX_PATH
-    monkeypatch.setattr(dispatch, "AUX_AMAX_GEMM1_BACKENDS", ())
+    choice = fp4moe.moe_dispatch(4096, 8, 256, "w4a4", True)
+    assert (choice.per_token_path, choice.aux_amax_tile_n) == (dispatch.AUX_AMAX_PATH, dispatch.AUX_AMAX_TILE_N)
+    monkeypatch.setattr(dispatch, "AUX_AMAX_TILE_N_BY_BACKEND", {})
     assert fp4moe.moe_dispatch(4096, 8, 256, "w4a4", True).per_token_path == dispatch.RESCAN_PATH
 
 

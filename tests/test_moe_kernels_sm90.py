@@ -48,8 +48,25 @@ def test_dispatch_reports_the_kernels_of_every_stage():
     assert choice.quantize is None
     w4a4 = fp4moe.moe_dispatch(16, 8, 256, "w4a4", True, device="cuda")
     assert (w4a4.plan, w4a4.quantize, w4a4.gemm1, w4a4.gemm2, w4a4.finalize) == (dispatch.CUTE_SM90_BACKEND,) * 5
-    # The sm90 GEMM1 writes no aux-amax handoff: per-token W4A4 rescans at every token count.
-    assert w4a4.per_token_path == dispatch.RESCAN_PATH
+    # The sm90 GEMM1 writes the aux-amax handoff over 8-column tiles.
+    assert (w4a4.per_token_path, w4a4.aux_amax_tile_n) == (dispatch.AUX_AMAX_PATH, 8)
+    assert fp4moe.moe_dispatch(3, 8, 256, "w4a4", True, device="cuda").per_token_path == dispatch.RESCAN_PATH
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
+def test_gemm1_aux_amax_is_the_tile_maxima_of_its_bf16_output(activation):
+    from fp4moe.kernels.sm90 import moe_launch
+
+    p = make_problem(tokens=45, hidden=256, intermediate=96, num_experts=8, top_k=4, mode="w4a4_per_token",
+                     device="cuda", seed=9, activation=activation)
+    w = p.weights.prepared()
+    w1_alpha, _ = p.alphas
+    (permuted_to_pair, _, tile_expert, _, totals), _ = moe_launch.plan(p.topk_ids, 8, 0, 16)
+    codes, scales, pts = ops.quantize_per_token(p.x, sf_layout="linear")
+    out, _, aux = moe_launch.gemm1(codes, scales, pts, permuted_to_pair, tile_expert, w.w1, w.w1_scales, w1_alpha,
+                                   "sm90", 4, activation, None, None, None, None, None, 8)
+    rows = int(totals[1])  # rows in use: unused tiles are not written
+    assert_bitwise_equal(aux[: rows // 8], ops.tile_amax(out[:rows], 8))
 
 
 W4A4_MODES = ("w4a4", "w4a4_per_token")

@@ -4,7 +4,8 @@ One kernel class serves both projections; `MoEGemmSm90`'s static parameters choo
 
 - ``"gemm1"``: activation rows gathered from the tokens by the plan (`pair // top_k`), then
   `alpha`, the token's activation scale (`row_scaled`), SwiGLU / ReLU2, the router weight when it is
-  applied on input; bf16 intermediate out (FP32 with `float32_out`).
+  applied on input; bf16 intermediate out (FP32 with `float32_out`), and with `aux_amax` the maxima
+  of its rounded values over each row's `AUX_AMAX_COLUMNS` columns (the aux-amax handoff).
 - ``"gemm2_fused"``: rows are the plan's rows of the intermediate; `alpha`, the row's activation scale
   (`row_scaled`), the router weight, and an FP32 atomic reduction into the token's output row
   (finalize fused).
@@ -45,6 +46,9 @@ EARLY_ROWS_TILE_ROWS = 16
 """Tiles of at most this many rows (decode) load their epilogue's plan entries and router weights
 before the MMAs, which hide the loads' latency; larger tiles would hold too many registers."""
 MIN_WIDE_TILE_ROWS = 64
+AUX_AMAX_COLUMNS = 8
+"""Intermediate columns per aux-amax entry of GEMM1: the 8 features one warp's lanes 4g + c (g = 0..7)
+hold for a row, so a row's maximum over them is three butterfly shuffles, with no shared memory."""
 """Rows that the MMAs of an item of a larger tile always cover."""
 
 
@@ -145,6 +149,7 @@ class MoEGemmSm90:
         router_weighted: bool = False,
         row_scaled: bool = False,
         float32_out: bool = False,
+        aux_amax: bool = False,
     ):
         assert epilogue in EPILOGUES
         assert tile_features in (64, 128) and prepared_rows % tile_features == 0
@@ -173,6 +178,8 @@ class MoEGemmSm90:
         self.router_weighted = router_weighted
         self.row_scaled = row_scaled
         assert not float32_out or epilogue == "gemm1"
+        assert not aux_amax or (epilogue == "gemm1" and not float32_out)
+        self.aux_amax = aux_amax
         self.out_type = Float32 if float32_out or epilogue != "gemm1" else BFloat16
         self.consumer_groups = tile_features // weight_layout.ROW_BLOCK
         self.feature_blocks = self.row_blocks // self.consumer_groups
@@ -198,6 +205,7 @@ class MoEGemmSm90:
         mRouterWeights: cute.Tensor | None,  # fp32 [T * k], with router_weighted
         mRowScales: cute.Tensor | None,  # fp32, with row_scaled: gemm1 [T] (per token), gemm2 [R] (per row)
         mOut: cute.Tensor,  # gemm1: bf16/fp32 [R, out]; gemm2_fused: fp32 [T, out]; gemm2_expanded: fp32 [T*k, out]
+        mAuxAmax: cute.Tensor | None,  # bf16 [R / 8, out / AUX_AMAX_COLUMNS, 8], with aux_amax
         stream,
     ):
         tiled_mma = self.tiled_mma(self.tile_rows)
@@ -215,8 +223,8 @@ class MoEGemmSm90:
 
         self.shared_storage = SharedStorage
         self.kernel(
-            mCodes, mScales, mAct, mPermutedToPair, mTileExpert, mAlpha, mRouterWeights, mRowScales, mOut, tiled_mma,
-            b_layout,
+            mCodes, mScales, mAct, mPermutedToPair, mTileExpert, mAlpha, mRouterWeights, mRowScales, mOut, mAuxAmax,
+            tiled_mma, b_layout,
         ).launch(
             grid=[cutlass.min(self.item_count(mTileExpert), self.max_ctas), 1, 1],
             block=[self.threads, 1, 1],
@@ -236,8 +244,8 @@ class MoEGemmSm90:
 
     @cute.kernel
     def kernel(
-        self, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, mAlpha, mRouterWeights, mRowScales, mOut, tiled_mma,
-        b_layout,
+        self, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, mAlpha, mRouterWeights, mRowScales, mOut, mAuxAmax,
+        tiled_mma, b_layout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(tidx // WARP_SIZE)
@@ -262,8 +270,8 @@ class MoEGemmSm90:
         else:
             cute.arch.setmaxregister_increase(consumer_registers(self.tile_features, self.ctas_per_sm))
             self.consume(
-                storage, tiled_mma, b_layout, mAlpha, (mRouterWeights, mRowScales), mPermutedToPair, mTileExpert, mOut,
-                num_pairs, full, empty, group - 1,
+                storage, tiled_mma, b_layout, mAlpha, (mRouterWeights, mRowScales), mPermutedToPair, mTileExpert,
+                (mOut, mAuxAmax), num_pairs, full, empty, group - 1,
             )
 
     def item_count(self, mTileExpert):
@@ -395,7 +403,7 @@ class MoEGemmSm90:
     # -----------------------------------------------------------------------------------------------
     @cute.jit
     def consume(
-        self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, mOut, num_pairs, full,
+        self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs, num_pairs, full,
         empty, group,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -441,7 +449,7 @@ class MoEGemmSm90:
                 iteration += self.k_iterations
                 cute.arch.mbarrier_arrive(empty + (iteration - 1) % self.stages)
                 self.finish(
-                    acc, coordinates, mAlpha, row_factors, mPermutedToPair, num_pairs, mOut, tile, feature_block,
+                    acc, coordinates, mAlpha, row_factors, mPermutedToPair, num_pairs, outputs, tile, feature_block,
                     expert, group, early_rows,
                 )
 
@@ -519,7 +527,7 @@ class MoEGemmSm90:
     # -----------------------------------------------------------------------------------------------
     @cute.jit
     def finish(
-        self, acc, coordinates, mAlpha, row_factors, mPermutedToPair, num_pairs, mOut, tile, feature_block, expert,
+        self, acc, coordinates, mAlpha, row_factors, mPermutedToPair, num_pairs, outputs, tile, feature_block, expert,
         group, early_rows,
     ):
         """The epilogue of one item; `early_rows`: its rows (`chunk_rows`), when they were loaded before the MMAs."""
@@ -527,9 +535,9 @@ class MoEGemmSm90:
         block = feature_block * self.consumer_groups + group
         first_row = tile * self.tile_rows
         if const_expr(self.epilogue == "gemm1"):
-            self.finish_gemm1(acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, mOut, early_rows)
+            self.finish_gemm1(acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, outputs, early_rows)
         else:
-            self.finish_gemm2(acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, mOut, early_rows)
+            self.finish_gemm2(acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, outputs[0], early_rows)
 
     @cute.jit
     def activate(self, gate, up):
@@ -587,7 +595,7 @@ class MoEGemmSm90:
         return self.chunk_rows(coordinates, first_row, c, row_factors, mPermutedToPair, num_pairs)
 
     @cute.jit
-    def finish_gemm1(self, acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, mOut, early_rows):
+    def finish_gemm1(self, acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, outputs, early_rows):
         for c in cutlass.range_constexpr(self.tile_rows // self.epilogue_rows):
             pairs, weights, scales = self.epilogue_rows_of(
                 early_rows, coordinates, first_row, c, row_factors, mPermutedToPair, num_pairs
@@ -604,10 +612,10 @@ class MoEGemmSm90:
                         up = self.row_scale(acc[v + 2, 0, 0] * alpha, scales.get(v))
                         value = self.activate(gate, up)
                         feature = block * 32 + (m // 16) * 8 + m % 16
-                        self.store_gemm1(value, feature, row, pairs[v], weights.get(v), mOut)
+                        self.store_gemm1(value, feature, row, pairs[v], weights.get(v), outputs)
                 else:
                     y = cute.arch.fmax(self.row_scale(acc[v, 0, 0] * alpha, scales.get(same_row)), Float32(0.0))
-                    self.store_gemm1(y * y, block * 64 + m, row, pairs[same_row], weights.get(same_row), mOut)
+                    self.store_gemm1(y * y, block * 64 + m, row, pairs[same_row], weights.get(same_row), outputs)
 
     def row_scale(self, value, scale):
         """`value` times its row's activation scale (`row_scaled`), after alpha as the reference
@@ -615,13 +623,23 @@ class MoEGemmSm90:
         return value * scale if self.row_scaled else value
 
     @cute.jit
-    def store_gemm1(self, value, feature, row, pair, weight, mOut):
-        """The router weight applies to rows that hold a pair; padding rows are written too (zeros)."""
+    def store_gemm1(self, value, feature, row, pair, weight, outputs):
+        """The router weight applies to rows that hold a pair; padding rows are written too (zeros).
+        With `aux_amax`, the maximum magnitude of the rounded value over the 8 features of its warp
+        (`AUX_AMAX_COLUMNS`; lanes 4g + c, g = 0..7, hold one row's) goes to the aux-amax entry of
+        the row: every lane of the warp takes part in the shuffles."""
+        mOut, mAuxAmax = outputs
+        if const_expr(self.router_weighted):
+            value = Float32(cutlass.select_(pair >= 0, value * weight, value))
+        rounded = value.to(self.out_type)
         if feature < self.out_features:
-            if const_expr(self.router_weighted):
-                if pair >= 0:
-                    value = value * weight
-            mOut[row, feature] = value.to(self.out_type)
+            mOut[row, feature] = rounded
+        if const_expr(self.aux_amax):
+            magnitude = cute.arch.fmax(rounded.to(Float32), -rounded.to(Float32))
+            for lanes in cutlass.range_constexpr(2, 5):
+                magnitude = cute.arch.fmax(magnitude, cute.arch.shuffle_sync_bfly(magnitude, 1 << lanes))
+            if ((cute.arch.lane_idx() // 4) == 0) & (feature < self.out_features):
+                mAuxAmax[row // 8, feature // AUX_AMAX_COLUMNS, row % 8] = magnitude.to(BFloat16)
 
     @cute.jit
     def finish_gemm2(self, acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, mOut, early_rows):

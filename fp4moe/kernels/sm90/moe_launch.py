@@ -18,8 +18,8 @@ The stage functions have the signatures of `fp4moe.reference.moe`'s, so the pipe
 W4A4 runs the W4A16 GEMMs on its activations decoded exactly to bf16 (`nvfp4_decode`; the GEMMs'
 epilogues apply the per-token scale): per-tensor W4A4's GEMM1 writes its FP32 intermediate, which
 the sm90 quantizer turns into NVFP4 with `fc2_input_scale` (bitwise what the reference block math
-gives for the kernel's own FP32 values). The aux-amax handoff is not produced: on sm90 per-token
-W4A4 takes the rescan path (`fp4moe.dispatch.moe_dispatch` says so).
+gives for the kernel's own FP32 values). For the per-token aux-amax path GEMM1 writes the maxima of
+its bf16 output over tiles of `AUX_AMAX_COLUMNS` = 8 columns (`fp4moe.dispatch` reports that tile).
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ from fp4moe import nvfp4, weight_layout
 from fp4moe.kernels.sm90.arguments import VECTOR_BYTES, compact_copy, standard_strides, vector_rows
 from fp4moe.kernels.sm90.compiler import compile_kernel
 from fp4moe.kernels.sm90.moe_finalize import VECTOR, MoEFinalizeSm90
-from fp4moe.kernels.sm90.moe_gemm import MoEGemmSm90, pipeline_stages
+from fp4moe.kernels.sm90.moe_gemm import AUX_AMAX_COLUMNS, MoEGemmSm90, pipeline_stages
 from fp4moe.kernels.sm90.moe_plan import MAX_EXPERTS, PLAN_THREADS, ZERO_VECTOR, MoEPlanSm90
 from fp4moe.kernels.sm90.nvfp4_decode import NVFP4DecodeSm90
 from fp4moe.kernels.sm90 import quantize_launch
 from fp4moe.op_outputs import moe_plan_outputs
+from fp4moe.validation import AUX_AMAX_ROW_GROUP
 
 
 
@@ -148,6 +149,7 @@ class GemmShape:
 def compile_gemm(
     epilogue: str, shape_key: tuple, act_k: int, out_features: int, top_k: int, activation: str,
     swiglu: tuple, router_weighted: bool, row_scaled: bool = False, float32_out: bool = False,
+    aux_amax: bool = False,
 ):
     experts, rows, k, tile_features, tile_rows, granule, tile_k, stages, ctas_per_sm, max_ctas = shape_key
     kernel = MoEGemmSm90(
@@ -155,7 +157,7 @@ def compile_gemm(
         out_features=out_features, tile_features=tile_features, tile_rows=tile_rows, row_granule=granule, tile_k=tile_k,
         stages=stages, ctas_per_sm=ctas_per_sm, max_ctas=max_ctas, top_k=top_k, activation=activation,
         swiglu_alpha=swiglu[0], swiglu_beta=swiglu[1], swiglu_limit=swiglu[2], router_weighted=router_weighted,
-        row_scaled=row_scaled, float32_out=float32_out,
+        row_scaled=row_scaled, float32_out=float32_out, aux_amax=aux_amax,
     )
     tiles = (experts, rows // weight_layout.ROW_BLOCK, k // weight_layout.K_TILE)
     codes = make_fake_compact_tensor(
@@ -174,12 +176,16 @@ def compile_gemm(
     out_type = cutlass.BFloat16 if epilogue == "gemm1" and not float32_out else cutlass.Float32
     out_rows = rows_dim if epilogue == "gemm1" else _dynamic()
     out = make_fake_compact_tensor(out_type, (out_rows, out_features), stride_order=(1, 0))
+    aux = None
+    if aux_amax:
+        aux_shape = (_dynamic(), -(-out_features // AUX_AMAX_COLUMNS), AUX_AMAX_ROW_GROUP)
+        aux = make_fake_compact_tensor(cutlass.BFloat16, aux_shape, stride_order=(2, 1, 0))
     key = (
         "moe_gemm", epilogue, shape_key, act_k, out_features, top_k, activation, swiglu, router_weighted, row_scaled,
-        float32_out,
+        float32_out, aux_amax,
     )
     return compile_kernel(
-        kernel, codes, scales, act, _i32(rows_dim), _i32(_dynamic()), alpha, router, row_scales, out, cache_key=key
+        kernel, codes, scales, act, _i32(rows_dim), _i32(_dynamic()), alpha, router, row_scales, out, aux, cache_key=key
     )
 
 
@@ -216,14 +222,15 @@ def _activation_rows(a: torch.Tensor) -> torch.Tensor:
 
 
 def launch_gemm(
-    kernel, codes, scales, a, permuted_to_pair, tile_expert, alpha, router_weights, out, row_scales=None
+    kernel, codes, scales, a, permuted_to_pair, tile_expert, alpha, router_weights, out, row_scales=None,
+    aux_amax=None,
 ) -> None:
     """Call a compiled grouped GEMM (`compile_gemm`) with its arguments in the layouts it was compiled for."""
     router = None if router_weights is None else standard_strides(router_weights.reshape(-1))
     row_scales = None if row_scales is None else standard_strides(row_scales.reshape(-1).float())
     kernel(
         standard_strides(codes), standard_strides(scales), _activation_rows(a), permuted_to_pair, tile_expert,
-        standard_strides(alpha), router, row_scales, out,
+        standard_strides(alpha), router, row_scales, out, aux_amax,
     )
 
 
@@ -250,10 +257,10 @@ def decoded(a: torch.Tensor, a_scales: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def _no_aux_amax(aux_amax_tile_n: int) -> None:
-    if aux_amax_tile_n:
+def _check_aux_amax_tile(aux_amax_tile_n: int) -> None:
+    if aux_amax_tile_n not in (0, AUX_AMAX_COLUMNS):
         raise NotImplementedError(
-            "the sm90 MoE GEMM1 does not write the aux-amax handoff; per-token W4A4 takes the rescan path on sm90"
+            f"the sm90 MoE GEMM1 writes aux-amax tiles of {AUX_AMAX_COLUMNS} columns, not {aux_amax_tile_n}"
         )
 
 
@@ -266,13 +273,16 @@ def gemm1(
     features are exact zeros). Returns the intermediate [R, I_pad] (bf16, or NVFP4 codes when
     `output_global_scale` is given: per-tensor W4A4), its NVFP4 block scales (else empty) and an
     empty aux-amax output."""
-    _no_aux_amax(aux_amax_tile_n)
+    _check_aux_amax_tile(aux_amax_tile_n)
     args = (a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, layout, top_k,
             activation, (swiglu_alpha, swiglu_beta, swiglu_limit), router_weights)
     empty = a.new_empty((0,), dtype=torch.bfloat16)
     if output_global_scale is None:
-        return gemm1_values(*args, float32=False), empty.view(torch.float8_e4m3fn), empty
-    values = gemm1_values(*args, float32=True)
+        out, aux_amax = gemm1_values(*args, float32=False, aux_amax=aux_amax_tile_n > 0)
+        return out, empty.view(torch.float8_e4m3fn), empty if aux_amax is None else aux_amax
+    if aux_amax_tile_n:
+        raise NotImplementedError("the aux-amax handoff goes with a bf16 intermediate, not an NVFP4 one")
+    values, _ = gemm1_values(*args, float32=True)
     if output_global_scale.numel() == 1:
         codes, scales = quantize_launch.quantize(values, output_global_scale.reshape(1).float(), "linear", "off")
     else:
@@ -282,17 +292,25 @@ def gemm1(
 
 def gemm1_values(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, layout, top_k,
-    activation, swiglu, router_weights, float32: bool,
-) -> torch.Tensor:
+    activation, swiglu, router_weights, float32: bool, aux_amax: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The GEMM1 kernel's intermediate [R, I_pad] (after the activation and the router weight on input),
-    bf16 or, with `float32`, the FP32 values it rounds. Rows of unused tiles are left unwritten."""
+    bf16 or, with `float32`, the FP32 values it rounds; and with `aux_amax` the maxima of the bf16
+    values over `AUX_AMAX_COLUMNS`-column tiles (docs/semantics.md §2.4's layout), else None. Rows of
+    unused tiles are left unwritten in both."""
     w1, w1_scales = _prepared(w1, w1_scales, layout, activation == "swiglu")
     prepared_rows = w1.shape[1] * weight_layout.ROW_BLOCK
     out_features = prepared_rows // 2 if activation == "swiglu" else prepared_rows
     num_rows, tiles = permuted_to_pair.shape[0], tile_expert.shape[0]
     out = a.new_empty((num_rows, out_features), dtype=torch.float32 if float32 else torch.bfloat16)
+    aux = None
+    if aux_amax:
+        aux = a.new_empty(
+            (-(-num_rows // AUX_AMAX_ROW_GROUP), -(-out_features // AUX_AMAX_COLUMNS), AUX_AMAX_ROW_GROUP),
+            dtype=torch.bfloat16,
+        )
     if tiles == 0:
-        return out
+        return out, aux
     num_tokens = a.shape[0]
     a = decoded(a, a_scales)
     tile_rows = num_rows // tiles
@@ -301,10 +319,12 @@ def gemm1_values(
     )
     kernel = compile_gemm(
         "gemm1", shape.key(), a.shape[1], out_features, top_k, activation, swiglu, router_weights is not None,
-        a_per_token_scale is not None, float32,
+        a_per_token_scale is not None, float32, aux_amax,
     )
-    launch_gemm(kernel, w1, w1_scales, a, permuted_to_pair, tile_expert, w1_alpha, router_weights, out, a_per_token_scale)
-    return out
+    launch_gemm(
+        kernel, w1, w1_scales, a, permuted_to_pair, tile_expert, w1_alpha, router_weights, out, a_per_token_scale, aux
+    )
+    return out, aux
 
 
 def _quantize_per_expert(values, global_scales, permuted_to_pair, tile_expert, num_experts):
