@@ -271,8 +271,8 @@ def gemm1(
     """GEMM1 (`fp4moe.reference.moe.gemm1`'s contract) on activations that are bf16 (W4A16) or NVFP4
     (W4A4, with per-token scales or not), over the prepared weights' padded intermediate size (extra
     features are exact zeros). Returns the intermediate [R, I_pad] (bf16, or NVFP4 codes when
-    `output_global_scale` is given: per-tensor W4A4), its NVFP4 block scales (else empty) and an
-    empty aux-amax output."""
+    `output_global_scale` is given: per-tensor W4A4), its NVFP4 block scales (else empty) and, with
+    `aux_amax_tile_n` (= `AUX_AMAX_COLUMNS`), the aux-amax handoff of the bf16 intermediate (else empty)."""
     _check_aux_amax_tile(aux_amax_tile_n)
     args = (a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, layout, top_k,
             activation, (swiglu_alpha, swiglu_beta, swiglu_limit), router_weights)
