@@ -354,9 +354,9 @@ class MoEGemmSm90:
         codes_gmem = mCodes.iterator.toint()
         scales_gmem = mScales.iterator.toint()
         act_gmem = mAct.iterator.toint()
+        stage, phase = self.stage_and_phase(iteration)
         for k in cutlass.range(self.k_iterations, unroll=1):
-            stage = (iteration + k) % self.stages
-            cute.arch.mbarrier_wait(empty + stage, (((iteration + k) // self.stages) & 1) ^ 1)
+            cute.arch.mbarrier_wait(empty + stage, phase ^ 1)
             if thread == 0:
                 barrier = (full + stage).toint()
                 cute.arch.mbarrier_arrive_and_expect_tx(
@@ -387,6 +387,7 @@ class MoEGemmSm90:
                 elif first_row + i * self.copy_row_step < self.tile_rows:
                     self.copy_row_chunk(stage_smem + i * row_step_bytes, act_gmem, column_address, row_chunks[i], column_inside)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+            stage, phase = self.next_stage(stage, phase)
 
     @cute.jit
     def copy_row_chunk(self, smem_address, act_gmem, column_address, row_chunk, column_inside):
@@ -479,20 +480,35 @@ class MoEGemmSm90:
         """The k loop of one item with one `variant` (its `wgmma` and the accumulator prefix it
         computes), to the completion of its last `wgmma`. The variant is static and no `wgmma` is in
         flight where the variants' branches meet: ptxas serializes every `wgmma` otherwise."""
+        stage, phase = self.stage_and_phase(iteration)
         for k2 in cutlass.range(self.k_iterations // 2, unroll=1):
-            self.mma_step(variant, iteration, 2 * k2, fragments[0], tCrB, full, empty, codes_smem, scales_smem)
-            self.mma_step(variant, iteration, 2 * k2 + 1, fragments[1], tCrB, full, empty, codes_smem, scales_smem)
+            stage, phase = self.mma_step(variant, stage, phase, 2 * k2, fragments[0], tCrB, full, empty, codes_smem, scales_smem)
+            stage, phase = self.mma_step(variant, stage, phase, 2 * k2 + 1, fragments[1], tCrB, full, empty, codes_smem, scales_smem)
         if const_expr(self.k_iterations % 2 == 1):
-            self.mma_step(variant, iteration, self.k_iterations - 1, fragments[0], tCrB, full, empty, codes_smem, scales_smem)
+            self.mma_step(variant, stage, phase, self.k_iterations - 1, fragments[0], tCrB, full, empty, codes_smem, scales_smem)
         warpgroup.wait_group(0)
 
     @cute.jit
-    def mma_step(self, variant, iteration, k, fragment, tCrB, full, empty, codes_smem, scales_smem):
-        """One k tile of an item whose first k tile is the CTA's `iteration`-th: wait for its stage,
-        decode the A fragment, issue the MMAs, release the previous k tile's stage once its MMAs are
-        done (the item's last stage is released after the final wait)."""
-        stage = (iteration + k) % self.stages
-        cute.arch.mbarrier_wait(full + stage, ((iteration + k) // self.stages) & 1)
+    def stage_and_phase(self, iteration):
+        """The pipeline stage of the CTA's `iteration`-th k tile and the parity of its barrier phase."""
+        return iteration % self.stages, (iteration // self.stages) & 1
+
+    @cute.jit
+    def next_stage(self, stage, phase):
+        """The stage and phase after (`stage`, `phase`): counted along, not divided out at every k tile."""
+        wrap = stage == self.stages - 1
+        return cutlass.select_(wrap, Int32(0), stage + 1), phase ^ cutlass.select_(wrap, Int32(1), Int32(0))
+
+    @cute.jit
+    def previous_stage(self, stage):
+        return cutlass.select_(stage == 0, Int32(self.stages - 1), stage - 1)
+
+    @cute.jit
+    def mma_step(self, variant, stage, phase, k, fragment, tCrB, full, empty, codes_smem, scales_smem):
+        """k tile `k` of an item, in pipeline `stage` (barrier `phase`): wait for it, decode the A
+        fragment, issue the MMAs, release the previous k tile's stage once its MMAs are done (the
+        item's last stage is released after the final wait). The next k tile's (stage, phase)."""
+        cute.arch.mbarrier_wait(full + stage, phase)
         self.decode(
             fragment,
             codes_smem + stage * (self.consumer_groups * self.code_bytes),
@@ -505,7 +521,8 @@ class MoEGemmSm90:
         warpgroup.commit_group()
         warpgroup.wait_group(1)
         if k > 0:
-            cute.arch.mbarrier_arrive(empty + (iteration + k + self.stages - 1) % self.stages)
+            cute.arch.mbarrier_arrive(empty + self.previous_stage(stage))
+        return self.next_stage(stage, phase)
 
     @cute.jit
     def decode(self, fragment, codes_address, scales_address):
