@@ -18,7 +18,7 @@ from tests.sm90_compile import compile_in_subprocess, sass
 # (epilogue, (experts, prepared rows, prepared K, tile features, tile rows, row granule, tile K, stages, CTAs per SM,
 #  most CTAs),
 #  act_k, out_features, top_k, activation, swiglu (alpha, beta, limit), router weighted[, row scaled, FP32 out,
-#  aux amax])
+#  aux amax, K slices])
 GEMM_VARIANTS = [
     ("gemm1", (256, 4096, 7168, 128, 8, 8, 128, 8, 2, 264), 7168, 2048, 8, "swiglu", (None, None, None), False),
     ("gemm1", (32, 512, 1024, 64, 16, 16, 128, 8, 2, 264), 1000, 256, 2, "swiglu", (1.702, 1.0, 7.0), True),
@@ -34,6 +34,8 @@ GEMM_VARIANTS = [
     # Per-token W4A4 on the aux-amax path: GEMM1 also writes the 8-column tile maxima.
     ("gemm1", (256, 4096, 7168, 128, 192, 32, 64, 7, 1, 132), 7168, 2048, 8, "swiglu", (None, None, None), False, True, False, True),
     ("gemm1", (8, 256, 256, 128, 16, 16, 128, 8, 2, 264), 208, 256, 8, "relu2", (None, None, None), True, True, False, True),
+    # Split-K GEMM2 (an expert-parallel shard at T = 1): four slices of K per (tile, feature block).
+    ("gemm2_fused", (32, 7168, 2048, 128, 8, 8, 128, 9, 2, 264), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, 4),
 ]
 
 

@@ -170,6 +170,21 @@ def test_expert_parallel_shards_and_tokens_without_local_experts(shard, determin
     assert_moe_close(out, loop_reference(p))
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_split_k_gemm2_matches_the_loop_reference(tokens):
+    # Few experts and a long GEMM2 K: the fused GEMM2's items would not fill the GPU, so it splits K.
+    from fp4moe.kernels.sm90 import moe_launch
+
+    p = make_problem(tokens=tokens, hidden=256, intermediate=1024, num_experts=4, top_k=2, mode="w4a16",
+                     device="cuda", seed=30 + tokens)
+    w2 = p.weights.prepared().w2
+    tile = dispatch.moe_tile_m(tokens, 2, 4)
+    expected = moe_launch.expected_tiles(tokens * 2, 4, tile)
+    shape = moe_launch.GemmShape(w2.shape, tile, expected, moe_launch.sm_count(0))
+    assert moe_launch.fused_gemm2_k_splits(shape, expected) > 1
+    assert_moe_close(run_prepared(p), loop_reference(p))
+
+
 def test_skewed_routing_all_tokens_on_one_expert_and_every_expert_once():
     p = make_problem(tokens=300, top_k=2, num_experts=8, hidden=128, intermediate=64, mode="w4a16", device="cuda", seed=7)
     p.topk_ids[:, 0] = 5

@@ -8,7 +8,9 @@ One kernel class serves both projections; `MoEGemmSm90`'s static parameters choo
   of its rounded values over each row's `AUX_AMAX_COLUMNS` columns (the aux-amax handoff).
 - ``"gemm2_fused"``: rows are the plan's rows of the intermediate; `alpha`, the row's activation scale
   (`row_scaled`), the router weight, and an FP32 atomic reduction into the token's output row
-  (finalize fused).
+  (finalize fused). With `k_splits` > 1 each item covers one of that many slices of K and adds its
+  partial sums (split-K, for grids that would leave SMs idle: the reduction is linear, and adds in
+  FP32 either way).
 - ``"gemm2_expanded"``: the same, written to the (token, slot) row instead (deterministic finalize).
 
 W4A4 runs the same kernels on activations decoded exactly to bf16 (`nvfp4_decode`): `e2m1 * scale`
@@ -150,12 +152,14 @@ class MoEGemmSm90:
         row_scaled: bool = False,
         float32_out: bool = False,
         aux_amax: bool = False,
+        k_splits: int = 1,
     ):
         assert epilogue in EPILOGUES
         assert tile_features in (64, 128) and prepared_rows % tile_features == 0
         assert tile_k in (64, 128) and prepared_k % tile_k == 0 and act_k <= prepared_k
         assert tile_rows % 8 == 0 and 8 <= tile_rows <= 256
         assert tile_rows % row_granule == 0 and row_granule % 8 == 0
+        assert k_splits == 1 or (epilogue == "gemm2_fused" and (prepared_k // tile_k) % k_splits == 0)
         self.epilogue = epilogue
         self.num_experts = num_experts
         self.row_blocks = prepared_rows // weight_layout.ROW_BLOCK
@@ -184,7 +188,8 @@ class MoEGemmSm90:
         self.consumer_groups = tile_features // weight_layout.ROW_BLOCK
         self.feature_blocks = self.row_blocks // self.consumer_groups
         self.threads = WARPGROUP_THREADS * (1 + self.consumer_groups)
-        self.k_iterations = prepared_k // tile_k
+        self.k_splits = k_splits
+        self.k_iterations = prepared_k // tile_k // k_splits  # k tiles per work item
         self.k64_per_tile = tile_k // weight_layout.K_TILE
         self.k16_per_tile = tile_k // 16
         self.code_bytes = self.k64_per_tile * weight_layout.CODE_BYTES
@@ -275,8 +280,9 @@ class MoEGemmSm90:
             )
 
     def item_count(self, mTileExpert):
-        """Work items: one per (plan tile, feature block), from the host-static worst-case tile count."""
-        return mTileExpert.shape[0] * self.feature_blocks
+        """Work items: one per (plan tile, feature block, K slice), from the host-static worst-case tile
+        count."""
+        return mTileExpert.shape[0] * self.feature_blocks * self.k_splits
 
     @cute.jit
     def item_bounds(self, mTileExpert):
@@ -286,13 +292,14 @@ class MoEGemmSm90:
 
     @cute.jit
     def item_expert(self, mTileExpert, item):
-        """The plan tile, feature block and expert of a work item; expert -1 when the tile is unused
-        (entries outside [0, E) are unused tiles: the plan contract)."""
-        tile = item // self.feature_blocks
+        """The plan tile, feature block, expert and first k tile of a work item (K slices fastest);
+        expert -1 when the tile is unused (entries outside [0, E) are unused tiles: the plan contract)."""
+        block_item = item // self.k_splits
+        tile = block_item // self.feature_blocks
         expert = mTileExpert[tile]
         if (expert < 0) | (expert >= self.num_experts):
             expert = Int32(-1)
-        return tile, item % self.feature_blocks, expert
+        return tile, block_item % self.feature_blocks, expert, (item % self.k_splits) * self.k_iterations
 
     # -----------------------------------------------------------------------------------------------
     # Producer
@@ -311,18 +318,18 @@ class MoEGemmSm90:
         iteration = Int32(0)  # k tiles this CTA has loaded so far: the pipeline's stage and phase
         first, end, step = self.item_bounds(mTileExpert)
         for item in cutlass.range(first, end, step, unroll=1):
-            tile, feature_block, expert = self.item_expert(mTileExpert, item)
+            tile, feature_block, expert, k_first = self.item_expert(mTileExpert, item)
             if expert >= 0:
                 self.produce_item(
                     b_layout, mCodes, mScales, mAct, mPermutedToPair, num_pairs, full, empty, storage, tile,
-                    feature_block, expert, iteration,
+                    feature_block, expert, k_first, iteration,
                 )
                 iteration += self.k_iterations
 
     @cute.jit
     def produce_item(
         self, b_layout, mCodes, mScales, mAct, mPermutedToPair, num_pairs, full, empty, storage, tile, feature_block,
-        expert, iteration,
+        expert, k_first, iteration,
     ):
         thread = cute.arch.thread_idx()[0]
         # The thread's copies: 16-byte column chunk `thread % copy_columns` of rows `first_row + i *
@@ -363,7 +370,7 @@ class MoEGemmSm90:
                     full + stage, self.consumer_groups * (self.code_bytes + self.scale_bytes)
                 )
                 for g in cutlass.range_constexpr(self.consumer_groups):
-                    tile_index = Int64((first_block + g) * self.k_tiles64 + k * self.k64_per_tile)
+                    tile_index = Int64((first_block + g) * self.k_tiles64 + (k_first + k) * self.k64_per_tile)
                     smem_slot = stage * self.consumer_groups + g
                     dev.bulk_copy_to_shared(
                         codes_smem + smem_slot * self.code_bytes,
@@ -377,7 +384,7 @@ class MoEGemmSm90:
                         self.scale_bytes,
                         barrier,
                     )
-            column = k * self.tile_k + column_chunk * CHUNK_ELEMENTS
+            column = (k_first + k) * self.tile_k + column_chunk * CHUNK_ELEMENTS
             column_address = act_gmem + Int64(column) * 2
             column_inside = column < self.act_k
             stage_smem = act_smem + stage * stage_act_bytes
@@ -432,7 +439,7 @@ class MoEGemmSm90:
         iteration = Int32(0)  # k tiles this CTA has consumed so far (the producer's count)
         first, end, step = self.item_bounds(mTileExpert)
         for item in cutlass.range(first, end, step, unroll=1):
-            tile, feature_block, expert = self.item_expert(mTileExpert, item)
+            tile, feature_block, expert, _ = self.item_expert(mTileExpert, item)
             if expert >= 0:
                 early_rows = None
                 if const_expr(self.tile_rows <= EARLY_ROWS_TILE_ROWS):

@@ -149,7 +149,7 @@ class GemmShape:
 def compile_gemm(
     epilogue: str, shape_key: tuple, act_k: int, out_features: int, top_k: int, activation: str,
     swiglu: tuple, router_weighted: bool, row_scaled: bool = False, float32_out: bool = False,
-    aux_amax: bool = False,
+    aux_amax: bool = False, k_splits: int = 1,
 ):
     experts, rows, k, tile_features, tile_rows, granule, tile_k, stages, ctas_per_sm, max_ctas = shape_key
     kernel = MoEGemmSm90(
@@ -157,7 +157,7 @@ def compile_gemm(
         out_features=out_features, tile_features=tile_features, tile_rows=tile_rows, row_granule=granule, tile_k=tile_k,
         stages=stages, ctas_per_sm=ctas_per_sm, max_ctas=max_ctas, top_k=top_k, activation=activation,
         swiglu_alpha=swiglu[0], swiglu_beta=swiglu[1], swiglu_limit=swiglu[2], router_weighted=router_weighted,
-        row_scaled=row_scaled, float32_out=float32_out, aux_amax=aux_amax,
+        row_scaled=row_scaled, float32_out=float32_out, aux_amax=aux_amax, k_splits=k_splits,
     )
     tiles = (experts, rows // weight_layout.ROW_BLOCK, k // weight_layout.K_TILE)
     codes = make_fake_compact_tensor(
@@ -182,11 +182,29 @@ def compile_gemm(
         aux = make_fake_compact_tensor(cutlass.BFloat16, aux_shape, stride_order=(2, 1, 0))
     key = (
         "moe_gemm", epilogue, shape_key, act_k, out_features, top_k, activation, swiglu, router_weighted, row_scaled,
-        float32_out, aux_amax,
+        float32_out, aux_amax, k_splits,
     )
     return compile_kernel(
         kernel, codes, scales, act, _i32(rows_dim), _i32(_dynamic()), alpha, router, row_scales, out, aux, cache_key=key
     )
+
+
+MAX_K_SPLITS = 8
+
+
+def fused_gemm2_k_splits(shape: GemmShape, expected_tiles: int) -> int:
+    """Slices of K for the fused GEMM2 (split-K): 1 when the expected items fill the CTA slots, else
+    the fewest that do (a divisor of the k tiles, at most `MAX_K_SPLITS`; the most when none does).
+    Each slice adds its partial sums into the FP32 accumulator, as whole items do."""
+    items = expected_tiles * (shape.prepared_rows // shape.tile_features)
+    k_tiles = shape.prepared_k // shape.tile_k
+    splits = 1
+    for s in range(1, MAX_K_SPLITS + 1):
+        if k_tiles % s == 0:
+            splits = s
+            if items * s >= shape.max_ctas:
+                break
+    return splits
 
 
 def expected_tiles(num_pairs: int, num_local_experts: int, tile_rows: int) -> int:
@@ -353,12 +371,12 @@ def gemm2(
         return out
     a = decoded(a, a_scales)
     tile_rows = num_rows // tiles
-    shape = GemmShape(
-        w2.shape, tile_rows, expected_tiles(num_tokens * top_k, w2.shape[0], tile_rows), sm_count(w2.device.index)
-    )
+    expected = expected_tiles(num_tokens * top_k, w2.shape[0], tile_rows)
+    shape = GemmShape(w2.shape, tile_rows, expected, sm_count(w2.device.index))
+    k_splits = fused_gemm2_k_splits(shape, expected) if accumulator is not None else 1
     kernel = compile_gemm(
         epilogue, shape.key(), a.shape[1], hidden, top_k, "none", (None, None, None), router_weights is not None,
-        a_per_token_scale is not None,
+        row_scaled=a_per_token_scale is not None, k_splits=k_splits,
     )
     launch_gemm(kernel, w2, w2_scales, a, permuted_to_pair, tile_expert, w2_alpha, router_weights, out, a_per_token_scale)
     return out
