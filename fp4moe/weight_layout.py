@@ -105,9 +105,14 @@ def _bit_positions(device):
     """[pair p, half v, bit i] -> word bit of magnitude bit i (i < 3, mantissa first) or of the sign
     (i == 3): the bf16 place of the bit (6 + i or 15, plus 16 for the high half) plus the rotation
     that brings it there."""
-    rotation = torch.tensor(PAIR_ROTATIONS, device=device)[:, None].expand(4, 4).clone()
+    # Built from fills of Python scalars: no host-to-device copy, so preparing weights inside a CUDA
+    # graph capture (linear-layout weights in the call) stays legal and sync-free.
+    rotation = torch.empty((4, 4), dtype=torch.int64, device=device)
+    for pair, pair_rotation in enumerate(PAIR_ROTATIONS):
+        rotation[pair] = pair_rotation
     rotation[3, 0] = PAIR3_MANTISSA_ROTATION
-    place = torch.tensor((6, 7, 8, 15), device=device)
+    place = torch.arange(6, 10, device=device)
+    place[3] = 15
     v = torch.arange(2, device=device)[None, :, None]
     return (place[None, None, :] + 16 * v + rotation[:, None, :]) % 32
 

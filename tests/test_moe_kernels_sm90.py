@@ -110,7 +110,7 @@ def test_w4a4_per_tensor_gemm1_output_is_the_reference_quantization_of_its_fp32_
     (permuted_to_pair, _, tile_expert, _, _), _ = moe_launch.plan(p.topk_ids, 8, 0, tile_m)
     codes, scales = ops.quantize(p.x, p.fc1_input_scale.reshape(1), sf_layout="linear")
     args = (codes, scales, None, permuted_to_pair, tile_expert, w.w1, w.w1_scales, w1_alpha, "sm90", 2, "swiglu")
-    fp32 = moe_launch.gemm1_values(*args, (None, None, None), None, float32=True)  # the kernel's own FP32 values
+    fp32, _ = moe_launch.gemm1_values(*args, (None, None, None), None, float32=True)  # the kernel's own FP32 values
     gs = p.fc2_input_scale.reshape(1)
     ref_codes, ref_scales = nvfp4.quantize_blocks(fp32, gs.float().expand(fp32.shape[0]))
     out_codes, out_scales, _ = moe_launch.gemm1(*args, None, None, None, None, gs, 0)
