@@ -105,14 +105,15 @@ def _bit_positions(device):
     """[pair p, half v, bit i] -> word bit of magnitude bit i (i < 3, mantissa first) or of the sign
     (i == 3): the bf16 place of the bit (6 + i or 15, plus 16 for the high half) plus the rotation
     that brings it there."""
-    # Built from fills of Python scalars: no host-to-device copy, so preparing weights inside a CUDA
-    # graph capture (linear-layout weights in the call) stays legal and sync-free.
+    # Built with `fill_` of Python scalars: no host-to-device copy (as `torch.tensor(..., device)` or an
+    # indexed assignment would make), so preparing weights inside a CUDA graph capture (linear-layout
+    # weights in the call) stays legal and sync-free.
     rotation = torch.empty((4, 4), dtype=torch.int64, device=device)
     for pair, pair_rotation in enumerate(PAIR_ROTATIONS):
-        rotation[pair] = pair_rotation
-    rotation[3, 0] = PAIR3_MANTISSA_ROTATION
+        rotation[pair].fill_(pair_rotation)
+    rotation[3, 0].fill_(PAIR3_MANTISSA_ROTATION)
     place = torch.arange(6, 10, device=device)
-    place[3] = 15
+    place[3].fill_(15)
     v = torch.arange(2, device=device)[None, :, None]
     return (place[None, None, :] + 16 * v + rotation[:, None, :]) % 32
 
