@@ -6,10 +6,11 @@
 For development (the benchmark of record is `python -m benchmarks.moe`). DeepSeek-V3 shape, softmax
 routing; per token count the plan tile is `moe_dispatch`'s. For GEMM1 and the fused GEMM2 it compiles
 the configuration `moe_launch.GemmShape` picks and its neighbours (features per CTA, CTAs per SM for
-small tiles, K per k tile, row granule), checks each one's output against the default's (GEMM1
-bitwise, GEMM2's atomics to 1e-5), and times each in a CUDA graph with a cold L2 (interleaved rounds,
-median). Prints one line per configuration, fastest first, and the default's rank; exits 1 if a
-configuration gave another result. Needs a Hopper GPU.
+small tiles, K per k tile, row granule, the epilogue's row chunk; for the fused GEMM2 also its slices
+of K), checks each one's output against the default's (GEMM1 bitwise, GEMM2's atomics to 1e-5), and
+times each in a CUDA graph with a cold L2 (interleaved rounds, median). Prints one line per
+configuration, fastest first, and the default's rank; exits 1 if a configuration gave another result.
+Needs a Hopper GPU.
 
 `--compile-only` compiles the same configurations into the disk kernel cache (`FP4MOE_KERNEL_CACHE`)
 without a GPU, for a GPU with `--sms` multiprocessors: a GPU run on the same sources then loads them
@@ -29,97 +30,115 @@ from benchmarks.moe_cases import random_moe_weights
 from benchmarks.timing import PreparedCall, time_interleaved
 from fp4moe import dispatch, weight_layout
 from fp4moe.kernels.sm90 import moe_launch
-from fp4moe.kernels.sm90.moe_gemm import pipeline_stages
+from fp4moe.kernels.sm90.moe_gemm import EPILOGUE_ROWS, pipeline_stages
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 7168, 2048, 256, 8
 
 
-def configurations(default: moe_launch.GemmShape) -> list[tuple]:
-    """`default`'s shape key, then the keys around it: features per CTA, CTAs per SM (tiles of at
-    most 32 rows), K per k tile, row granule (the default's, 32, 64 or the whole tile); stages: as
-    many as fit."""
+def configurations(default: moe_launch.GemmShape, default_k_splits: int | None = None) -> list[tuple]:
+    """(shape key, K slices, epilogue rows): `default`'s, then those around it: features per CTA, CTAs
+    per SM (tiles of at most 32 rows), K per k tile, row granule (the default's, 32, 64 or the whole
+    tile); stages: as many as fit. Then the default key with the epilogue's other row chunks (64 or
+    the whole tile) and, with `default_k_splits` (the fused GEMM2, which can split K), at every other
+    slice count that divides its k tiles; else K is never split."""
     rows = default.tile_rows
     granules = sorted({g for g in (default.row_granule, 32, 64, rows) if g <= rows and rows % g == 0})
-    keys = []
+    epilogue_rows = min(rows, EPILOGUE_ROWS)
+    first = (default.key(), default_k_splits or 1, epilogue_rows)
+    configs = []
     for features, ctas, tile_k, granule in itertools.product(
         (64, 128), (1, 2) if rows <= 32 else (1,), (64, 128), granules
     ):
         stages = pipeline_stages(features, rows, tile_k, ctas)
-        keys.append((
+        k_splits = first[1] if (default.prepared_k // tile_k) % first[1] == 0 else 1
+        configs.append(((
             default.num_experts, default.prepared_rows, default.prepared_k, features, rows, granule, tile_k, stages,
             ctas, default.max_ctas // default.ctas_per_sm * ctas,
-        ))
-    return [default.key()] + [k for k in keys if k != default.key()]
+        ), k_splits, epilogue_rows))
+    configs += [(default.key(), first[1], e) for e in (64, rows) if e > epilogue_rows and rows % e == 0]
+    if default_k_splits is not None:
+        k_tiles = default.prepared_k // default.tile_k
+        configs += [
+            (default.key(), s, epilogue_rows) for s in range(1, moe_launch.MAX_K_SPLITS + 1) if k_tiles % s == 0
+        ]
+    return [first] + list(dict.fromkeys(c for c in configs if c != first))
 
 
-def describe(key: tuple) -> str:
-    _, _, _, features, rows, granule, tile_k, stages, ctas, _ = key
-    return f"features {features:3d}  rows {rows:3d}/{granule:3d}  K {tile_k:3d}  stages {stages:2d}  CTAs/SM {ctas}"
+def describe(config: tuple) -> str:
+    (_, _, _, features, rows, granule, tile_k, stages, ctas, _), k_splits, epilogue_rows = config
+    return (
+        f"features {features:3d}  rows {rows:3d}/{granule:3d}  K {tile_k:3d}  stages {stages:2d}  CTAs/SM {ctas}"
+        f"  K slices {k_splits}  epilogue rows {epilogue_rows:3d}"
+    )
 
 
-def sweep_gemm(name, compile_for, launch, default: moe_launch.GemmShape, check, flops, replays) -> bool:
-    """Compile, check and time `default`'s configuration and its neighbours; print them fastest
+def sweep_gemm(name, compile_for, launch, configs: list[tuple], check, flops, replays) -> bool:
+    """Compile, check and time the configurations `configs` (the default first); print them fastest
     first. Whether every configuration that compiled gave the default's result."""
-    default_key = default.key()
-    keys = configurations(default)
-    reference = launch(compile_for(default_key)).clone()
+    default_config = configs[0]
+    reference = launch(compile_for(default_config)).clone()
     ok = True
     with contextlib.ExitStack() as stack:
         calls, labels = [], []
-        for key in keys:
+        for config in configs:
             try:
-                kernel = compile_for(key)
+                kernel = compile_for(config)
             except Exception as error:  # a configuration the kernel does not accept: reported, not timed
-                print(f"  {name} {describe(key)}: does not compile ({type(error).__name__})", flush=True)
+                print(f"  {name} {describe(config)}: does not compile ({type(error).__name__})", flush=True)
                 continue
             mismatch = check(launch(kernel), reference)
             if mismatch:
-                print(f"  {name} {describe(key)}: WRONG ({mismatch})", flush=True)
+                print(f"  {name} {describe(config)}: WRONG ({mismatch})", flush=True)
                 ok = False
                 continue
             calls.append(stack.enter_context(PreparedCall(lambda kernel=kernel: launch(kernel), "cuda")))
-            labels.append(key)
+            labels.append(config)
         timings = time_interleaved(calls, "cuda", replays, warmup=3, cold_l2=True)
     ranked = sorted(zip(labels, timings, strict=True), key=lambda item: item[1].median_s)
-    for rank, (key, timing) in enumerate(ranked, 1):
-        mark = "  <- default" if key == default_key else ""
+    for rank, (config, timing) in enumerate(ranked, 1):
+        mark = "  <- default" if config == default_config else ""
         us = timing.median_s * 1e6
-        print(f"  {name} {rank:2d}. {describe(key)}: {us:9.1f} us  {flops / timing.median_s / 1e12:6.1f} TFLOP/s{mark}")
+        print(f"  {name} {rank:2d}. {describe(config)}: {us:9.1f} us  {flops / timing.median_s / 1e12:6.1f} TFLOP/s{mark}")
     return ok
 
 
-def gemm_shapes(tokens: int, sms: int) -> tuple[int, moe_launch.GemmShape, moe_launch.GemmShape]:
-    """The plan tile and the default GEMM1 and GEMM2 configurations for `tokens` tokens."""
+def gemm_configurations(tokens: int, sms: int) -> tuple[int, list[tuple], list[tuple]]:
+    """The plan tile and the GEMM1 and fused-GEMM2 configurations to sweep for `tokens` tokens, each
+    list led by the configuration `fused_moe` picks."""
     tile_m = dispatch.moe_tile_m(tokens, TOP_K, EXPERTS)
     expected = moe_launch.expected_tiles(tokens * TOP_K, EXPERTS, tile_m)
     w1_shape, _ = weight_layout.prepared_shapes(EXPERTS, 2 * INTERMEDIATE, HIDDEN, gated=True)
     w2_shape, _ = weight_layout.prepared_shapes(EXPERTS, HIDDEN, INTERMEDIATE, gated=False)
-    return (
-        tile_m,
-        moe_launch.GemmShape(w1_shape, tile_m, expected, sms),
-        moe_launch.GemmShape(w2_shape, tile_m, expected, sms),
+    shape1 = moe_launch.GemmShape(w1_shape, tile_m, expected, sms)
+    shape2 = moe_launch.GemmShape(w2_shape, tile_m, expected, sms)
+    return tile_m, configurations(shape1), configurations(shape2, moe_launch.fused_gemm2_k_splits(shape2, expected))
+
+
+def compile_gemm1(config):
+    key, _, epilogue_rows = config
+    return moe_launch.compile_gemm(
+        "gemm1", key, HIDDEN, INTERMEDIATE, TOP_K, "swiglu", (None,) * 3, False, epilogue_rows=epilogue_rows
     )
 
 
-def compile_gemm1(key):
-    return moe_launch.compile_gemm("gemm1", key, HIDDEN, INTERMEDIATE, TOP_K, "swiglu", (None,) * 3, False)
-
-
-def compile_gemm2(key):
-    return moe_launch.compile_gemm("gemm2_fused", key, INTERMEDIATE, HIDDEN, TOP_K, "none", (None,) * 3, True)
+def compile_gemm2(config):
+    key, k_splits, epilogue_rows = config
+    return moe_launch.compile_gemm(
+        "gemm2_fused", key, INTERMEDIATE, HIDDEN, TOP_K, "none", (None,) * 3, True, k_splits=k_splits,
+        epilogue_rows=epilogue_rows,
+    )
 
 
 def compile_only(token_counts, sms: int) -> bool:
     """Compile every configuration the sweep times into the disk cache. Whether all compiled."""
     ok = True
     for tokens in token_counts:
-        _, shape1, shape2 = gemm_shapes(tokens, sms)
-        for name, compile_for, default in (("gemm1", compile_gemm1, shape1), ("gemm2", compile_gemm2, shape2)):
-            keys = configurations(default)
-            for number, key in enumerate(keys, 1):
-                print(f"T={tokens} {name} [{number}/{len(keys)}] {describe(key)}", flush=True)
+        _, configs1, configs2 = gemm_configurations(tokens, sms)
+        for name, compile_for, configs in (("gemm1", compile_gemm1, configs1), ("gemm2", compile_gemm2, configs2)):
+            for number, config in enumerate(configs, 1):
+                print(f"T={tokens} {name} [{number}/{len(configs)}] {describe(config)}", flush=True)
                 try:
-                    compile_for(key)
+                    compile_for(config)
                 except Exception as error:
                     print(f"  does not compile ({type(error).__name__}: {error})", flush=True)
                     ok = False
@@ -131,7 +150,7 @@ def run(tokens: int, weights, replays: int, g) -> bool:
     x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
     logits = torch.randn(tokens, EXPERTS, generator=g, device="cuda")
     topk_ids, topk_weights = torch.ops.fp4moe.route_softmax_topk(logits, TOP_K, True)
-    tile_m, shape1, shape2 = gemm_shapes(tokens, moe_launch.sm_count(torch.cuda.current_device()))
+    tile_m, configs1, configs2 = gemm_configurations(tokens, moe_launch.sm_count(torch.cuda.current_device()))
     (permuted_to_pair, _, tile_expert, _, _), _ = moe_launch.plan(topk_ids, EXPERTS, 0, tile_m)
     used = permuted_to_pair >= 0
     print(f"T={tokens} tile_m={tile_m}", flush=True)
@@ -147,7 +166,7 @@ def run(tokens: int, weights, replays: int, g) -> bool:
         return None if torch.equal(out[used], reference[used]) else "not bitwise equal to the default"
 
     ok = sweep_gemm(
-        "gemm1", compile_gemm1, gemm1_launch, shape1, gemm1_check, 2 * tokens * TOP_K * 2 * INTERMEDIATE * HIDDEN, replays,
+        "gemm1", compile_gemm1, gemm1_launch, configs1, gemm1_check, 2 * tokens * TOP_K * 2 * INTERMEDIATE * HIDDEN, replays,
     )
 
     intermediate = torch.randn(inter.shape, generator=g, device="cuda").to(torch.bfloat16)
@@ -166,7 +185,7 @@ def run(tokens: int, weights, replays: int, g) -> bool:
         return None if error < 1e-5 else f"relative error {error:.1e} against the default"
 
     return ok & sweep_gemm(
-        "gemm2", compile_gemm2, gemm2_launch, shape2, gemm2_check, 2 * tokens * TOP_K * HIDDEN * INTERMEDIATE, replays,
+        "gemm2", compile_gemm2, gemm2_launch, configs2, gemm2_check, 2 * tokens * TOP_K * HIDDEN * INTERMEDIATE, replays,
     )
 
 

@@ -43,7 +43,9 @@ SHARED_MEMORY_BYTES = 227 * 1024
 """Opt-in shared memory of one CTA on sm_90."""
 MAX_STAGES = 16
 EPILOGUE_ROWS = 32
-"""Plan rows whose pairs and router weights the epilogue loads at once (registers held by the loads)."""
+"""Plan rows whose pairs and router weights the epilogue loads at once, by default: each chunk waits
+for its loads (two dependent round trips with router weights) before its stores, and holds one
+register per row and load while it stores. `MoEGemmSm90(epilogue_rows=...)` takes others."""
 EARLY_ROWS_TILE_ROWS = 16
 """Tiles of at most this many rows (decode) load their epilogue's plan entries and router weights
 before the MMAs, which hide the loads' latency; larger tiles would hold too many registers."""
@@ -153,6 +155,7 @@ class MoEGemmSm90:
         float32_out: bool = False,
         aux_amax: bool = False,
         k_splits: int = 1,
+        epilogue_rows: int = EPILOGUE_ROWS,
     ):
         assert epilogue in EPILOGUES
         assert tile_features in (64, 128) and prepared_rows % tile_features == 0
@@ -171,7 +174,8 @@ class MoEGemmSm90:
         self.row_granule = row_granule
         self.row_variants = tile_rows // row_granule
         self.first_variant = variant_rows(tile_rows, row_granule)[0] // row_granule
-        self.epilogue_rows = min(tile_rows, EPILOGUE_ROWS)
+        self.epilogue_rows = min(tile_rows, epilogue_rows)
+        assert self.epilogue_rows % 8 == 0 and tile_rows % self.epilogue_rows == 0
         self.tile_k = tile_k
         self.stages = stages
         self.ctas_per_sm = ctas_per_sm

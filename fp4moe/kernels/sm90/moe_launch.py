@@ -36,7 +36,7 @@ from fp4moe import nvfp4, weight_layout
 from fp4moe.kernels.sm90.arguments import VECTOR_BYTES, compact_copy, standard_strides, vector_rows
 from fp4moe.kernels.sm90.compiler import compile_kernel
 from fp4moe.kernels.sm90.moe_finalize import VECTOR, MoEFinalizeSm90
-from fp4moe.kernels.sm90.moe_gemm import AUX_AMAX_COLUMNS, MoEGemmSm90, pipeline_stages
+from fp4moe.kernels.sm90.moe_gemm import AUX_AMAX_COLUMNS, EPILOGUE_ROWS, MoEGemmSm90, pipeline_stages
 from fp4moe.kernels.sm90.moe_plan import MAX_EXPERTS, PLAN_THREADS, ZERO_VECTOR, MoEPlanSm90
 from fp4moe.kernels.sm90.nvfp4_decode import NVFP4DecodeSm90
 from fp4moe.kernels.sm90 import quantize_launch
@@ -149,7 +149,7 @@ class GemmShape:
 def compile_gemm(
     epilogue: str, shape_key: tuple, act_k: int, out_features: int, top_k: int, activation: str,
     swiglu: tuple, router_weighted: bool, row_scaled: bool = False, float32_out: bool = False,
-    aux_amax: bool = False, k_splits: int = 1,
+    aux_amax: bool = False, k_splits: int = 1, epilogue_rows: int = EPILOGUE_ROWS,
 ):
     experts, rows, k, tile_features, tile_rows, granule, tile_k, stages, ctas_per_sm, max_ctas = shape_key
     kernel = MoEGemmSm90(
@@ -158,6 +158,7 @@ def compile_gemm(
         stages=stages, ctas_per_sm=ctas_per_sm, max_ctas=max_ctas, top_k=top_k, activation=activation,
         swiglu_alpha=swiglu[0], swiglu_beta=swiglu[1], swiglu_limit=swiglu[2], router_weighted=router_weighted,
         row_scaled=row_scaled, float32_out=float32_out, aux_amax=aux_amax, k_splits=k_splits,
+        epilogue_rows=epilogue_rows,
     )
     tiles = (experts, rows // weight_layout.ROW_BLOCK, k // weight_layout.K_TILE)
     codes = make_fake_compact_tensor(
@@ -182,7 +183,7 @@ def compile_gemm(
         aux = make_fake_compact_tensor(cutlass.BFloat16, aux_shape, stride_order=(2, 1, 0))
     key = (
         "moe_gemm", epilogue, shape_key, act_k, out_features, top_k, activation, swiglu, router_weighted, row_scaled,
-        float32_out, aux_amax, k_splits,
+        float32_out, aux_amax, k_splits, epilogue_rows,
     )
     return compile_kernel(
         kernel, codes, scales, act, _i32(rows_dim), _i32(_dynamic()), alpha, router, row_scales, out, aux, cache_key=key

@@ -1,0 +1,23 @@
+"""The sm90 GEMM sweep's configurations (no GPU needed): led by the plan tile `fused_moe` picks, each
+once, with the fused GEMM2's slices of K and the epilogue's row chunks among the neighbours."""
+
+from benchmarks import sm90_gemm_sweep as sweep
+from fp4moe import dispatch
+from fp4moe.kernels.sm90 import moe_launch
+from fp4moe.kernels.sm90.moe_gemm import EPILOGUE_ROWS
+
+
+def test_the_sweep_lists_each_configuration_once_with_k_slices_and_epilogue_chunks():
+    for tokens in (1, 64, 512, 4096):
+        tile_m, gemm1, gemm2 = sweep.gemm_configurations(tokens, 132)
+        assert tile_m == dispatch.moe_tile_m(tokens, sweep.TOP_K, sweep.EXPERTS)
+        default_rows = min(tile_m, EPILOGUE_ROWS)
+        for configs in (gemm1, gemm2):
+            assert len(set(configs)) == len(configs)
+            key, _, epilogue_rows = configs[0]
+            assert key[4] == tile_m and epilogue_rows == default_rows
+            assert {rows for *_, rows in configs} == {e for e in (default_rows, 64, tile_m) if e <= tile_m and tile_m % e == 0}
+        assert {splits for _, splits, _ in gemm1} == {1}  # GEMM1 never splits K
+        key = gemm2[0][0]
+        k_tiles = key[2] // key[6]
+        assert {s for _, s, _ in gemm2} == {s for s in range(1, moe_launch.MAX_K_SPLITS + 1) if k_tiles % s == 0}
