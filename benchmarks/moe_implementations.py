@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 import fp4moe
-from benchmarks.moe_cases import QUANT_CONFIGS, W4A16, MoECase, QuantConfig
+from benchmarks.moe_cases import QUANT_CONFIGS, W4A4_PER_TOKEN, W4A16, MoECase, QuantConfig
+from fp4moe import dispatch, pipeline
 
 FUSED_MOE_TOLERANCE = 1e-3
 """fused_moe against the reference in its own mode: the same math up to the order of FP32 additions
@@ -126,3 +127,24 @@ def fused_moe_implementation(config: QuantConfig) -> Implementation:
 
 for _config in QUANT_CONFIGS:
     register(fused_moe_implementation(_config))
+
+
+def fused_moe_rescan_implementation(config: QuantConfig) -> Implementation:
+    """Per-token W4A4 with the intermediate quantizer rescanning rows at every T (the path `fused_moe`
+    takes below `dispatch.AUX_AMAX_MIN_TOKENS`): the baseline of the aux-amax handoff. It calls
+    `fp4moe.pipeline.fused_moe`, the op's composition, with the path forced; the op's host-side checks
+    are not part of what a CUDA graph replays."""
+
+    def build(case: MoECase) -> Callable[[], torch.Tensor]:
+        return functools.partial(
+            pipeline.fused_moe, **case.fused_moe_arguments(config), per_token_path=dispatch.RESCAN_PATH
+        )
+
+    def dispatch_of(case: MoECase) -> dict:
+        choice = REGISTRY[f"fused_moe_{config.name}"].dispatch(case)
+        return {**choice, "per_token_path": dispatch.RESCAN_PATH}
+
+    return Implementation(f"fused_moe_{config.name}_rescan", build, dispatch_of, config, FUSED_MOE_TOLERANCE)
+
+
+register(fused_moe_rescan_implementation(W4A4_PER_TOKEN))

@@ -22,16 +22,24 @@ def fused_moe(
     x, topk_ids, topk_weights, w1, w1_scales, w1_alpha, w2, w2_scales, w2_alpha, fc1_input_scale, fc2_input_scale,
     quant_mode, per_token_activation, activation, swiglu_alpha, swiglu_beta, swiglu_limit,
     apply_router_weight_on_input, deterministic, local_expert_offset, num_local_experts, x_scales, weight_layout,
-    *, reference=False,
+    *, reference=False, per_token_path=None,
 ):
     """Arguments validated (`validation.check_fused_moe`). Returns bf16 [T, H]. `reference`: every
-    stage on the reference backend, whatever the device (the oracle of the kernel tests and benchmarks)."""
+    stage on the reference backend, whatever the device (the oracle of the kernel tests and benchmarks).
+    `per_token_path`: per-token W4A4 on this intermediate quantization path (`dispatch.RESCAN_PATH` or
+    `AUX_AMAX_PATH`) instead of `moe_dispatch`'s, to compare the two (both give the same output)."""
     num_tokens, top_k = topk_ids.shape
     experts = w1.shape[0]
     hidden = hidden_size(x, x_scales)
     choice = dispatch.moe_dispatch(
         num_tokens, top_k, experts, quant_mode, per_token_activation, "cpu" if reference else x.device
     )
+    if per_token_path is not None:
+        if choice.per_token_path is None or per_token_path not in (dispatch.RESCAN_PATH, dispatch.AUX_AMAX_PATH):
+            raise ValueError(f"per_token_path {per_token_path!r} needs per-token W4A4 and is 'rescan' or 'aux_amax'")
+        if per_token_path == dispatch.AUX_AMAX_PATH and not choice.aux_amax_tile_n:
+            raise ValueError(f"the {choice.gemm1} GEMM1 writes no aux-amax handoff")
+        choice = choice._replace(per_token_path=per_token_path)
     stages = {name: dispatch.kernel_module("moe", getattr(choice, name)) for name in ("plan", "gemm1", "gemm2", "finalize")}
 
     (permuted_to_pair, pair_to_permuted, tile_expert, _, totals), accumulator = stages["plan"].plan(

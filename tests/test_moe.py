@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fp4moe
-from fp4moe import dispatch
+from fp4moe import dispatch, pipeline
 from fp4moe.nvfp4 import round_up
 from tests.compare import assert_bitwise_equal
 from tests.devices import DEVICES
@@ -314,6 +314,23 @@ def test_aux_and_rescan_paths_give_bitwise_equal_moe_outputs(device, tokens):
     choice = fp4moe.moe_dispatch(tokens, 4, 6, "w4a4", True, device=device)
     check = assert_bitwise_equal if choice.gemm1 == dispatch.REFERENCE_BACKEND else assert_moe_close
     check(p.run(), rescan)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tokens", [2, 9])
+def test_the_pipeline_takes_either_per_token_path_with_the_same_result(device, tokens):
+    # `per_token_path` forces the intermediate quantizer's path (the benchmark's rescan column); the
+    # deterministic finalize makes the comparison bitwise on every backend.
+    p = make_problem(tokens=tokens, top_k=4, num_experts=6, mode="w4a4_per_token", device=device, seed=tokens)
+    w = p.weights.prepared()
+    w1_alpha, w2_alpha = p.alphas
+    args = (p.x, p.topk_ids, p.topk_weights, w.w1, w.w1_scales, w1_alpha, w.w2, w.w2_scales, w2_alpha, None, None,
+            "w4a4", True, w.activation, None, None, None, False, True, 0, w.num_experts, None, w.layout)
+    rescan = pipeline.fused_moe(*args, per_token_path=dispatch.RESCAN_PATH)
+    assert_bitwise_equal(pipeline.fused_moe(*args, per_token_path=dispatch.AUX_AMAX_PATH), rescan)
+    assert_bitwise_equal(pipeline.fused_moe(*args), rescan)
+    with pytest.raises(ValueError, match="per_token_path 'legacy' needs per-token W4A4"):
+        pipeline.fused_moe(*args, per_token_path="legacy")
 
 
 def test_per_token_w4a4_rescans_where_gemm1_writes_no_aux_amax(monkeypatch):
