@@ -1,6 +1,6 @@
 """The sm90 kernels' disk cache (`fp4moe.kernels.sm90.compiler`): a second process loads what the first
-compiled, keys that differ compile apart, concurrent writers leave whole files. CPU only: export and
-load need no GPU."""
+compiled, keys that differ compile apart, concurrent writers leave whole files, a compile log replayed in
+another process fills another cache. CPU only: export and load need no GPU."""
 
 import json
 import os
@@ -81,3 +81,28 @@ def test_the_cache_lives_in_the_user_cache_folder_unless_moved_or_turned_off(mon
     assert compiler.cache_directory() is None
     monkeypatch.setenv(compiler.CACHE_VARIABLE, str(tmp_path))
     assert compiler.cache_directory() == tmp_path
+
+
+def test_a_compile_log_replayed_elsewhere_fills_the_cache(tmp_path):
+    # A run with FP4MOE_COMPILE_LOG records each configuration once; replaying the log in a fresh
+    # process compiles them into another cache, which a third process then loads.
+    log = tmp_path / "kernels.log"
+    root = Path(fp4moe.__file__).resolve().parents[1]
+    logged = dict(
+        os.environ, CUTE_DSL_ARCH="sm_90a", FP4MOE_KERNEL_CACHE=str(tmp_path / "first"), FP4MOE_COMPILE_LOG=str(log)
+    )
+    script = _SCRIPT.replace("kernels = [", "kernels = [moe_launch.compile_plan(32, 8, None),")  # twice: logged once
+    result = subprocess.run(
+        [sys.executable, "-c", script, "4096"], env=logged, cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(log.read_bytes().splitlines()) == 2
+    replay = dict(os.environ, CUTE_DSL_ARCH="sm_90a", FP4MOE_KERNEL_CACHE=str(tmp_path / "second"))
+    replay.pop("FP4MOE_COMPILE_LOG", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.kernel_cache", str(log)], env=replay, cwd=root, capture_output=True,
+        text=True, timeout=300,
+    )
+    assert result.returncode == 0 and "2 of 2 configurations" in result.stdout, result.stdout + result.stderr
+    assert len(list((tmp_path / "second").glob("*.o"))) == 2
+    assert _run(tmp_path / "second", hidden=4096)["compilations"] == 0

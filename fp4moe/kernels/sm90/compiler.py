@@ -13,13 +13,22 @@ fingerprint of everything the binary depends on: fp4moe's sources (`fp4moe.prove
 of CuTe DSL and TVM-FFI — so any change to the code or the toolchain compiles afresh. A file is written
 under a temporary name and renamed into place, so processes compiling the same kernel at once each
 leave a whole file (the last rename wins) and a reader never sees a partial one.
+
+The launch layers' compile functions are `compile_function`s: cached per process, and with
+`FP4MOE_COMPILE_LOG=<file>` each configuration a process compiles or loads is appended to that file.
+`python -m benchmarks.kernel_cache <file>` compiles the logged configurations on any machine (a CPU
+with `CUTE_DSL_ARCH=sm_90a`) into the disk cache, which a GPU run of the same sources then loads: a
+test suite's or benchmark's kernels, compiled before the GPU time starts.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
+import importlib
 import os
+import pickle
 import uuid
 import warnings
 from pathlib import Path
@@ -37,8 +46,45 @@ CACHE_OFF = "off"
 EXPORTED_NAME = "fp4moe_kernel"
 """The symbol every cached object file exports its kernel's TVM-FFI function under."""
 
+LOG_VARIABLE = "FP4MOE_COMPILE_LOG"
+
 compilations = 0
 """Kernels this process has compiled (not loaded from the disk cache): what the cache tests count."""
+
+
+def compile_function(function):
+    """`functools.cache` for a launch layer's compile function, whose arguments are the static
+    configuration (Python scalars, strings, tuples, torch dtypes). With `FP4MOE_COMPILE_LOG` set, every
+    configuration is appended to that file as one line (`replay_compile_log` reads them back)."""
+
+    @functools.cache
+    @functools.wraps(function)
+    def cached(*args, **kwargs):
+        log = os.environ.get(LOG_VARIABLE)
+        if log:
+            record = pickle.dumps((function.__module__, function.__qualname__, args, kwargs))
+            with open(log, "ab") as file:  # one short append per line: whole lines from concurrent processes
+                file.write(base64.b64encode(record) + b"\n")
+        return function(*args, **kwargs)
+
+    return cached
+
+
+def replay_compile_log(path, progress=print) -> tuple[int, int]:
+    """Call every distinct configuration of a `FP4MOE_COMPILE_LOG` file again (compiling it into the
+    disk cache, or finding it there). (configurations, those that failed to compile); each failure is
+    reported through `progress`. The log is pickled: replay only logs of your own runs."""
+    records = list(dict.fromkeys(line.strip() for line in Path(path).read_bytes().splitlines() if line.strip()))
+    failed = 0
+    for number, line in enumerate(records, 1):
+        module, name, args, kwargs = pickle.loads(base64.b64decode(line))
+        progress(f"[{number}/{len(records)}] {module}.{name}{args}")
+        try:
+            getattr(importlib.import_module(module), name)(*args, **kwargs)
+        except Exception as error:  # one configuration that no longer compiles must not stop the rest
+            failed += 1
+            progress(f"  does not compile ({type(error).__name__}: {error})")
+    return len(records), failed
 
 
 def default_cache_directory() -> Path:

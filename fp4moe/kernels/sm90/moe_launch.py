@@ -34,7 +34,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
 from fp4moe import nvfp4, weight_layout
 from fp4moe.kernels.sm90.arguments import VECTOR_BYTES, compact_copy, standard_strides, vector_rows
-from fp4moe.kernels.sm90.compiler import compile_kernel
+from fp4moe.kernels.sm90.compiler import compile_function, compile_kernel
 from fp4moe.kernels.sm90.moe_finalize import VECTOR, MoEFinalizeSm90
 from fp4moe.kernels.sm90.moe_gemm import AUX_AMAX_COLUMNS, EPILOGUE_ROWS, MoEGemmSm90, pipeline_stages
 from fp4moe.kernels.sm90.moe_plan import MAX_EXPERTS, PLAN_THREADS, ZERO_VECTOR, MoEPlanSm90
@@ -79,7 +79,7 @@ def _dynamic():
 # ---------------------------------------------------------------------------------------------------
 # Plan
 # ---------------------------------------------------------------------------------------------------
-@functools.cache
+@compile_function
 def compile_plan(num_experts: int, tile_m: int, hidden: int | None):
     """The plan kernel; `hidden` set: it also zeroes an FP32 [T, hidden] accumulator."""
     accumulator = None
@@ -145,7 +145,7 @@ class GemmShape:
         )
 
 
-@functools.cache
+@compile_function
 def compile_gemm(
     epilogue: str, shape_key: tuple, act_k: int, out_features: int, top_k: int, activation: str,
     swiglu: tuple, router_weighted: bool, row_scaled: bool = False, float32_out: bool = False,
@@ -256,7 +256,7 @@ def launch_gemm(
 # ---------------------------------------------------------------------------------------------------
 # W4A4 activations
 # ---------------------------------------------------------------------------------------------------
-@functools.cache
+@compile_function
 def compile_decode(k: int):
     codes = make_fake_compact_tensor(cutlass.Uint8, (_dynamic(), k // 2), stride_order=(1, 0), assumed_align=16)
     scales = make_fake_compact_tensor(cutlass.Uint8, (_dynamic(), k // 16), stride_order=(1, 0))
@@ -389,7 +389,7 @@ def gemm2(
 OUT_TYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}
 
 
-@functools.cache
+@compile_function
 def compile_finalize(mode: str, hidden: int, top_k: int, out_dtype: torch.dtype):
     values = make_fake_compact_tensor(cutlass.Float32, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16)
     pair_to_permuted = _i32(_dynamic()) if mode == "deterministic" else None

@@ -33,7 +33,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 from fp4moe import nvfp4
 from fp4moe.kernels import host_launcher
 from fp4moe.kernels.sm90.arguments import VECTOR_BYTES, compact_copy, vector_rows
-from fp4moe.kernels.sm90.compiler import ARCH, compile_kernel
+from fp4moe.kernels.sm90.compiler import ARCH, compile_function, compile_kernel
 from fp4moe.kernels.sm90.quantize import MANY_ELEMENTS, QuantizeSm90
 from fp4moe.kernels.sm90.tile_amax import TileAmaxSm90
 from fp4moe.op_outputs import quantize_outputs, quantize_per_token_outputs, tile_amax_output
@@ -47,7 +47,7 @@ MAX_ELEMENTS = 2**31 - 1
 dequantize = reference.dequantize
 
 
-@functools.cache
+@compile_function
 def compile_quantize(
     dtype: torch.dtype,
     k: int,
@@ -89,7 +89,7 @@ def compile_quantize(
     )
 
 
-@functools.cache
+@compile_function
 def compile_tile_amax(dtype: torch.dtype, n: int, tile_n: int, vector: int, arch: str):
     element = CUTE_DTYPES[dtype]
     x = make_fake_tensor(
