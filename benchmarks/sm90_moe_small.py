@@ -1,10 +1,10 @@
-"""A small W4A16 `fused_moe` on the sm90 kernels (E=8, H=256, I=128, top-2, T in {1, 37, 300}, fused and
-deterministic finalize): the case the memory and race checkers run,
+"""A small `fused_moe` on the sm90 kernels (E=8, H=256, I=128, top-2, T in {1, 37, 300}; W4A16, per-tensor
+and per-token W4A4; fused and deterministic finalize): the case the memory and race checkers run,
 
     compute-sanitizer --tool memcheck python -m benchmarks.sm90_moe_small
     compute-sanitizer --tool racecheck python -m benchmarks.sm90_moe_small
 
-Prints one line per call (T, deterministic, output norm); exits 1 if the two finalize modes differ
+Prints one line per call (mode, T, deterministic, output norm); exits 1 if the two finalize modes differ
 beyond FP32 summation order.
 """
 
@@ -13,30 +13,40 @@ import sys
 import torch
 
 from benchmarks.moe_cases import random_moe_weights
+from fp4moe import nvfp4
 
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 8, 256, 128, 2
+MODES = {"w4a16": ("w4a16", False), "w4a4_tensor": ("w4a4", False), "w4a4_token": ("w4a4", True)}
 
 
 def main() -> int:
     ops = torch.ops.fp4moe
     g = torch.Generator(device="cuda").manual_seed(0)
     weights = random_moe_weights(EXPERTS, HIDDEN, INTERMEDIATE, g, "cuda").prepared()
-    w1_alpha, w2_alpha = weights.alphas()
     ok = True
-    for tokens in (1, 37, 300):
-        x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
-        logits = torch.randn(tokens, EXPERTS, generator=g, device="cuda")
-        topk_ids, topk_weights = ops.route_softmax_topk(logits, TOP_K, True)
-        outs = []
-        for deterministic in (False, True):
-            out = ops.fused_moe(
-                x, topk_ids, topk_weights, weights.w1, weights.w1_scales, w1_alpha, weights.w2, weights.w2_scales,
-                w2_alpha, quant_mode="w4a16", weight_layout="sm90", deterministic=deterministic,
-            )
-            torch.cuda.synchronize()
-            print(tokens, deterministic, float(out.float().norm()), flush=True)
-            outs.append(out.float())
-        ok &= torch.allclose(outs[0], outs[1], rtol=1e-2, atol=1e-2)
+    for mode, (quant_mode, per_token) in MODES.items():
+        for tokens in (1, 37, 300):
+            x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
+            logits = torch.randn(tokens, EXPERTS, generator=g, device="cuda")
+            topk_ids, topk_weights = ops.route_softmax_topk(logits, TOP_K, True)
+            scales = {}
+            if mode == "w4a4_tensor":  # calibrated on these tokens, and a bound on the intermediate
+                scales = dict(
+                    fc1_input_scale=nvfp4.global_scale_from_amax(x.float().abs().amax().reshape(1)),
+                    fc2_input_scale=nvfp4.global_scale_from_amax(torch.tensor([64.0], device="cuda")),
+                )
+            w1_alpha, w2_alpha = weights.alphas(scales.get("fc1_input_scale"), scales.get("fc2_input_scale"))
+            outs = []
+            for deterministic in (False, True):
+                out = ops.fused_moe(
+                    x, topk_ids, topk_weights, weights.w1, weights.w1_scales, w1_alpha, weights.w2, weights.w2_scales,
+                    w2_alpha, quant_mode=quant_mode, per_token_activation=per_token, weight_layout="sm90",
+                    deterministic=deterministic, **scales,
+                )
+                torch.cuda.synchronize()
+                print(mode, tokens, deterministic, float(out.float().norm()), flush=True)
+                outs.append(out.float())
+            ok &= torch.allclose(outs[0], outs[1], rtol=1e-2, atol=1e-2)
     return 0 if ok else 1
 
 
