@@ -55,17 +55,19 @@ compilations = 0
 def compile_function(function):
     """`functools.cache` for a launch layer's compile function, whose arguments are the static
     configuration (Python scalars, strings, tuples, torch dtypes). With `FP4MOE_COMPILE_LOG` set, every
-    configuration is appended to that file as one line (`replay_compile_log` reads them back)."""
+    configuration that compiled is appended to that file as one line (`replay_compile_log` reads them
+    back)."""
 
     @functools.cache
     @functools.wraps(function)
     def cached(*args, **kwargs):
+        compiled = function(*args, **kwargs)  # a configuration that does not compile is not logged
         log = os.environ.get(LOG_VARIABLE)
         if log:
             record = pickle.dumps((function.__module__, function.__qualname__, args, kwargs))
             with open(log, "ab") as file:  # one short append per line: whole lines from concurrent processes
                 file.write(base64.b64encode(record) + b"\n")
-        return function(*args, **kwargs)
+        return compiled
 
     return cached
 
