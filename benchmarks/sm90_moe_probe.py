@@ -1,5 +1,6 @@
 """A quick look at the sm90 MoE kernels on one GPU: each stage against the reference, then the W4A16
-`fused_moe` timed on the DeepSeek-V3 shape (CUDA-graph replays, cold L2), in one short run.
+`fused_moe` timed on the DeepSeek-V3 shape (CUDA-graph replays, cold L2), and the share of per-token
+W4A4's intermediate quantization in its call on either path, in one short run.
 
     python -m benchmarks.sm90_moe_probe [--tokens 1,8,64,512,4096] [--experts 256]
 
@@ -17,7 +18,7 @@ import torch
 
 import fp4moe
 from benchmarks.moe_cases import random_moe_weights, random_nvfp4_experts
-from fp4moe import pipeline
+from fp4moe import dispatch, pipeline
 from fp4moe.kernels.sm90 import moe_launch
 from fp4moe.reference import moe as reference
 
@@ -113,6 +114,55 @@ def time_stages(weights, tokens: int, hidden: int, experts: int, top_k: int, g) 
     print(f"T={tokens} tile_m={tile_m} stages: " + ", ".join(f"{k} {_median_us(f):.1f} us" for k, f in timings.items()), flush=True)
 
 
+def graph_median_us(fn, flush: torch.Tensor, replays: int = 50) -> float:
+    """Median us of CUDA-graph replays of `fn` (captured after one eager warm-up call), each timed
+    alone after a write of `flush` evicts the L2."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(replays):
+        flush.zero_()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def time_intermediate_quantization(weights, tokens_list, hidden: int, experts: int, flush: torch.Tensor, g) -> None:
+    """Per-token W4A4 on DeepSeek-V3: the intermediate's quantization alone on the aux-amax and the
+    rescan path, against the whole call (dispatched path), CUDA graphs with a cold L2."""
+    top_k = 8
+    for tokens in tokens_list:
+        x = torch.randn(tokens, hidden, generator=g, device="cuda").to(torch.bfloat16)
+        logits = torch.randn(tokens, experts, generator=g, device="cuda")
+        topk_ids, topk_weights = ops.route_softmax_topk(logits, top_k, True)
+        tile_m = fp4moe.moe_dispatch(tokens, top_k, experts, "w4a4", True).tile_m
+        (ptp, _, te, _, totals), _ = moe_launch.plan(topk_ids, experts, 0, tile_m)
+        w1_alpha, w2_alpha = weights.alphas()
+        codes, scales, pts = ops.quantize_per_token(x, sf_layout="linear")
+        inter, _, aux = moe_launch.gemm1(
+            codes, scales, pts, ptp, te, weights.w1, weights.w1_scales, w1_alpha, "sm90", top_k, "swiglu",
+            None, None, None, None, None, dispatch.AUX_AMAX_TILE_N_BY_BACKEND[dispatch.CUTE_SM90_BACKEND],
+        )
+        call = dict(quant_mode="w4a4", per_token_activation=True, weight_layout="sm90")
+        whole = graph_median_us(lambda: ops.fused_moe(
+            x, topk_ids, topk_weights, weights.w1, weights.w1_scales, w1_alpha, weights.w2, weights.w2_scales,
+            w2_alpha, **call), flush)
+        aux_us = graph_median_us(lambda: ops.quantize_per_token(inter, sf_layout="linear", input_amax=aux,
+                                                                 input_amax_valid_rows=totals[1:2]), flush)
+        rescan_us = graph_median_us(lambda: ops.quantize_per_token(inter, sf_layout="linear"), flush)
+        print(
+            f"T={tokens:5d} per-token W4A4: call {whole:9.1f} us; intermediate quantization aux {aux_us:7.1f} us "
+            f"({aux_us / whole:.1%} of the call), rescan {rescan_us:7.1f} us ({rescan_us / whole:.1%})",
+            flush=True,
+        )
+
+
 def time_fused_moe(tokens_list, experts: int, replays: int = 50) -> None:
     hidden, intermediate, top_k = 7168, 2048, 8
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -141,19 +191,7 @@ def time_fused_moe(tokens_list, experts: int, replays: int = 50) -> None:
             error = relative_error(out[rows], expected[rows])
         else:
             error = float("nan")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            ops.fused_moe(*args, **kwargs)
-        times = []
-        for _ in range(replays):
-            flush.zero_()
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end) * 1e3)
-        median = sorted(times)[len(times) // 2]
+        median = graph_median_us(lambda: ops.fused_moe(*args, **kwargs), flush, replays)
         touched = int(topk_ids.unique().numel())
         moved = touched * bytes_per_expert + 2 * 2 * tokens * hidden
         flops = 2 * tokens * top_k * 3 * hidden * intermediate
@@ -163,6 +201,7 @@ def time_fused_moe(tokens_list, experts: int, replays: int = 50) -> None:
             f"  rel err {error:.1e}  first call {first * 1e3:.0f} ms",
             flush=True,
         )
+    time_intermediate_quantization(weights, [t for t in tokens_list if t >= 64], hidden, experts, flush, g)
 
 
 def main() -> int:

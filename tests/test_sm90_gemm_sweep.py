@@ -16,7 +16,8 @@ def test_the_sweep_lists_each_configuration_once_with_k_slices_and_epilogue_chun
             assert len(set(configs)) == len(configs)
             key, _, epilogue_rows = configs[0]
             assert key[4] == tile_m and epilogue_rows == default_rows
-            assert {rows for *_, rows in configs} == {e for e in (default_rows, 64, tile_m) if e <= tile_m and tile_m % e == 0}
+            chunks = {e for e in (default_rows, 64, tile_m) if e <= tile_m and tile_m % e == 0}
+            assert {rows for *_, rows in configs} == chunks
         assert {splits for _, splits, _ in gemm1} == {1}  # GEMM1 never splits K
         key = gemm2[0][0]
         k_tiles = key[2] // key[6]
