@@ -44,7 +44,6 @@ from fp4moe.op_outputs import moe_plan_outputs
 from fp4moe.validation import AUX_AMAX_ROW_GROUP
 
 
-
 @functools.cache
 def sm_count(device_index: int) -> int:
     """Streaming multiprocessors of a GPU: the grid sizes that fill it."""
@@ -129,6 +128,7 @@ class GemmShape:
         self.prepared_rows = row_blocks * weight_layout.ROW_BLOCK
         self.prepared_k = k_tiles * weight_layout.K_TILE
         self.tile_rows = tile_rows
+        self.expected_tiles = expected_tiles
         self.row_granule = row_granule(tile_rows)
         self.ctas_per_sm = 2 if tile_rows <= TWO_CTA_TILE_ROWS else 1
         # 128 features per CTA (more bytes per barrier and per activation tile) unless that leaves SMs idle.
@@ -193,11 +193,11 @@ def compile_gemm(
 MAX_K_SPLITS = 8
 
 
-def fused_gemm2_k_splits(shape: GemmShape, expected_tiles: int) -> int:
+def fused_gemm2_k_splits(shape: GemmShape) -> int:
     """Slices of K for the fused GEMM2 (split-K): 1 when the expected items fill the CTA slots, else
     the fewest that do (a divisor of the k tiles, at most `MAX_K_SPLITS`; the most when none does).
     Each slice adds its partial sums into the FP32 accumulator, as whole items do."""
-    items = expected_tiles * (shape.prepared_rows // shape.tile_features)
+    items = shape.expected_tiles * (shape.prepared_rows // shape.tile_features)
     k_tiles = shape.prepared_k // shape.tile_k
     splits = 1
     for s in range(1, MAX_K_SPLITS + 1):
@@ -211,6 +211,15 @@ def fused_gemm2_k_splits(shape: GemmShape, expected_tiles: int) -> int:
 def expected_tiles(num_pairs: int, num_local_experts: int, tile_rows: int) -> int:
     """Used plan tiles under uniform routing: one per expert that receives a pair, at least."""
     return max(-(-num_pairs // tile_rows), min(num_local_experts, num_pairs))
+
+
+def plan_gemm_shape(weights: torch.Tensor, permuted_to_pair: torch.Tensor, tile_expert: torch.Tensor, num_pairs: int):
+    """The `GemmShape` of a grouped GEMM over prepared `weights` and a plan of `num_pairs` pairs: its
+    tile from the plan's host-static sizes, on the weights' GPU."""
+    tile_rows = permuted_to_pair.shape[0] // tile_expert.shape[0]
+    return GemmShape(
+        weights.shape, tile_rows, expected_tiles(num_pairs, weights.shape[0], tile_rows), sm_count(weights.device.index)
+    )
 
 
 def _prepared(codes, scales, layout, gated):
@@ -330,12 +339,8 @@ def gemm1_values(
         )
     if tiles == 0:
         return out, aux
-    num_tokens = a.shape[0]
+    shape = plan_gemm_shape(w1, permuted_to_pair, tile_expert, a.shape[0] * top_k)
     a = decoded(a, a_scales)
-    tile_rows = num_rows // tiles
-    shape = GemmShape(
-        w1.shape, tile_rows, expected_tiles(num_tokens * top_k, w1.shape[0], tile_rows), sm_count(w1.device.index)
-    )
     kernel = compile_gemm(
         "gemm1", shape.key(), a.shape[1], out_features, top_k, activation, swiglu, router_weights is not None,
         a_per_token_scale is not None, float32, aux_amax,
@@ -367,14 +372,11 @@ def gemm2(
     w2, w2_scales = _prepared(w2, w2_scales, layout, gated=False)
     epilogue = "gemm2_fused" if accumulator is not None else "gemm2_expanded"
     out = accumulator if accumulator is not None else a.new_empty((num_tokens * top_k, hidden), dtype=torch.float32)
-    num_rows, tiles = permuted_to_pair.shape[0], tile_expert.shape[0]
-    if tiles == 0:
+    if tile_expert.shape[0] == 0:
         return out
     a = decoded(a, a_scales)
-    tile_rows = num_rows // tiles
-    expected = expected_tiles(num_tokens * top_k, w2.shape[0], tile_rows)
-    shape = GemmShape(w2.shape, tile_rows, expected, sm_count(w2.device.index))
-    k_splits = fused_gemm2_k_splits(shape, expected) if accumulator is not None else 1
+    shape = plan_gemm_shape(w2, permuted_to_pair, tile_expert, num_tokens * top_k)
+    k_splits = fused_gemm2_k_splits(shape) if accumulator is not None else 1
     kernel = compile_gemm(
         epilogue, shape.key(), a.shape[1], hidden, top_k, "none", (None, None, None), router_weights is not None,
         row_scaled=a_per_token_scale is not None, k_splits=k_splits,
