@@ -11,6 +11,7 @@ per token count; exits 1 if a check fails.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 
@@ -18,6 +19,7 @@ import torch
 
 import fp4moe
 from benchmarks.moe_cases import random_moe_weights, random_nvfp4_experts
+from benchmarks.timing import PreparedCall, time_interleaved
 from fp4moe import dispatch, pipeline
 from fp4moe.kernels.sm90 import moe_launch
 from fp4moe.reference import moe as reference
@@ -114,26 +116,14 @@ def time_stages(weights, tokens: int, hidden: int, experts: int, top_k: int, g) 
     print(f"T={tokens} tile_m={tile_m} stages: " + ", ".join(f"{k} {_median_us(f):.1f} us" for k, f in timings.items()), flush=True)
 
 
-def graph_median_us(fn, flush: torch.Tensor, replays: int = 50) -> float:
-    """Median us of CUDA-graph replays of `fn` (captured after one eager warm-up call), each timed
-    alone after a write of `flush` evicts the L2."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(replays):
-        flush.zero_()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
+def graph_median_us(*fns, replays: int = 50) -> list[float]:
+    """Median us of each of `fns` in CUDA-graph replays with a cold L2, timed in interleaved rounds."""
+    with contextlib.ExitStack() as stack:
+        calls = [stack.enter_context(PreparedCall(fn, "cuda")) for fn in fns]
+        return [t.median_s * 1e6 for t in time_interleaved(calls, "cuda", replays, cold_l2=True)]
 
 
-def time_intermediate_quantization(weights, tokens_list, hidden: int, experts: int, flush: torch.Tensor, g) -> None:
+def time_intermediate_quantization(weights, tokens_list, hidden: int, experts: int, g) -> None:
     """Per-token W4A4 on DeepSeek-V3: the intermediate's quantization alone on the aux-amax and the
     rescan path, against the whole call (dispatched path), CUDA graphs with a cold L2."""
     top_k = 8
@@ -150,12 +140,14 @@ def time_intermediate_quantization(weights, tokens_list, hidden: int, experts: i
             None, None, None, None, None, dispatch.AUX_AMAX_TILE_N_BY_BACKEND[dispatch.CUTE_SM90_BACKEND],
         )
         call = dict(quant_mode="w4a4", per_token_activation=True, weight_layout="sm90")
-        whole = graph_median_us(lambda: ops.fused_moe(
-            x, topk_ids, topk_weights, weights.w1, weights.w1_scales, w1_alpha, weights.w2, weights.w2_scales,
-            w2_alpha, **call), flush)
-        aux_us = graph_median_us(lambda: ops.quantize_per_token(inter, sf_layout="linear", input_amax=aux,
-                                                                 input_amax_valid_rows=totals[1:2]), flush)
-        rescan_us = graph_median_us(lambda: ops.quantize_per_token(inter, sf_layout="linear"), flush)
+        whole, aux_us, rescan_us = graph_median_us(
+            lambda: ops.fused_moe(
+                x, topk_ids, topk_weights, weights.w1, weights.w1_scales, w1_alpha, weights.w2, weights.w2_scales,
+                w2_alpha, **call,
+            ),
+            lambda: ops.quantize_per_token(inter, sf_layout="linear", input_amax=aux, input_amax_valid_rows=totals[1:2]),
+            lambda: ops.quantize_per_token(inter, sf_layout="linear"),
+        )
         print(
             f"T={tokens:5d} per-token W4A4: call {whole:9.1f} us; intermediate quantization aux {aux_us:7.1f} us "
             f"({aux_us / whole:.1%} of the call), rescan {rescan_us:7.1f} us ({rescan_us / whole:.1%})",
@@ -169,7 +161,6 @@ def time_fused_moe(tokens_list, experts: int, replays: int = 50) -> None:
     weights = random_moe_weights(experts, hidden, intermediate, g, "cuda").prepared()
     w1_alpha, w2_alpha = weights.alphas()
     bytes_per_expert = (2 * intermediate * hidden + hidden * intermediate) * (0.5 + 1 / 16)
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     for tokens in (1, 4096):
         time_stages(weights, tokens, hidden, experts, top_k, g)
     for tokens, deterministic in [(t, d) for t in tokens_list for d in (False, True)]:
@@ -191,7 +182,7 @@ def time_fused_moe(tokens_list, experts: int, replays: int = 50) -> None:
             error = relative_error(out[rows], expected[rows])
         else:
             error = float("nan")
-        median = graph_median_us(lambda: ops.fused_moe(*args, **kwargs), flush, replays)
+        (median,) = graph_median_us(lambda: ops.fused_moe(*args, **kwargs), replays=replays)
         touched = int(topk_ids.unique().numel())
         moved = touched * bytes_per_expert + 2 * 2 * tokens * hidden
         flops = 2 * tokens * top_k * 3 * hidden * intermediate
@@ -201,7 +192,7 @@ def time_fused_moe(tokens_list, experts: int, replays: int = 50) -> None:
             f"  rel err {error:.1e}  first call {first * 1e3:.0f} ms",
             flush=True,
         )
-    time_intermediate_quantization(weights, [t for t in tokens_list if t >= 64], hidden, experts, flush, g)
+    time_intermediate_quantization(weights, [t for t in tokens_list if t >= 64], hidden, experts, g)
 
 
 def main() -> int:
