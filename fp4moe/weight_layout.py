@@ -19,7 +19,7 @@ Layout. Rows (output features) are grouped in blocks of 64 (one `wgmma` m64 atom
   sign to bit 15 (the high value of the pair: 22..24 and 31) when the word is rotated right by
   `PAIR_ROTATIONS[p]`: pair 0 is a mask of the word itself, pairs 1 and 2 a rotation and a mask each.
   Pair 3 takes the bits that are left: its mantissa bits from the rotation by `PAIR3_MANTISSA_ROTATION`,
-  its other bits from the rotation by `PAIR3_ROTATION` (a search over all placements finds none
+  its other bits from the rotation by `PAIR_ROTATIONS[3]` (a search over all placements finds none
   cheaper). The 32 bit positions are used exactly once.
 - scales: 256 bytes, `[32 row pairs][8]`; row pair `8 w + g` holds, for k16 step `b`, the scale of
   row `16 w + g` at byte `2 b` and of row `16 w + g + 8` at byte `2 b + 1` (the four threads of a quad
