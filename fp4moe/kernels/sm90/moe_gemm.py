@@ -48,7 +48,14 @@ for its loads (two dependent round trips with router weights) before its stores,
 register per row and load while it stores. `MoEGemmSm90(epilogue_rows=...)` takes others."""
 EARLY_ROWS_TILE_ROWS = 16
 """Tiles of at most this many rows (decode) load their epilogue's plan entries and router weights
-before the MMAs, which hide the loads' latency; larger tiles would hold too many registers."""
+before the MMAs, which hide the loads' latency; larger tiles would hold too many registers. Their rows
+come through shared memory instead (`staged_row_bytes`)."""
+
+
+def staged_row_bytes(tile_rows: int) -> int:
+    """Shared memory of the rows a producer stages for the consumers of tiles above
+    `EARLY_ROWS_TILE_ROWS`: per row its pair, router weight and activation scale, for two items."""
+    return 2 * tile_rows * 12 + 32 if tile_rows > EARLY_ROWS_TILE_ROWS else 0
 MIN_WIDE_TILE_ROWS = 64
 AUX_AMAX_COLUMNS = 8
 """Intermediate columns per aux-amax entry of GEMM1: the 8 features one warp's lanes 4g + c (g = 0..7)
@@ -90,7 +97,7 @@ def consumer_registers(tile_features: int, ctas_per_sm: int) -> int:
 
 def pipeline_stages(tile_features: int, tile_rows: int, tile_k: int, ctas_per_sm: int) -> int:
     """As many stages as fit `ctas_per_sm` CTAs in an SM's shared memory, at most `MAX_STAGES`."""
-    budget = SHARED_MEMORY_BYTES // ctas_per_sm - 4096  # barriers, row indices, alignment
+    budget = SHARED_MEMORY_BYTES // ctas_per_sm - 4096 - staged_row_bytes(tile_rows)  # barriers, alignment
     return max(2, min(MAX_STAGES, budget // stage_bytes(tile_features, tile_rows, tile_k)))
 
 
@@ -192,6 +199,9 @@ class MoEGemmSm90:
         self.consumer_groups = tile_features // weight_layout.ROW_BLOCK
         self.feature_blocks = self.row_blocks // self.consumer_groups
         self.threads = WARPGROUP_THREADS * (1 + self.consumer_groups)
+        self.staged_rows = tile_rows > EARLY_ROWS_TILE_ROWS
+        staged = 2 * tile_rows if self.staged_rows else 1
+        self.staged_sizes = (staged, staged if router_weighted else 1, staged if row_scaled else 1)
         self.k_splits = k_splits
         self.k_iterations = prepared_k // tile_k // k_splits  # k tiles per work item
         self.k64_per_tile = tile_k // weight_layout.K_TILE
@@ -229,6 +239,11 @@ class MoEGemmSm90:
             codes: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.stages * self.consumer_groups * self.code_bytes], 128]
             scales: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.stages * self.consumer_groups * self.scale_bytes], 128]
             act: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
+            rows_full: cute.struct.MemRange[Int64, 2]
+            rows_empty: cute.struct.MemRange[Int64, 2]
+            row_pairs: cute.struct.MemRange[Int32, self.staged_sizes[0]]
+            row_weights: cute.struct.MemRange[Float32, self.staged_sizes[1]]
+            row_scale_values: cute.struct.MemRange[Float32, self.staged_sizes[2]]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -267,6 +282,9 @@ class MoEGemmSm90:
             for s in cutlass.range_constexpr(self.stages):
                 cute.arch.mbarrier_init(full + s, 1 + WARPGROUP_THREADS)
                 cute.arch.mbarrier_init(empty + s, WARPGROUP_THREADS * self.consumer_groups)
+            for b in cutlass.range_constexpr(2):
+                cute.arch.mbarrier_init(storage.rows_full.data_ptr() + b, WARPGROUP_THREADS)
+                cute.arch.mbarrier_init(storage.rows_empty.data_ptr() + b, WARPGROUP_THREADS * self.consumer_groups)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         wait_for_predecessor_and_release_successor()
@@ -274,7 +292,8 @@ class MoEGemmSm90:
         if group == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             self.produce(
-                b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage
+                b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
+                (mRouterWeights, mRowScales),
             )
         else:
             cute.arch.setmaxregister_increase(consumer_registers(self.tile_features, self.ctas_per_sm))
@@ -318,17 +337,60 @@ class MoEGemmSm90:
         return mOut.shape[0]
 
     @cute.jit
-    def produce(self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage):
+    def produce(
+        self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
+        row_factors,
+    ):
         iteration = Int32(0)  # k tiles this CTA has loaded so far: the pipeline's stage and phase
         first, end, step = self.item_bounds(mTileExpert)
         for item in cutlass.range(first, end, step, unroll=1):
             tile, feature_block, expert, k_first = self.item_expert(mTileExpert, item)
             if expert >= 0:
+                if const_expr(self.staged_rows):
+                    self.stage_rows(storage, row_factors, mPermutedToPair, num_pairs, tile, iteration // self.k_iterations)
                 self.produce_item(
                     b_layout, mCodes, mScales, mAct, mPermutedToPair, num_pairs, full, empty, storage, tile,
                     feature_block, expert, k_first, iteration,
                 )
                 iteration += self.k_iterations
+
+    def staged_view(self, storage, item_number):
+        """The consumers' view of item `item_number`'s staged rows (`stage_rows`): (pairs, router weights,
+        activation scales, first index), shared memory. Plain Python, run while the kernel is traced."""
+        return (
+            storage.row_pairs.get_tensor(cute.make_layout(self.staged_sizes[0])),
+            storage.row_weights.get_tensor(cute.make_layout(self.staged_sizes[1])),
+            storage.row_scale_values.get_tensor(cute.make_layout(self.staged_sizes[2])),
+            (item_number % 2) * self.tile_rows,
+        )
+
+    @cute.jit
+    def stage_rows(self, storage, row_factors, mPermutedToPair, num_pairs, tile, item_number):
+        """The producer writes each row of the item's tile to shared memory for the consumers: its pair
+        (-1 for a padding row), router weight and activation scale (as `chunk_rows` loads them), in
+        buffer `item_number % 2` once the consumers have released it (`rows_empty`), then arrives on
+        `rows_full`. The producer runs stages ahead of the consumers, so these dependent global loads
+        (a pair, then its router weight) stay off the consumers' path: their epilogues and row counts
+        read shared memory."""
+        router_weights, row_scales = row_factors
+        pairs, weights, scales, offset = self.staged_view(storage, item_number)
+        thread = cute.arch.thread_idx()[0]
+        buffer = item_number % 2
+        cute.arch.mbarrier_wait(storage.rows_empty.data_ptr() + buffer, ((item_number // 2) & 1) ^ 1)
+        for j in cutlass.range_constexpr(-(-self.tile_rows // WARPGROUP_THREADS)):
+            n = thread + j * WARPGROUP_THREADS
+            if n < self.tile_rows:
+                pair = mPermutedToPair[tile * self.tile_rows + n]
+                valid = (pair >= 0) & (pair < num_pairs)
+                pairs[offset + n] = cutlass.select_(valid, pair, Int32(-1))
+                if const_expr(self.router_weighted):
+                    weights[offset + n] = router_weights[cutlass.select_(valid, pair, Int32(0))]
+                if const_expr(self.row_scaled):
+                    if const_expr(self.epilogue == "gemm1"):
+                        scales[offset + n] = row_scales[cutlass.select_(valid, pair, Int32(0)) // self.top_k]
+                    else:
+                        scales[offset + n] = row_scales[tile * self.tile_rows + n]
+        cute.arch.mbarrier_arrive(storage.rows_full.data_ptr() + buffer)
 
     @cute.jit
     def produce_item(
@@ -446,7 +508,12 @@ class MoEGemmSm90:
             tile, feature_block, expert, _ = self.item_expert(mTileExpert, item)
             if expert >= 0:
                 early_rows = None
-                if const_expr(self.tile_rows <= EARLY_ROWS_TILE_ROWS):
+                item_factors = row_factors
+                item_number = iteration // self.k_iterations
+                if const_expr(self.staged_rows):
+                    item_factors = (*row_factors, self.staged_view(storage, item_number))
+                    cute.arch.mbarrier_wait(storage.rows_full.data_ptr() + item_number % 2, (item_number // 2) & 1)
+                else:
                     early_rows = self.chunk_rows(
                         coordinates, tile * self.tile_rows, 0, row_factors, mPermutedToPair, num_pairs
                     )
@@ -454,24 +521,27 @@ class MoEGemmSm90:
                 if const_expr(self.first_variant == self.row_variants):
                     self.mainloop(variants[self.row_variants], iteration, fragments, tCrB, full, empty, codes_smem, scales_smem)
                 else:
-                    granules = self.used_row_granules(mPermutedToPair, num_pairs, tile, thread, group)
+                    granules = self.used_row_granules(item_factors, mPermutedToPair, num_pairs, tile, thread, group)
                     for v in cutlass.range_constexpr(self.first_variant, self.row_variants + 1):
                         if granules == v:
                             self.mainloop(variants[v], iteration, fragments, tCrB, full, empty, codes_smem, scales_smem)
                 iteration += self.k_iterations
                 cute.arch.mbarrier_arrive(empty + (iteration - 1) % self.stages)
                 self.finish(
-                    acc, coordinates, mAlpha, row_factors, mPermutedToPair, num_pairs, outputs, tile, feature_block,
+                    acc, coordinates, mAlpha, item_factors, mPermutedToPair, num_pairs, outputs, tile, feature_block,
                     expert, group, early_rows,
                 )
+                if const_expr(self.staged_rows):
+                    cute.arch.mbarrier_arrive(storage.rows_empty.data_ptr() + item_number % 2)
 
     @cute.jit
-    def used_row_granules(self, mPermutedToPair, num_pairs, tile, thread, group):
+    def used_row_granules(self, row_factors, mPermutedToPair, num_pairs, tile, thread, group):
         """The granules of `row_granule` rows to compute: up to the last one holding a pair (at least
         `first_variant`). Trailing granules of padding rows only are left out of the MMAs (their
         accumulators stay zero), so the partly filled last tile of an expert costs tensor-core time for
         its used rows.
-        One `bar.red.or` of the warpgroup per granule."""
+        One `bar.red.or` of the warpgroup per granule. Rows staged in shared memory (`stage_rows`) are
+        read there."""
         granules = Int32(self.first_variant)
         rows_per_thread = -(-self.tile_rows // WARPGROUP_THREADS)
         for c in cutlass.range_constexpr(self.first_variant, self.row_variants):
@@ -479,9 +549,14 @@ class MoEGemmSm90:
             for j in cutlass.range_constexpr(rows_per_thread):
                 row = thread + j * WARPGROUP_THREADS
                 if (row >= c * self.row_granule) & (row < (c + 1) * self.row_granule):
-                    pair = mPermutedToPair[tile * self.tile_rows + row]
-                    if (pair >= 0) & (pair < num_pairs):
-                        mine = Int32(1)
+                    if const_expr(self.staged_rows):
+                        staged_pairs, _, _, offset = row_factors[2]
+                        if staged_pairs[offset + row] >= 0:
+                            mine = Int32(1)
+                    else:
+                        pair = mPermutedToPair[tile * self.tile_rows + row]
+                        if (pair >= 0) & (pair < num_pairs):
+                            mine = Int32(1)
             if dev.warpgroup_any(mine, 1 + group) != 0:
                 granules = Int32(c + 1)
         return granules
@@ -594,13 +669,22 @@ class MoEGemmSm90:
         """The thread's rows of epilogue chunk `c`, loaded before any store: per accumulator element
         `v` whose row mode is 0, the row's pair (-1 for a padding row), with `router_weighted` its
         router weight and with `row_scaled` its activation scale (element `v + 2` has the same row).
-        `row_factors` is (router weights, row scales). The loads are independent of each other, so
-        they overlap; loaded next to each store, each waited for a round trip. Chunks bound the
-        registers the loaded rows take."""
-        router_weights, row_scales = row_factors
+        `row_factors` is (router weights, row scales[, the item's staged rows]): from the staged rows in
+        shared memory where the producer wrote them (`stage_rows`), else from global memory, where the
+        loads are independent of each other, so they overlap (loaded next to each store, each waited
+        for a round trip). Chunks bound the registers the loaded rows take."""
+        router_weights, row_scales = row_factors[:2]
         pairs, weights, scales = {}, {}, {}
         for v in cutlass.range_constexpr(self.chunk_values(c).start, self.chunk_values(c).stop):
-            if const_expr((v // 2) % 2 == 0):
+            if const_expr((v // 2) % 2 == 0 and self.staged_rows):
+                _, n = coordinates[v, 0, 0]
+                staged_pairs, staged_weights, staged_scales, offset = row_factors[2]
+                pairs[v] = staged_pairs[offset + n]
+                if const_expr(self.router_weighted):
+                    weights[v] = staged_weights[offset + n]
+                if const_expr(self.row_scaled):
+                    scales[v] = staged_scales[offset + n]
+            elif const_expr((v // 2) % 2 == 0):
                 _, n = coordinates[v, 0, 0]
                 pair = mPermutedToPair[first_row + n]
                 valid = (pair >= 0) & (pair < num_pairs)
