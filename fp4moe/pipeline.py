@@ -68,6 +68,8 @@ def fused_moe(
     intermediate_per_token_scale = None
     if not nvfp4_intermediate:
         intermediate_scales = None
+    # A per-tensor NVFP4 intermediate comes as codes and scales, or (sm90) dequantized to its exact
+    # bf16 values with scales None; GEMM2 takes either.
     if w4a4 and per_token_activation:
         handoff = (aux_amax, totals[1:2]) if aux_tile_n else (None, None)
         intermediate, intermediate_scales, intermediate_per_token_scale = quantizer.quantize_per_token(

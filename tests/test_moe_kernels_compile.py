@@ -18,7 +18,7 @@ from tests.sm90_compile import compile_in_subprocess, sass
 # (epilogue, (experts, prepared rows, prepared K, tile features, tile rows, row granule, tile K, stages, CTAs per SM,
 #  most CTAs),
 #  act_k, out_features, top_k, activation, swiglu (alpha, beta, limit), router weighted[, row scaled, FP32 out,
-#  aux amax, K slices])
+#  aux amax, K slices, epilogue rows, NVFP4 output scales])
 GEMM_VARIANTS = [
     ("gemm1", (256, 4096, 7168, 128, 8, 8, 128, 8, 2, 264), 7168, 2048, 8, "swiglu", (None, None, None), False),
     ("gemm1", (32, 512, 1024, 64, 16, 16, 128, 8, 2, 264), 1000, 256, 2, "swiglu", (1.702, 1.0, 7.0), True),
@@ -27,7 +27,8 @@ GEMM_VARIANTS = [
     ("gemm1", (64, 1024, 2048, 64, 64, 16, 128, 10, 1, 132), 2000, 512, 4, "swiglu", (None, None, None), True),
     ("gemm2_fused", (256, 7168, 2048, 128, 8, 8, 128, 8, 2, 264), 2048, 7168, 8, "none", (None, None, None), True),
     ("gemm2_expanded", (256, 7168, 2048, 128, 128, 32, 128, 4, 1, 132), 2048, 7100, 8, "none", (None, None, None), False),
-    # W4A4: per-token scaled rows (GEMM1 by token, GEMM2 by row); per-tensor GEMM1 writes FP32.
+    # W4A4: per-token scaled rows (GEMM1 by token, GEMM2 by row); GEMM1's FP32 values (the oracle of the
+    # NVFP4 epilogue's test).
     ("gemm1", (256, 4096, 7168, 128, 8, 8, 128, 8, 2, 264), 7168, 2048, 8, "swiglu", (None, None, None), True, True, False),
     ("gemm1", (256, 4096, 7168, 128, 192, 32, 64, 7, 1, 132), 7168, 2048, 8, "swiglu", (None, None, None), False, False, True),
     ("gemm2_fused", (256, 7168, 2048, 128, 192, 32, 64, 7, 1, 132), 2048, 7168, 8, "none", (None, None, None), True, True),
@@ -36,6 +37,11 @@ GEMM_VARIANTS = [
     ("gemm1", (8, 256, 256, 128, 16, 16, 128, 8, 2, 264), 208, 256, 8, "relu2", (None, None, None), True, True, False, True),
     # Split-K GEMM2 (an expert-parallel shard at T = 1): four slices of K per (tile, feature block).
     ("gemm2_fused", (32, 7168, 2048, 128, 8, 8, 128, 9, 2, 264), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, 4),
+    # Per-tensor W4A4: GEMM1 writes its intermediate quantized to NVFP4 and dequantized (one global scale,
+    # or one per expert; SwiGLU's blocks span two warps, ReLU2's one).
+    ("gemm1", (256, 4096, 7168, 128, 8, 8, 128, 8, 2, 264), 7168, 2048, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 1),
+    ("gemm1", (256, 4096, 7168, 128, 192, 32, 64, 7, 1, 132), 7168, 2048, 8, "swiglu", (None, None, None), True, False, False, False, 1, 32, 256),
+    ("gemm1", (8, 256, 256, 128, 16, 16, 128, 8, 2, 264), 208, 256, 8, "relu2", (None, None, None), False, False, False, False, 1, 32, 1),
 ]
 
 

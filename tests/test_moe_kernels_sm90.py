@@ -99,24 +99,37 @@ def test_w4a4_token_counts_match_the_reference_pipeline(mode, deterministic, tok
         assert_moe_close(out, run_reference(p))
 
 
-def test_w4a4_per_tensor_gemm1_output_is_the_reference_quantization_of_its_fp32_values():
+@pytest.mark.parametrize(
+    ("activation", "per_expert", "router_on_input"),
+    [("swiglu", False, False), ("swiglu", True, True), ("relu2", False, True), ("relu2", True, False)],
+)
+def test_w4a4_per_tensor_gemm1_output_is_the_reference_quantization_of_its_fp32_values(activation, per_expert, router_on_input):
+    # The NVFP4 epilogue against the reference block math applied to the kernel's own FP32 values
+    # (`float32_out`), bitwise: the dequantized values e2m1 * sf (GEMM2's input) in every used row.
     from fp4moe import nvfp4
     from fp4moe.kernels.sm90 import moe_launch
 
-    p = make_problem(tokens=33, hidden=256, intermediate=128, num_experts=8, top_k=2, mode="w4a4", device="cuda", seed=5)
+    p = make_problem(tokens=33, hidden=256, intermediate=128, num_experts=8, top_k=2, activation=activation,
+                     mode="w4a4", device="cuda", seed=5)
     w = p.weights.prepared()
     w1_alpha, _ = p.alphas
     tile_m = fp4moe.moe_dispatch(33, 2, 8, "w4a4", False, device="cuda").tile_m
     (permuted_to_pair, _, tile_expert, _, _), _ = moe_launch.plan(p.topk_ids, 8, 0, tile_m)
     codes, scales = ops.quantize(p.x, p.fc1_input_scale.reshape(1), sf_layout="linear")
-    args = (codes, scales, None, permuted_to_pair, tile_expert, w.w1, w.w1_scales, w1_alpha, "sm90", 2, "swiglu")
-    fp32, _ = moe_launch.gemm1_values(*args, (None, None, None), None, float32=True)  # the kernel's own FP32 values
-    gs = p.fc2_input_scale.reshape(1)
-    ref_codes, ref_scales = nvfp4.quantize_blocks(fp32, gs.float().expand(fp32.shape[0]))
-    out_codes, out_scales, _ = moe_launch.gemm1(*args, None, None, None, None, gs, 0)
+    router = p.topk_weights if router_on_input else None
+    args = (codes, scales, None, permuted_to_pair, tile_expert, w.w1, w.w1_scales, w1_alpha, "sm90", 2, activation)
+    fp32, _ = moe_launch.gemm1_values(*args, (None, None, None), router, float32=True)
+    gs = 2688.0 / torch.linspace(16.0, 128.0, 8, device="cuda") if per_expert else p.fc2_input_scale.reshape(1)
     used = permuted_to_pair >= 0
-    assert_bitwise_equal(out_codes[used], nvfp4.pack_e2m1(ref_codes)[used])
-    assert_bitwise_equal(out_scales[used], ref_scales[used])
+    rows_per_tile = permuted_to_pair.shape[0] // tile_expert.shape[0]
+    row_expert = tile_expert.clamp(0, 7).repeat_interleave(rows_per_tile)
+    row_scale = gs[row_expert] if per_expert else gs.expand(fp32.shape[0])
+    ref_codes, ref_scales = nvfp4.quantize_blocks(fp32, row_scale)
+    expected = nvfp4.dequantize_blocks(nvfp4.pack_e2m1(ref_codes), ref_scales)
+    out, out_scales, _ = moe_launch.gemm1(*args, None, None, None, router, gs, 0)
+    assert out_scales is None and out.dtype == torch.bfloat16
+    assert (ref_codes[used] != 0).any()  # the check is not one of zeros
+    assert_bitwise_equal(out[used].float(), expected[used])
 
 
 def test_nvfp4_activations_decode_to_their_exact_values():

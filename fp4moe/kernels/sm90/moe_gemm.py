@@ -4,8 +4,9 @@ One kernel class serves both projections; `MoEGemmSm90`'s static parameters choo
 
 - ``"gemm1"``: activation rows gathered from the tokens by the plan (`pair // top_k`), then
   `alpha`, the token's activation scale (`row_scaled`), SwiGLU / ReLU2, the router weight when it is
-  applied on input; bf16 intermediate out (FP32 with `float32_out`), and with `aux_amax` the maxima
-  of its rounded values over each row's `AUX_AMAX_COLUMNS` columns (the aux-amax handoff).
+  applied on input; bf16 intermediate out (FP32 with `float32_out`; with `nvfp4_out` quantized to
+  NVFP4 with a global scale and written as the codes' exact bf16 values), and with `aux_amax` the
+  maxima of its rounded values over each row's `AUX_AMAX_COLUMNS` columns (the aux-amax handoff).
 - ``"gemm2_fused"``: rows are the plan's rows of the intermediate; `alpha`, the row's activation scale
   (`row_scaled`), the router weight, and an FP32 atomic reduction into the token's output row
   (finalize fused). With `k_splits` > 1 each item covers one of that many slices of K and adds its
@@ -32,6 +33,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from fp4moe import weight_layout
 from fp4moe.kernels.sm90 import gemm_device as dev
+from fp4moe.kernels.sm90 import nvfp4_device as nv
 from fp4moe.kernels.sm90.pdl import USE_PDL, wait_for_predecessor_and_release_successor
 
 EPILOGUES = ("gemm1", "gemm2_fused", "gemm2_expanded")
@@ -46,6 +48,9 @@ EPILOGUE_ROWS = 32
 """Plan rows whose pairs and router weights the epilogue loads at once, by default: each chunk waits
 for its loads (two dependent round trips with router weights) before its stores, and holds one
 register per row and load while it stores. `MoEGemmSm90(epilogue_rows=...)` takes others."""
+EXCHANGE_BARRIER = 3
+"""First named barrier of the SwiGLU NVFP4 epilogue's warp pairs (`3 + 2 * group + pair`): 0 is the
+CTA's, 1 and 2 the consumer groups' `warpgroup_any`."""
 EARLY_ROWS_TILE_ROWS = 16
 """Tiles of at most this many rows (decode) load their epilogue's plan entries and router weights
 before the MMAs, which hide the loads' latency; larger tiles would hold too many registers. Their rows
@@ -163,6 +168,7 @@ class MoEGemmSm90:
         aux_amax: bool = False,
         k_splits: int = 1,
         epilogue_rows: int = EPILOGUE_ROWS,
+        nvfp4_out: bool = False,
     ):
         assert epilogue in EPILOGUES
         assert tile_features in (64, 128) and prepared_rows % tile_features == 0
@@ -194,7 +200,9 @@ class MoEGemmSm90:
         self.row_scaled = row_scaled
         assert not float32_out or epilogue == "gemm1"
         assert not aux_amax or (epilogue == "gemm1" and not float32_out)
+        assert not nvfp4_out or (epilogue == "gemm1" and not float32_out and not aux_amax)
         self.aux_amax = aux_amax
+        self.nvfp4_out = nvfp4_out
         self.out_type = Float32 if float32_out or epilogue != "gemm1" else BFloat16
         self.consumer_groups = tile_features // weight_layout.ROW_BLOCK
         self.feature_blocks = self.row_blocks // self.consumer_groups
@@ -202,6 +210,9 @@ class MoEGemmSm90:
         self.staged_rows = tile_rows > EARLY_ROWS_TILE_ROWS
         staged = 2 * tile_rows if self.staged_rows else 1
         self.staged_sizes = (staged, staged if router_weighted else 1, staged if row_scaled else 1)
+        # SwiGLU's NVFP4 blocks of 16 features span two warps (8 features each): their row maxima
+        # meet in shared memory, one FP32 per (consumer warp, row of an epilogue chunk).
+        self.exchange_floats = 4 * self.consumer_groups * self.epilogue_rows if nvfp4_out and activation == "swiglu" else 1
         self.k_splits = k_splits
         self.k_iterations = prepared_k // tile_k // k_splits  # k tiles per work item
         self.k64_per_tile = tile_k // weight_layout.K_TILE
@@ -225,6 +236,7 @@ class MoEGemmSm90:
         mRowScales: cute.Tensor | None,  # fp32, with row_scaled: gemm1 [T] (per token), gemm2 [R] (per row)
         mOut: cute.Tensor,  # gemm1: bf16/fp32 [R, out]; gemm2_fused: fp32 [T, out]; gemm2_expanded: fp32 [T*k, out]
         mAuxAmax: cute.Tensor | None,  # bf16 [R / 8, out / AUX_AMAX_COLUMNS, 8], with aux_amax
+        mOutputScale: cute.Tensor | None,  # fp32 [1] or [E]: the intermediate's NVFP4 global scale, with nvfp4_out
         stream,
     ):
         tiled_mma = self.tiled_mma(self.tile_rows)
@@ -244,11 +256,13 @@ class MoEGemmSm90:
             row_pairs: cute.struct.MemRange[Int32, self.staged_sizes[0]]
             row_weights: cute.struct.MemRange[Float32, self.staged_sizes[1]]
             row_scale_values: cute.struct.MemRange[Float32, self.staged_sizes[2]]
+            block_maxima: cute.struct.MemRange[Float32, self.exchange_floats]
 
+        assert SharedStorage.size_in_bytes() <= SHARED_MEMORY_BYTES // self.ctas_per_sm, "shared memory"
         self.shared_storage = SharedStorage
         self.kernel(
             mCodes, mScales, mAct, mPermutedToPair, mTileExpert, mAlpha, mRouterWeights, mRowScales, mOut, mAuxAmax,
-            tiled_mma, b_layout,
+            mOutputScale, tiled_mma, b_layout,
         ).launch(
             grid=[cutlass.min(self.item_count(mTileExpert), self.max_ctas), 1, 1],
             block=[self.threads, 1, 1],
@@ -269,7 +283,7 @@ class MoEGemmSm90:
     @cute.kernel
     def kernel(
         self, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, mAlpha, mRouterWeights, mRowScales, mOut, mAuxAmax,
-        tiled_mma, b_layout,
+        mOutputScale, tiled_mma, b_layout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(tidx // WARP_SIZE)
@@ -299,7 +313,8 @@ class MoEGemmSm90:
             cute.arch.setmaxregister_increase(consumer_registers(self.tile_features, self.ctas_per_sm))
             self.consume(
                 storage, tiled_mma, b_layout, mAlpha, (mRouterWeights, mRowScales), mPermutedToPair, mTileExpert,
-                (mOut, mAuxAmax), num_pairs, full, empty, group - 1,
+                (mOut, mAuxAmax, mOutputScale, storage.block_maxima.get_tensor(cute.make_layout(self.exchange_floats))),
+                num_pairs, full, empty, group - 1,
             )
 
     def item_count(self, mTileExpert):
@@ -637,7 +652,12 @@ class MoEGemmSm90:
         alpha = mAlpha[expert] * Float32(2.0**dev.WEIGHT_DECODE_EXPONENT)
         block = feature_block * self.consumer_groups + group
         first_row = tile * self.tile_rows
-        if const_expr(self.epilogue == "gemm1"):
+        if const_expr(self.epilogue == "gemm1" and self.nvfp4_out):
+            self.finish_gemm1_nvfp4(
+                acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, outputs, early_rows,
+                expert, group,
+            )
+        elif const_expr(self.epilogue == "gemm1"):
             self.finish_gemm1(acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, outputs, early_rows)
         else:
             self.finish_gemm2(acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, outputs[0], early_rows)
@@ -740,10 +760,8 @@ class MoEGemmSm90:
         With `aux_amax`, the maximum magnitude of the rounded value over the 8 features of its warp
         (`AUX_AMAX_COLUMNS`; lanes 4g + c, g = 0..7, hold one row's) goes to the aux-amax entry of
         the row: every lane of the warp takes part in the shuffles."""
-        mOut, mAuxAmax = outputs
-        if const_expr(self.router_weighted):
-            value = Float32(cutlass.select_(pair >= 0, value * weight, value))
-        rounded = value.to(self.out_type)
+        mOut, mAuxAmax, _, _ = outputs
+        rounded = self.router_weight(value, pair, weight).to(self.out_type)
         if feature < self.out_features:
             mOut[row, feature] = rounded
         if const_expr(self.aux_amax):
@@ -752,6 +770,91 @@ class MoEGemmSm90:
                 magnitude = cute.arch.fmax(magnitude, cute.arch.shuffle_sync_bfly(magnitude, 1 << lanes))
             if ((cute.arch.lane_idx() // 4) == 0) & (feature < self.out_features):
                 mAuxAmax[row // 8, feature // AUX_AMAX_COLUMNS, row % 8] = magnitude.to(BFloat16)
+
+    @cute.jit
+    def finish_gemm1_nvfp4(
+        self, acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, outputs, early_rows,
+        expert, group,
+    ):
+        """GEMM1 for per-tensor W4A4: the FP32 intermediate (`finish_gemm1`'s values) quantized to NVFP4
+        with the global scale `mOutputScale` ([1], or [E] per expert) by the block math of
+        docs/semantics.md §1.5, written as its exact dequantized bf16 values `e2m1 * sf` (the global
+        factor goes to GEMM2's alpha, as for an NVFP4 input): GEMM2 reads them as it reads W4A16
+        rows, and the intermediate needs no quantization or decode pass of its own.
+
+        A block is 16 consecutive features of a row. ReLU2: the 16 features a warp holds for a row
+        (lanes 4g + c, g = 0..7, two each); SwiGLU: 8 per warp, so warps 2b and 2b + 1 of a consumer
+        group hold one block, and their row maxima meet in shared memory (`block_maxima`), with a
+        named barrier of the two warps before and after each chunk's exchange."""
+        mOut, _, mOutputScale, block_maxima = outputs
+        scale_index = Int32(0)
+        if const_expr(cute.size(mOutputScale) > 1):
+            scale_index = expert
+        global_scale = mOutputScale[scale_index]
+        sf_factor = nv.mul_rn(global_scale, nv.f32_from_bits(nv.ONE_SIXTH_BITS))
+        inv_global_scale = nv.div_rn(Float32(1.0), global_scale)
+        warp = (cute.arch.thread_idx()[0] // WARP_SIZE) % 4  # the warp of the consumer group
+        lane = cute.arch.lane_idx()
+        for c in cutlass.range_constexpr(self.tile_rows // self.epilogue_rows):
+            pairs, weights, scales = self.epilogue_rows_of(
+                early_rows, coordinates, first_row, c, row_factors, mPermutedToPair, num_pairs
+            )
+            # The chunk's values as `finish_gemm1` would store them: (element, value, feature).
+            values = []
+            for v in cutlass.range_constexpr(self.chunk_values(c).start, self.chunk_values(c).stop):
+                m, _ = coordinates[v, 0, 0]
+                same_row = v - 2 * ((v // 2) % 2)
+                if const_expr(self.activation == "swiglu"):
+                    if const_expr((v // 2) % 2 == 0):
+                        gate = self.row_scale(acc[v, 0, 0] * alpha, scales.get(v))
+                        up = self.row_scale(acc[v + 2, 0, 0] * alpha, scales.get(v))
+                        value = self.router_weight(self.activate(gate, up), pairs[v], weights.get(v))
+                        values.append((v, value, block * 32 + (m // 16) * 8 + m % 16))
+                else:
+                    y = cute.arch.fmax(self.row_scale(acc[v, 0, 0] * alpha, scales.get(same_row)), Float32(0.0))
+                    value = self.router_weight(y * y, pairs[same_row], weights.get(same_row))
+                    values.append((v, value, block * 64 + m))
+            # Per row element (mode 0), the maximum magnitude over the thread's values of that row, then
+            # over the row's 8 lanes of the warp (maxNum: NaN ignored, as the reference's block max).
+            row_max = {}
+            for v, value, _ in values:
+                row_v = v - 2 * ((v // 2) % 2)
+                row_max[row_v] = nv.max_num(row_max.get(row_v, Float32(0.0)), nv.magnitude(value))  # from +0
+            for row_v in list(row_max):
+                for lanes in cutlass.range_constexpr(2, 5):
+                    row_max[row_v] = nv.max_num(row_max[row_v], cute.arch.shuffle_sync_bfly(row_max[row_v], 1 << lanes))
+            if const_expr(self.activation == "swiglu"):
+                pair_barrier = EXCHANGE_BARRIER + 2 * group + warp // 2
+                base = (group * 4) * self.epilogue_rows
+                if lane < 4:  # lanes 0-3 hold every row of the warp's chunk once
+                    for row_v in list(row_max):
+                        _, n = coordinates[row_v, 0, 0]
+                        block_maxima[base + warp * self.epilogue_rows + n - c * self.epilogue_rows] = row_max[row_v]
+                cute.arch.barrier(barrier_id=pair_barrier, number_of_threads=2 * WARP_SIZE)
+                partner = warp ^ 1
+                for row_v in list(row_max):
+                    _, n = coordinates[row_v, 0, 0]
+                    row_max[row_v] = nv.max_num(
+                        row_max[row_v], block_maxima[base + partner * self.epilogue_rows + n - c * self.epilogue_rows]
+                    )
+                cute.arch.barrier(barrier_id=pair_barrier, number_of_threads=2 * WARP_SIZE)
+            for v, value, feature in values:
+                _, n = coordinates[v, 0, 0]
+                block_max = row_max[v - 2 * ((v // 2) % 2)]
+                block_scale = nv.e4m3_to_f32(nv.to_e4m3(nv.mul_rn(block_max, sf_factor)))
+                s = nv.clamp_flt_max(nv.div_rn(Float32(1.0), nv.mul_rn(block_scale, inv_global_scale)))
+                code = nv.encode_e2m1(nv.mul_rn(value, s))
+                zeros = (block_scale == Float32(0.0)) | (nv.is_nan(s) != Uint32(0))
+                code = cutlass.select_(zeros, Uint32(0), code)
+                if feature < self.out_features:
+                    mOut[first_row + n, feature] = (nv.decode_e2m1(code) * block_scale).to(BFloat16)
+
+    def router_weight(self, value, pair, weight):
+        """`value` times the router weight when it is applied on input (rows that hold a pair); plain
+        Python, run while the kernel is traced."""
+        if self.router_weighted:
+            return Float32(cutlass.select_(pair >= 0, value * weight, value))
+        return value
 
     @cute.jit
     def finish_gemm2(self, acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, mOut, early_rows):

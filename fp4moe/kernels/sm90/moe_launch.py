@@ -9,17 +9,19 @@ Stage functions (the pipeline in `fp4moe.pipeline` composes them):
 
 - `plan(topk_ids, E, offset, tile_m, accumulator_shape)`: `moe_plan`'s five outputs and, for the fused
   finalize, a zeroed FP32 accumulator `[T, H]`, in one launch;
-- `gemm1(...)`: GEMM1's intermediate: bf16 (W4A16, per-token W4A4) or NVFP4 (per-tensor W4A4);
+- `gemm1(...)`: GEMM1's bf16 intermediate (for per-tensor W4A4 its NVFP4 quantization, dequantized);
 - `gemm2(...)`: GEMM2 reduced into the accumulator (fused) or written per (token, slot);
 - `finalize(...)`: the bf16 output.
 
 The stage functions have the signatures of `fp4moe.reference.moe`'s, so the pipeline calls either.
 
 W4A4 runs the W4A16 GEMMs on its activations decoded exactly to bf16 (`nvfp4_decode`; the GEMMs'
-epilogues apply the per-token scale): per-tensor W4A4's GEMM1 writes its FP32 intermediate, which
-the sm90 quantizer turns into NVFP4 with `fc2_input_scale` (bitwise what the reference block math
-gives for the kernel's own FP32 values). For the per-token aux-amax path GEMM1 writes the maxima of
-its bf16 output over tiles of `AUX_AMAX_COLUMNS` = 8 columns (`fp4moe.dispatch` reports that tile).
+epilogues apply the per-token scale). Per-tensor W4A4's GEMM1 quantizes its FP32 intermediate with
+`fc2_input_scale` in its epilogue (bitwise what the reference block math gives for the kernel's own
+FP32 values) and writes the exact bf16 values `e2m1 * sf` of the codes, which GEMM2 reads as it reads
+a W4A16 intermediate: the intermediate needs no quantizer or decode kernel. For the per-token
+aux-amax path GEMM1 writes the maxima of its bf16 output over tiles of `AUX_AMAX_COLUMNS` = 8 columns
+(`fp4moe.dispatch` reports that tile).
 """
 
 from __future__ import annotations
@@ -32,14 +34,13 @@ import cutlass.cute as cute
 import torch
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
-from fp4moe import nvfp4, weight_layout
+from fp4moe import weight_layout
 from fp4moe.kernels.sm90.arguments import VECTOR_BYTES, compact_copy, standard_strides, vector_rows
 from fp4moe.kernels.sm90.compiler import compile_function, compile_kernel
 from fp4moe.kernels.sm90.moe_finalize import VECTOR, MoEFinalizeSm90
 from fp4moe.kernels.sm90.moe_gemm import AUX_AMAX_COLUMNS, EPILOGUE_ROWS, MoEGemmSm90, pipeline_stages
 from fp4moe.kernels.sm90.moe_plan import MAX_EXPERTS, PLAN_THREADS, ZERO_VECTOR, MoEPlanSm90
 from fp4moe.kernels.sm90.nvfp4_decode import NVFP4DecodeSm90
-from fp4moe.kernels.sm90 import quantize_launch
 from fp4moe.op_outputs import moe_plan_outputs
 from fp4moe.validation import AUX_AMAX_ROW_GROUP
 
@@ -149,8 +150,11 @@ class GemmShape:
 def compile_gemm(
     epilogue: str, shape_key: tuple, act_k: int, out_features: int, top_k: int, activation: str,
     swiglu: tuple, router_weighted: bool, row_scaled: bool = False, float32_out: bool = False,
-    aux_amax: bool = False, k_splits: int = 1, epilogue_rows: int = EPILOGUE_ROWS,
+    aux_amax: bool = False, k_splits: int = 1, epilogue_rows: int = EPILOGUE_ROWS, output_scales: int = 0,
 ):
+    """The grouped GEMM of `MoEGemmSm90`'s static configuration, compiled once per process (and cached
+    on disk). `output_scales`: GEMM1 writes its intermediate quantized to NVFP4 and dequantized
+    (`nvfp4_out`) with that many global scales (1, or one per expert); 0: it does not."""
     experts, rows, k, tile_features, tile_rows, granule, tile_k, stages, ctas_per_sm, max_ctas = shape_key
     kernel = MoEGemmSm90(
         epilogue=epilogue, num_experts=experts, prepared_rows=rows, prepared_k=k, act_k=act_k,
@@ -158,7 +162,7 @@ def compile_gemm(
         stages=stages, ctas_per_sm=ctas_per_sm, max_ctas=max_ctas, top_k=top_k, activation=activation,
         swiglu_alpha=swiglu[0], swiglu_beta=swiglu[1], swiglu_limit=swiglu[2], router_weighted=router_weighted,
         row_scaled=row_scaled, float32_out=float32_out, aux_amax=aux_amax, k_splits=k_splits,
-        epilogue_rows=epilogue_rows,
+        epilogue_rows=epilogue_rows, nvfp4_out=output_scales > 0,
     )
     tiles = (experts, rows // weight_layout.ROW_BLOCK, k // weight_layout.K_TILE)
     codes = make_fake_compact_tensor(
@@ -181,12 +185,14 @@ def compile_gemm(
     if aux_amax:
         aux_shape = (_dynamic(), -(-out_features // AUX_AMAX_COLUMNS), AUX_AMAX_ROW_GROUP)
         aux = make_fake_compact_tensor(cutlass.BFloat16, aux_shape, stride_order=(2, 1, 0))
+    output_scale = make_fake_compact_tensor(cutlass.Float32, (output_scales,)) if output_scales else None
     key = (
         "moe_gemm", epilogue, shape_key, act_k, out_features, top_k, activation, swiglu, router_weighted, row_scaled,
-        float32_out, aux_amax, k_splits, epilogue_rows,
+        float32_out, aux_amax, k_splits, epilogue_rows, output_scales,
     )
     return compile_kernel(
-        kernel, codes, scales, act, _i32(rows_dim), _i32(_dynamic()), alpha, router, row_scales, out, aux, cache_key=key
+        kernel, codes, scales, act, _i32(rows_dim), _i32(_dynamic()), alpha, router, row_scales, out, aux,
+        output_scale, cache_key=key,
     )
 
 
@@ -251,14 +257,15 @@ def _activation_rows(a: torch.Tensor) -> torch.Tensor:
 
 def launch_gemm(
     kernel, codes, scales, a, permuted_to_pair, tile_expert, alpha, router_weights, out, row_scales=None,
-    aux_amax=None,
+    aux_amax=None, output_scale=None,
 ) -> None:
     """Call a compiled grouped GEMM (`compile_gemm`) with its arguments in the layouts it was compiled for."""
     router = None if router_weights is None else standard_strides(router_weights.reshape(-1))
     row_scales = None if row_scales is None else standard_strides(row_scales.reshape(-1).float())
+    output_scale = None if output_scale is None else standard_strides(output_scale.reshape(-1).float())
     kernel(
         standard_strides(codes), standard_strides(scales), _activation_rows(a), permuted_to_pair, tile_expert,
-        standard_strides(alpha), router, row_scales, out, aux_amax,
+        standard_strides(alpha), router, row_scales, out, aux_amax, output_scale,
     )
 
 
@@ -298,34 +305,32 @@ def gemm1(
 ):
     """GEMM1 (`fp4moe.reference.moe.gemm1`'s contract) on activations that are bf16 (W4A16) or NVFP4
     (W4A4, with per-token scales or not), over the prepared weights' padded intermediate size (extra
-    features are exact zeros). Returns the intermediate [R, I_pad] (bf16, or NVFP4 codes when
-    `output_global_scale` is given: per-tensor W4A4), its NVFP4 block scales (else empty) and, with
-    `aux_amax_tile_n` (= `AUX_AMAX_COLUMNS`), the aux-amax handoff of the bf16 intermediate (else empty)."""
+    features are exact zeros). Returns the bf16 intermediate [R, I_pad], None for its block scales, and
+    with `aux_amax_tile_n` (= `AUX_AMAX_COLUMNS`) the aux-amax handoff of the intermediate (else empty).
+    With `output_global_scale` (per-tensor W4A4: [1], or [E] per expert) the intermediate is the NVFP4
+    quantization of the FP32 values with that scale, dequantized to their exact bf16 values
+    `e2m1 * sf` in the epilogue: what GEMM2 computes with from codes and scales (the global factor is
+    in its alpha), without a quantization or decode pass in between."""
     _check_aux_amax_tile(aux_amax_tile_n)
-    args = (a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, layout, top_k,
-            activation, (swiglu_alpha, swiglu_beta, swiglu_limit), router_weights)
-    empty = a.new_empty((0,), dtype=torch.bfloat16)
-    if output_global_scale is None:
-        out, aux_amax = gemm1_values(*args, float32=False, aux_amax=aux_amax_tile_n > 0)
-        return out, empty.view(torch.float8_e4m3fn), empty if aux_amax is None else aux_amax
-    if aux_amax_tile_n:
+    if output_global_scale is not None and aux_amax_tile_n:
         raise NotImplementedError("the aux-amax handoff goes with a bf16 intermediate, not an NVFP4 one")
-    values, _ = gemm1_values(*args, float32=True)
-    if output_global_scale.numel() == 1:
-        codes, scales = quantize_launch.quantize(values, output_global_scale.reshape(1).float(), "linear", "off")
-    else:
-        codes, scales = _quantize_per_expert(values, output_global_scale, permuted_to_pair, tile_expert, w1.shape[0])
-    return codes, scales, empty
+    out, aux_amax = gemm1_values(
+        a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, layout, top_k,
+        activation, (swiglu_alpha, swiglu_beta, swiglu_limit), router_weights, float32=False,
+        aux_amax=aux_amax_tile_n > 0, output_global_scale=output_global_scale,
+    )
+    return out, None, a.new_empty((0,), dtype=torch.bfloat16) if aux_amax is None else aux_amax
 
 
 def gemm1_values(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, layout, top_k,
-    activation, swiglu, router_weights, float32: bool, aux_amax: bool = False,
+    activation, swiglu, router_weights, float32: bool, aux_amax: bool = False, output_global_scale=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The GEMM1 kernel's intermediate [R, I_pad] (after the activation and the router weight on input),
-    bf16 or, with `float32`, the FP32 values it rounds; and with `aux_amax` the maxima of the bf16
-    values over `AUX_AMAX_COLUMNS`-column tiles (docs/semantics.md §2.4's layout), else None. Rows of
-    unused tiles are left unwritten in both."""
+    """The GEMM1 kernel's intermediate [R, I_pad] (after the activation and the router weight on input):
+    bf16, or with `float32` the FP32 values it rounds, or with `output_global_scale` those values
+    quantized to NVFP4 and dequantized (`gemm1`); and with `aux_amax` the maxima of the bf16 values over
+    `AUX_AMAX_COLUMNS`-column tiles (docs/semantics.md §2.4's layout), else None. Rows of unused tiles
+    are left unwritten in both."""
     w1, w1_scales = _prepared(w1, w1_scales, layout, activation == "swiglu")
     prepared_rows = w1.shape[1] * weight_layout.ROW_BLOCK
     out_features = prepared_rows // 2 if activation == "swiglu" else prepared_rows
@@ -344,21 +349,13 @@ def gemm1_values(
     kernel = compile_gemm(
         "gemm1", shape.key(), a.shape[1], out_features, top_k, activation, swiglu, router_weights is not None,
         a_per_token_scale is not None, float32, aux_amax,
+        output_scales=0 if output_global_scale is None else output_global_scale.numel(),
     )
     launch_gemm(
-        kernel, w1, w1_scales, a, permuted_to_pair, tile_expert, w1_alpha, router_weights, out, a_per_token_scale, aux
+        kernel, w1, w1_scales, a, permuted_to_pair, tile_expert, w1_alpha, router_weights, out, a_per_token_scale, aux,
+        output_global_scale,
     )
     return out, aux
-
-
-def _quantize_per_expert(values, global_scales, permuted_to_pair, tile_expert, num_experts):
-    """NVFP4 of each row with its expert's FC2 input scale (`fc2_input_scale` [E]): the reference block
-    math in torch ops on the device, as the sm90 quantizer takes one scale per tensor. Rows of unused
-    tiles get expert 0's scale; GEMM2 never reads them."""
-    rows_per_tile = permuted_to_pair.shape[0] // max(1, tile_expert.shape[0])
-    row_expert = tile_expert.clamp(0, num_experts - 1).repeat_interleave(rows_per_tile)
-    codes, scales = nvfp4.quantize_blocks(values, global_scales.reshape(-1).float()[row_expert])
-    return nvfp4.pack_e2m1(codes), scales
 
 
 def gemm2(
