@@ -729,25 +729,32 @@ class MoEGemmSm90:
     @cute.jit
     def finish_gemm1(self, acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, outputs, early_rows):
         for c in cutlass.range_constexpr(self.tile_rows // self.epilogue_rows):
-            pairs, weights, scales = self.epilogue_rows_of(
-                early_rows, coordinates, first_row, c, row_factors, mPermutedToPair, num_pairs
-            )
-            for v in cutlass.range_constexpr(self.chunk_values(c).start, self.chunk_values(c).stop):
-                m, n = coordinates[v, 0, 0]
-                row = first_row + n
-                same_row = v - 2 * ((v // 2) % 2)  # the element of mode 0 with this element's row
-                if const_expr(self.activation == "swiglu"):
-                    # Gate and up of one feature are the thread's rows 16w+g and 16w+g+8 (weight_layout);
-                    # accumulator element v + 2 is element v's row + 8.
-                    if const_expr((v // 2) % 2 == 0):
-                        gate = self.row_scale(acc[v, 0, 0] * alpha, scales.get(v))
-                        up = self.row_scale(acc[v + 2, 0, 0] * alpha, scales.get(v))
-                        value = self.activate(gate, up)
-                        feature = block * 32 + (m // 16) * 8 + m % 16
-                        self.store_gemm1(value, feature, row, pairs[v], weights.get(v), outputs)
-                else:
-                    y = cute.arch.fmax(self.row_scale(acc[v, 0, 0] * alpha, scales.get(same_row)), Float32(0.0))
-                    self.store_gemm1(y * y, block * 64 + m, row, pairs[same_row], weights.get(same_row), outputs)
+            rows = self.epilogue_rows_of(early_rows, coordinates, first_row, c, row_factors, mPermutedToPair, num_pairs)
+            for v, value, feature, pair, weight in self.gemm1_values(acc, coordinates, alpha, block, c, rows):
+                _, n = coordinates[v, 0, 0]
+                self.store_gemm1(value, feature, first_row + n, pair, weight, outputs)
+
+    def gemm1_values(self, acc, coordinates, alpha, block, c, rows):
+        """GEMM1's FP32 values of epilogue chunk `c` before the router weight: (element, value, output
+        feature, pair, router weight) per output element of the thread. `rows`: the chunk's
+        (`chunk_rows`). Plain Python, run while the kernel is traced."""
+        pairs, weights, scales = rows
+        values = []
+        for v in self.chunk_values(c):
+            m, _ = coordinates[v, 0, 0]
+            same_row = v - 2 * ((v // 2) % 2)  # the element of mode 0 with this element's row
+            if self.activation == "swiglu":
+                # Gate and up of one feature are the thread's rows 16w+g and 16w+g+8 (weight_layout);
+                # accumulator element v + 2 is element v's row + 8.
+                if (v // 2) % 2 == 0:
+                    gate = self.row_scale(acc[v, 0, 0] * alpha, scales.get(v))
+                    up = self.row_scale(acc[v + 2, 0, 0] * alpha, scales.get(v))
+                    feature = block * 32 + (m // 16) * 8 + m % 16
+                    values.append((v, self.activate(gate, up), feature, pairs[v], weights.get(v)))
+            else:
+                y = cute.arch.fmax(self.row_scale(acc[v, 0, 0] * alpha, scales.get(same_row)), Float32(0.0))
+                values.append((v, y * y, block * 64 + m, pairs[same_row], weights.get(same_row)))
+        return values
 
     def row_scale(self, value, scale):
         """`value` times its row's activation scale (`row_scaled`), after alpha as the reference
@@ -796,24 +803,12 @@ class MoEGemmSm90:
         warp = (cute.arch.thread_idx()[0] // WARP_SIZE) % 4  # the warp of the consumer group
         lane = cute.arch.lane_idx()
         for c in cutlass.range_constexpr(self.tile_rows // self.epilogue_rows):
-            pairs, weights, scales = self.epilogue_rows_of(
-                early_rows, coordinates, first_row, c, row_factors, mPermutedToPair, num_pairs
-            )
-            # The chunk's values as `finish_gemm1` would store them: (element, value, feature).
-            values = []
-            for v in cutlass.range_constexpr(self.chunk_values(c).start, self.chunk_values(c).stop):
-                m, _ = coordinates[v, 0, 0]
-                same_row = v - 2 * ((v // 2) % 2)
-                if const_expr(self.activation == "swiglu"):
-                    if const_expr((v // 2) % 2 == 0):
-                        gate = self.row_scale(acc[v, 0, 0] * alpha, scales.get(v))
-                        up = self.row_scale(acc[v + 2, 0, 0] * alpha, scales.get(v))
-                        value = self.router_weight(self.activate(gate, up), pairs[v], weights.get(v))
-                        values.append((v, value, block * 32 + (m // 16) * 8 + m % 16))
-                else:
-                    y = cute.arch.fmax(self.row_scale(acc[v, 0, 0] * alpha, scales.get(same_row)), Float32(0.0))
-                    value = self.router_weight(y * y, pairs[same_row], weights.get(same_row))
-                    values.append((v, value, block * 64 + m))
+            rows = self.epilogue_rows_of(early_rows, coordinates, first_row, c, row_factors, mPermutedToPair, num_pairs)
+            # The chunk's values as `finish_gemm1` stores them, router weight applied: (element, value, feature).
+            values = [
+                (v, self.router_weight(value, pair, weight), feature)
+                for v, value, feature, pair, weight in self.gemm1_values(acc, coordinates, alpha, block, c, rows)
+            ]
             # Per row element (mode 0), the maximum magnitude over the thread's values of that row, then
             # over the row's 8 lanes of the warp (maxNum: NaN ignored, as the reference's block max).
             row_max = {}
