@@ -100,20 +100,31 @@ def test_w4a4_token_counts_match_the_reference_pipeline(mode, deterministic, tok
 
 
 @pytest.mark.parametrize(
-    ("activation", "per_expert", "router_on_input"),
-    [("swiglu", False, False), ("swiglu", True, True), ("relu2", False, True), ("relu2", True, False)],
+    ("tokens", "intermediate", "activation", "per_expert", "router_on_input"),
+    [
+        (33, 128, "swiglu", False, False),
+        (33, 128, "swiglu", True, True),
+        (33, 128, "relu2", False, True),
+        (33, 128, "relu2", True, False),
+        (1, 128, "swiglu", False, False),  # an 8-row tile, rows loaded before the MMAs
+        # 192-row tiles: two consumer groups, six epilogue chunks, several items per CTA (both staged
+        # row buffers)
+        (2000, 512, "swiglu", True, True),
+    ],
 )
-def test_w4a4_per_tensor_gemm1_output_is_the_reference_quantization_of_its_fp32_values(activation, per_expert, router_on_input):
+def test_w4a4_per_tensor_gemm1_output_is_the_reference_quantization_of_its_fp32_values(
+    tokens, intermediate, activation, per_expert, router_on_input
+):
     # The NVFP4 epilogue against the reference block math applied to the kernel's own FP32 values
     # (`float32_out`), bitwise: the dequantized values e2m1 * sf (GEMM2's input) in every used row.
     from fp4moe import nvfp4
     from fp4moe.kernels.sm90 import moe_launch
 
-    p = make_problem(tokens=33, hidden=256, intermediate=128, num_experts=8, top_k=2, activation=activation,
-                     mode="w4a4", device="cuda", seed=5)
+    p = make_problem(tokens=tokens, hidden=256, intermediate=intermediate, num_experts=8, top_k=2,
+                     activation=activation, mode="w4a4", device="cuda", seed=5)
     w = p.weights.prepared()
     w1_alpha, _ = p.alphas
-    tile_m = fp4moe.moe_dispatch(33, 2, 8, "w4a4", False, device="cuda").tile_m
+    tile_m = fp4moe.moe_dispatch(tokens, 2, 8, "w4a4", False, device="cuda").tile_m
     (permuted_to_pair, _, tile_expert, _, _), _ = moe_launch.plan(p.topk_ids, 8, 0, tile_m)
     codes, scales = ops.quantize(p.x, p.fc1_input_scale.reshape(1), sf_layout="linear")
     router = p.topk_weights if router_on_input else None
