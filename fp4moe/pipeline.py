@@ -3,14 +3,23 @@
 plan -> activation quantization (W4A4) -> GEMM1 + epilogue -> intermediate quantization (per-token
 W4A4, on the host-chosen path) -> GEMM2 -> finalize (docs/semantics.md §3). Every backend module
 (`fp4moe.dispatch.KERNEL_MODULES`) implements the stage functions with the same signatures, so this
-composition has no backend of its own: the plan of one backend feeds the GEMMs of another. It adds no
-host synchronization (the counts stay on the device) and allocates only from host-static shapes, so
-it runs inside CUDA graphs and compiled graphs.
+composition has no backend of its own: the plan of one backend feeds the GEMMs of another (a GEMM
+backend that multiplies bf16 takes NVFP4 activations as their decoded values, `decoded_activations`,
+from quantizers that write them). It adds no host synchronization (the counts stay on the device) and
+allocates only from host-static shapes, so it runs inside CUDA graphs and compiled graphs.
 """
 
 from __future__ import annotations
 
 from fp4moe import dispatch, nvfp4
+
+
+def decoded_activations(quantizer, gemm) -> bool:
+    """Whether NVFP4 activations go to the `gemm` stage module as the exact bf16 values of their codes,
+    straight from the `quantizer` module: a GEMM backend that multiplies bf16 (`DECODED_ACTIVATIONS`)
+    would decode codes to those values first, and a quantizer that writes them (`quantize_decoded`)
+    saves that pass. The GEMM then takes them with no block scales (and the per-token scale)."""
+    return getattr(gemm, "DECODED_ACTIVATIONS", False) and hasattr(quantizer, "quantize_decoded")
 
 
 def hidden_size(x, x_scales) -> int:
@@ -49,7 +58,12 @@ def fused_moe(
     w4a4 = quant_mode == "w4a4"
     quantizer = dispatch.kernel_module("quantize", choice.quantize) if w4a4 else None
     a, a_scales, a_per_token_scale = x, x_scales, None
-    if w4a4 and x_scales is None:
+    if w4a4 and x_scales is None and decoded_activations(quantizer, stages["gemm1"]):
+        if per_token_activation:
+            a, a_per_token_scale = quantizer.quantize_per_token_decoded(x, nvfp4.DEFAULT_GLOBAL_SCALE_INV, None, None)
+        else:
+            a = quantizer.quantize_decoded(x, fc1_input_scale)
+    elif w4a4 and x_scales is None:
         if per_token_activation:
             a, a_scales, a_per_token_scale = quantizer.quantize_per_token(
                 x, nvfp4.DEFAULT_GLOBAL_SCALE_INV, "linear", "off", None, None
@@ -72,9 +86,14 @@ def fused_moe(
     # bf16 values with scales None; GEMM2 takes either.
     if w4a4 and per_token_activation:
         handoff = (aux_amax, totals[1:2]) if aux_tile_n else (None, None)
-        intermediate, intermediate_scales, intermediate_per_token_scale = quantizer.quantize_per_token(
-            intermediate, nvfp4.DEFAULT_GLOBAL_SCALE_INV, "linear", "off", *handoff
-        )
+        if decoded_activations(quantizer, stages["gemm2"]):
+            intermediate, intermediate_per_token_scale = quantizer.quantize_per_token_decoded(
+                intermediate, nvfp4.DEFAULT_GLOBAL_SCALE_INV, *handoff
+            )
+        else:
+            intermediate, intermediate_scales, intermediate_per_token_scale = quantizer.quantize_per_token(
+                intermediate, nvfp4.DEFAULT_GLOBAL_SCALE_INV, "linear", "off", *handoff
+            )
 
     expert_rows = stages["gemm2"].gemm2(
         intermediate, intermediate_scales, intermediate_per_token_scale, permuted_to_pair, tile_expert,

@@ -333,6 +333,18 @@ def test_the_pipeline_takes_either_per_token_path_with_the_same_result(device, t
         pipeline.fused_moe(*args, per_token_path="legacy")
 
 
+def test_only_gemms_that_multiply_bf16_take_decoded_activations_from_quantizers_that_write_them():
+    # The sm90 GEMMs take NVFP4 activations as their exact bf16 values, which the sm90 quantizers
+    # write in their quantization pass; the reference takes codes and scales.
+    sm90, ref = dispatch.CUTE_SM90_BACKEND, dispatch.REFERENCE_BACKEND
+    quantize = {backend: dispatch.kernel_module("quantize", backend) for backend in (ref, sm90)}
+    moe = {backend: dispatch.kernel_module("moe", backend) for backend in (ref, sm90)}
+    assert pipeline.decoded_activations(quantize[sm90], moe[sm90])
+    assert not pipeline.decoded_activations(quantize[ref], moe[ref])
+    assert not pipeline.decoded_activations(quantize[ref], moe[sm90])  # codes, then the GEMMs' own decode
+    assert not pipeline.decoded_activations(quantize[sm90], moe[ref])
+
+
 def test_per_token_w4a4_rescans_where_gemm1_writes_no_aux_amax(monkeypatch):
     choice = fp4moe.moe_dispatch(4096, 8, 256, "w4a4", True)
     assert (choice.per_token_path, choice.aux_amax_tile_n) == (dispatch.AUX_AMAX_PATH, dispatch.AUX_AMAX_TILE_N)

@@ -143,6 +143,42 @@ def test_w4a4_per_tensor_gemm1_output_is_the_reference_quantization_of_its_fp32_
     assert_bitwise_equal(out[used].float(), expected[used])
 
 
+@pytest.mark.parametrize(
+    ("path", "rows", "k"),
+    [("tensor", 300, 2048), ("rescan", 300, 2048), ("aux", 300, 2048), ("tensor", 8192, 7168), ("aux", 8192, 7168)],
+)
+def test_quantizers_write_the_exact_values_of_their_codes(path, rows, k):
+    # What the MoE GEMMs take (`pipeline.decoded_activations`), bitwise against decoding the public ops'
+    # codes; both kernel classes (8192 x 7168 is a many-rows launch). The aux case leaves its last
+    # rows unwritten (valid rows) and compares the others.
+    from fp4moe import nvfp4
+    from fp4moe.kernels.sm90 import quantize_launch
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = (torch.randn(rows, k, generator=g, device="cuda") * torch.logspace(-3, 3, rows, device="cuda")[:, None])
+    x = x.to(torch.bfloat16)
+    written = rows
+    if path == "tensor":
+        gs = nvfp4.global_scale_from_amax(x.float().abs().amax().reshape(1))
+        codes, scales = ops.quantize(x, gs, sf_layout="linear")
+        values = quantize_launch.quantize_decoded(x, gs)
+    else:
+        handoff = {}
+        if path == "aux":  # a count the kernels round down to a multiple of 8
+            written = rows - 8 - rows % 8
+            handoff = dict(input_amax=ops.tile_amax(x, 8),
+                           input_amax_valid_rows=torch.tensor([written + 5], dtype=torch.int32, device="cuda"))
+        codes, scales, pts = ops.quantize_per_token(x, sf_layout="linear", **handoff)
+        values, values_pts = quantize_launch.quantize_per_token_decoded(
+            x, nvfp4.DEFAULT_GLOBAL_SCALE_INV, handoff.get("input_amax"), handoff.get("input_amax_valid_rows")
+        )
+        assert_bitwise_equal(values_pts[:written], pts[:written])
+    assert values.dtype == torch.bfloat16 and values.shape == x.shape
+    expected = nvfp4.dequantize_blocks(codes[:written], scales[:written])
+    assert (expected != 0).any()
+    assert_bitwise_equal(values[:written].float(), expected)
+
+
 def test_nvfp4_activations_decode_to_their_exact_values():
     from fp4moe import nvfp4
     from fp4moe.kernels.sm90 import moe_launch

@@ -4,8 +4,8 @@ the bitwise-exactness argument rests on (see `fp4moe.kernels.sm90.nvfp4_device`)
 Runs in CI on a CPU machine. Compiling every variant (~250) takes about a minute, so this compiles a
 representative subset: every (scale layout x 4-over-6 mode x scale source) combination for one
 dtype at a ragged K, every dtype at every tested K for one combination, the widest row with the
-heaviest mode, the many-rows class (`MANY_ELEMENTS`) at every tested K, and the tile_amax producer per
-dtype and load width. A variant is (dtype, K, scale layout, 4-over-6 mode, scale source, valid-row
+heaviest mode, the many-rows class (`MANY_ELEMENTS`) at every tested K, the MoE pipeline's quantizers
+that write decoded values (`DECODED_VARIANTS`), and the tile_amax producer per dtype and load width. A variant is (dtype, K, scale layout, 4-over-6 mode, scale source, valid-row
 count given, many rows). The compilation runs in a
 subprocess because `CUTE_DSL_KEEP` (which keeps the PTX) is read when the DSL is imported.
 """
@@ -39,6 +39,13 @@ QUANTIZE_VARIANTS = sorted(
         ("float32", 2048, "linear", "mse", "tensor", False, True),
     }
 )
+DECODED_VARIANTS = [
+    # The MoE pipeline's quantizers that write the codes' bf16 values (`decoded`): linear, no 4-over-6.
+    ("bfloat16", 2048, "linear", "off", "tensor", False, False),
+    ("bfloat16", 7168, "linear", "off", "rescan", False, True),
+    ("bfloat16", 2048, "linear", "off", "aux", True, False),
+    ("bfloat16", 7168, "linear", "off", "aux", True, True),
+]
 TILE_AMAX_VARIANTS = [("bfloat16", 7168, 128, 8), ("float16", 272, 100, 4), ("float32", 33, 7, 1), ("bfloat16", 2048, 128, 1)]
 
 _COMPILE_SCRIPT = textwrap.dedent(
@@ -55,6 +62,12 @@ _COMPILE_SCRIPT = textwrap.dedent(
         )
         (out / f"quantize_{i}.ptx").write_text(compiled.__ptx__)
         (out / f"quantize_{i}.cubin").write_bytes(compiled.__cubin__)
+    for i, (dtype, k, layout, mode, source, valid, many, tiles) in enumerate(spec["decoded"]):
+        compiled = launch.compile_quantize(
+            getattr(torch, dtype), k, layout, mode, source, valid, many, spec["arch"], tiles, decoded=True
+        )
+        (out / f"decoded_{i}.ptx").write_text(compiled.__ptx__)
+        (out / f"decoded_{i}.cubin").write_bytes(compiled.__cubin__)
     for i, (dtype, n, tile_n, vector) in enumerate(spec["tile_amax"]):
         compiled = launch.compile_tile_amax(getattr(torch, dtype), n, tile_n, vector, spec["arch"])
         (out / f"tile_amax_{i}.ptx").write_text(compiled.__ptx__)
@@ -78,7 +91,9 @@ def compiled(tmp_path_factory):
     """Directory with the PTX and cubin of every variant, compiled for sm_90a in one subprocess."""
     out = tmp_path_factory.mktemp("sm90_kernels")
     quantize = [(*variant, _aux_tiles(*variant[:3], variant[4])) for variant in QUANTIZE_VARIANTS]
-    spec = {"arch": ARCH, "quantize": quantize, "tile_amax": TILE_AMAX_VARIANTS}
+    # The pipeline's aux handoff: GEMM1's tiles of 8 columns.
+    decoded = [(*variant, variant[1] // 8 if variant[4] == "aux" else 0) for variant in DECODED_VARIANTS]
+    spec = {"arch": ARCH, "quantize": quantize, "decoded": decoded, "tile_amax": TILE_AMAX_VARIANTS}
     return compile_in_subprocess(_COMPILE_SCRIPT, spec, out)
 
 
@@ -89,6 +104,7 @@ def _ptx(compiled, name):
 
 def _all_ptx(compiled):
     names = [f"quantize_{i}" for i in range(len(QUANTIZE_VARIANTS))]
+    names += [f"decoded_{i}" for i in range(len(DECODED_VARIANTS))]
     names += [f"tile_amax_{i}" for i in range(len(TILE_AMAX_VARIANTS))]
     return {name: _ptx(compiled, name) for name in names}
 
@@ -96,6 +112,8 @@ def _all_ptx(compiled):
 def test_every_variant_compiles_for_sm90a(compiled):
     for i, variant in enumerate(QUANTIZE_VARIANTS):
         assert ".target sm_90a" in _ptx(compiled, f"quantize_{i}"), variant
+    for i, variant in enumerate(DECODED_VARIANTS):
+        assert ".target sm_90a" in _ptx(compiled, f"decoded_{i}"), variant
     for i, variant in enumerate(TILE_AMAX_VARIANTS):
         assert ".target sm_90a" in _ptx(compiled, f"tile_amax_{i}"), variant
 
@@ -116,7 +134,7 @@ def test_fp32_arithmetic_is_correctly_rounded_and_never_fused(compiled):
         assert not re.search(r"\b(add|sub|mul)\.f32\b", ptx), name
         assert not re.search(r"\.ftz\b", ptx), name
         assert not re.search(r"\b(div\.approx|div\.full|rcp\.)", ptx), name
-        if name.startswith("quantize"):
+        if not name.startswith("tile_amax"):
             assert "div.rn.f32" in ptx, name
 
 
@@ -134,6 +152,9 @@ def test_quantizers_use_the_exact_conversions_and_nan_ignoring_maxima(compiled):
 def test_rows_are_read_with_16_byte_loads(compiled):
     for i, variant in enumerate(QUANTIZE_VARIANTS):
         assert "ld.global.v4.b32" in _ptx(compiled, f"quantize_{i}"), variant
+    for i, variant in enumerate(DECODED_VARIANTS):  # and their values written with 16-byte stores
+        ptx = _ptx(compiled, f"decoded_{i}")
+        assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, variant
 
 
 def test_aux_tile_maxima_are_loaded_ahead_of_the_row(compiled):

@@ -14,8 +14,9 @@ One kernel class serves both projections; `MoEGemmSm90`'s static parameters choo
   FP32 either way).
 - ``"gemm2_expanded"``: the same, written to the (token, slot) row instead (deterministic finalize).
 
-W4A4 runs the same kernels on activations decoded exactly to bf16 (`nvfp4_decode`): `e2m1 * scale`
-is exact in bf16, and the factor left out of it (a per-token scale) is `row_scaled`'s.
+W4A4 runs the same kernels on activations given as their codes' exact bf16 values (written so by the
+quantizers, or by `nvfp4_decode` for NVFP4 inputs): `e2m1 * scale` is exact in bf16, and the factor
+left out of it (a per-token scale) is `row_scaled`'s.
 
 The weights are the MMA's M side (A, decoded to bf16 in registers) and the plan's rows the N side (B,
 in shared memory), so a decode step with one row per expert is an n8 MMA, not a padded 64-row one.
@@ -845,7 +846,7 @@ class MoEGemmSm90:
                 zeros = (block_scale == Float32(0.0)) | (nv.is_nan(s) != Uint32(0))
                 code = cutlass.select_(zeros, Uint32(0), code)
                 if feature < self.out_features:
-                    mOut[first_row + n, feature] = (nv.decode_e2m1(code) * block_scale).to(BFloat16)
+                    mOut[first_row + n, feature] = nv.mul_rn(nv.decode_e2m1(code), block_scale).to(BFloat16)
 
     def router_weight(self, value, pair, weight):
         """`value` times the router weight when it is applied on input (rows that hold a pair); plain

@@ -15,8 +15,9 @@ Stage functions (the pipeline in `fp4moe.pipeline` composes them):
 
 The stage functions have the signatures of `fp4moe.reference.moe`'s, so the pipeline calls either.
 
-W4A4 runs the W4A16 GEMMs on its activations decoded exactly to bf16 (`nvfp4_decode`; the GEMMs'
-epilogues apply the per-token scale). Per-tensor W4A4's GEMM1 quantizes its FP32 intermediate with
+W4A4 runs the W4A16 GEMMs on its activations as the exact bf16 values of their codes, which the sm90
+quantizers write in the quantization pass (`DECODED_ACTIVATIONS`; `nvfp4_decode` decodes NVFP4 inputs
+given as codes); the GEMMs' epilogues apply the per-token scale. Per-tensor W4A4's GEMM1 quantizes its FP32 intermediate with
 `fc2_input_scale` in its epilogue (bitwise what the reference block math gives for the kernel's own
 FP32 values) and writes the exact bf16 values `e2m1 * sf` of the codes, which GEMM2 reads as it reads
 a W4A16 intermediate: the intermediate needs no quantizer or decode kernel. For the per-token
@@ -43,6 +44,10 @@ from fp4moe.kernels.sm90.moe_plan import MAX_EXPERTS, PLAN_THREADS, ZERO_VECTOR,
 from fp4moe.kernels.sm90.nvfp4_decode import NVFP4DecodeSm90
 from fp4moe.op_outputs import moe_plan_outputs
 from fp4moe.validation import AUX_AMAX_ROW_GROUP
+
+DECODED_ACTIVATIONS = True
+"""The GEMMs multiply bf16: they take NVFP4 activations as the exact bf16 values of their codes
+(`fp4moe.pipeline.decoded_activations`), which the sm90 quantizers write directly."""
 
 
 @functools.cache

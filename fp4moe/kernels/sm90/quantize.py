@@ -110,7 +110,7 @@ class QuantizeSm90:
        `enc = min(RN(RN(1/global_scale_inv) / amax), FLT_MAX)` and `pts = RN(1/enc)`. Every block's
        maximum magnitude comes from packed NaN-propagating maxima (a NaN block redoes it ignoring NaN).
     3. Every thread quantizes its blocks from registers and writes 8 bytes of codes and one scale
-       byte per block. Blocks without NaN whose scaled maximum RN(max |x| * s) stays below 7 take the
+       byte per block (with `decoded`, the block's 16 values `e2m1 * sf` in bf16 instead). Blocks without NaN whose scaled maximum RN(max |x| * s) stays below 7 take the
        FMA-pipe E2M1 encoder (`nvfp4_device.encode_e2m1_biased`, which needs no saturation; for
        16-bit inputs on magnitudes, the sign bits of eight codes coming from the packed inputs in a
        few byte permutes); other blocks take the exact general encoder. 4-over-6 does the same with
@@ -141,8 +141,10 @@ class QuantizeSm90:
         scale_source: str,
         many_rows: bool,
         amax_tiles: int = 0,
+        decoded: bool = False,
     ):
         assert scale_source in SCALE_SOURCES
+        assert not decoded or (sf_layout == "linear" and four_over_six == "off")
         assert (amax_tiles > 0) == (scale_source == "aux"), "the aux path needs the tile count of input_amax"
         self.dtype = dtype
         self.k = k
@@ -150,6 +152,7 @@ class QuantizeSm90:
         self.four_over_six = four_over_six
         self.scale_source = scale_source
         self.amax_tiles = amax_tiles
+        self.decoded = decoded
         self.blocks = k // BLOCK_SIZE
         self.padded_blocks = round_up(self.blocks, SWIZZLE_COLS)
         self.many_rows = many_rows
@@ -164,8 +167,8 @@ class QuantizeSm90:
         self,
         mX: cute.Tensor,  # [M, K] (row stride a multiple of 16 bytes)
         mGlobalScale: cute.Tensor | None,  # [1] FP32, "tensor" only
-        mCodes: cute.Tensor,  # [M, K/2] uint8
-        mBlockScales: cute.Tensor,  # [M, K/16] or [round_up(M,128), round_up(K/16,4)] float8_e4m3fn
+        mCodes: cute.Tensor,  # [M, K/2] uint8; with `decoded`, bf16 [M, K]: the codes' values e2m1 * sf
+        mBlockScales: cute.Tensor | None,  # [M, K/16] or [round_up(M,128), round_up(K/16,4)] float8_e4m3fn; None with `decoded`
         mPerTokenScale: cute.Tensor | None,  # [M] FP32, per-token only
         numerator: Float32 | None,  # RN(1 / global_scale_inv), per-token only
         mInputAmax: cute.Tensor | None,  # [ceil(M/8), amax_tiles, 8], "aux" only
@@ -188,7 +191,7 @@ class QuantizeSm90:
         mX: cute.Tensor,
         mGlobalScale: cute.Tensor | None,
         mCodes: cute.Tensor,
-        mBlockScales: cute.Tensor,
+        mBlockScales: cute.Tensor | None,
         mPerTokenScale: cute.Tensor | None,
         numerator: Float32 | None,
         mInputAmax: cute.Tensor | None,
@@ -210,10 +213,13 @@ class QuantizeSm90:
 
         # The row's blocks, addressed from one row pointer (a block is a constant offset from it).
         x_blocks = cute.zipped_divide(mX[row, None], (BLOCK_SIZE,))  # ((16), (K/16))
-        code_blocks = cute.zipped_divide(mCodes[row, None], (BLOCK_SIZE // 2,))  # ((8), (K/16))
-        scale_bytes = cute.make_tensor(
-            cute.recast_ptr(mBlockScales.iterator, dtype=Uint8), cute.make_layout(cute.size(mBlockScales))
-        )
+        # ((8), (K/16)) code bytes, or with `decoded` ((16), (K/16)) bf16 values, per block
+        code_blocks = cute.zipped_divide(mCodes[row, None], (BLOCK_SIZE if self.decoded else BLOCK_SIZE // 2,))
+        scale_bytes = None
+        if const_expr(not self.decoded):
+            scale_bytes = cute.make_tensor(
+                cute.recast_ptr(mBlockScales.iterator, dtype=Uint8), cute.make_layout(cute.size(mBlockScales))
+            )
 
         # Stage 1: issue the loads of this thread's blocks (zeros where there is no block); their
         # values are first used after the aux-amax reduction, so that reduction overlaps the loads.
@@ -293,15 +299,30 @@ class QuantizeSm90:
                         sf_factor,
                         inv_global_scale,
                     )
-                code_frag = cute.make_rmem_tensor((2,), Uint32)
-                code_frag[0] = word0
-                code_frag[1] = word1
-                cute.autovec_copy(cute.recast_tensor(code_frag, Uint8), code_blocks[None, col])
-                scale_bytes[scale_row + self._scale_col_offset(col)] = Uint8(scale_bits)
+                if const_expr(self.decoded):
+                    cute.autovec_copy(self._decoded_block(word0, word1, scale_bits), code_blocks[None, col])
+                else:
+                    code_frag = cute.make_rmem_tensor((2,), Uint32)
+                    code_frag[0] = word0
+                    code_frag[1] = word1
+                    cute.autovec_copy(cute.recast_tensor(code_frag, Uint8), code_blocks[None, col])
+                    scale_bytes[scale_row + self._scale_col_offset(col)] = Uint8(scale_bits)
             if const_expr(self.sf_layout == "swizzled"):
                 self._zero_swizzle_padding(scale_bytes, row, col, num_rows, covered_rows, is_data_row)
 
     # -----------------------------------------------------------------------------------------------
+    @cute.jit
+    def _decoded_block(self, word0: Uint32, word1: Uint32, scale_bits):
+        """A block's 16 values `e2m1(q_i) * sf` in bf16 (exact: 2- by 4-bit significands), from its two
+        code words (element i in bits 4i..4i+3 of its word) and its E4M3 scale bits."""
+        block_scale = dev.e4m3_to_f32(Uint32(scale_bits))
+        values = cute.make_rmem_tensor((BLOCK_SIZE,), cutlass.BFloat16)
+        for i in cutlass.range_constexpr(BLOCK_SIZE):
+            word = word0 if i < BLOCK_SIZE // 2 else word1
+            code = (word >> Uint32(4 * (i % (BLOCK_SIZE // 2)))) & Uint32(15)
+            values[i] = dev.mul_rn(dev.decode_e2m1(code), block_scale).to(cutlass.BFloat16)
+        return values
+
     @cute.jit
     def _block_values(self, frag: cute.Tensor):
         """A block's 16 values as FP32 (exact conversions)."""

@@ -58,10 +58,11 @@ def compile_quantize(
     many_rows: bool,
     arch: str,
     amax_tiles: int = 0,
+    decoded: bool = False,
 ):
     """The compiled quantizer for one static configuration (`scale_source`: "tensor", "rescan", "aux";
     `many_rows`: the class for launches of at least `MANY_ELEMENTS` elements; `amax_tiles`: the tile count of
-    `input_amax`, aux only)."""
+    `input_amax`, aux only; `decoded`: bf16 values `e2m1 * sf` out instead of codes and scales)."""
     element = CUTE_DTYPES[dtype]
     rows = cute.sym_int()
     row_stride = cute.sym_int64(divisibility=VECTOR_BYTES * 8 // element.width)
@@ -73,6 +74,9 @@ def compile_quantize(
     else:
         scale_shape = (rows, blocks)
     block_scales = make_fake_compact_tensor(cutlass.Float8E4M3FN, scale_shape, stride_order=(1, 0))
+    if decoded:
+        codes = make_fake_compact_tensor(cutlass.BFloat16, (rows, k), stride_order=(1, 0), assumed_align=VECTOR_BYTES)
+        block_scales = None
     per_tensor = scale_source == "tensor"
     global_scale = make_fake_compact_tensor(cutlass.Float32, (1,)) if per_tensor else None
     per_token_scale = None if per_tensor else make_fake_compact_tensor(cutlass.Float32, (rows,))
@@ -82,10 +86,12 @@ def compile_quantize(
         amax_shape = (cute.sym_int(), amax_tiles, AUX_AMAX_ROW_GROUP)
         input_amax = make_fake_compact_tensor(element, amax_shape, stride_order=(2, 1, 0))
     valid_rows = make_fake_compact_tensor(cutlass.Int32, (1,)) if has_valid_rows else None
-    kernel = QuantizeSm90(element, k, sf_layout, four_over_six, scale_source, many_rows, amax_tiles)
+    kernel = QuantizeSm90(element, k, sf_layout, four_over_six, scale_source, many_rows, amax_tiles, decoded)
     return compile_kernel(
         kernel, x, global_scale, codes, block_scales, per_token_scale, numerator, input_amax, valid_rows, arch=arch,
-        cache_key=("quantize", dtype, k, sf_layout, four_over_six, scale_source, has_valid_rows, many_rows, amax_tiles),
+        cache_key=(
+            "quantize", dtype, k, sf_layout, four_over_six, scale_source, has_valid_rows, many_rows, amax_tiles, decoded
+        ),
     )
 
 
@@ -157,6 +163,14 @@ def quantize_per_token(
     return outputs
 
 
+def _per_token_source(input_amax):
+    """(scale source, tile count of `input_amax`, `input_amax` as the kernel takes it) of a per-token call."""
+    if input_amax is None:
+        return "rescan", 0, None
+    _check_size("input_amax", input_amax)
+    return "aux", input_amax.shape[1], input_amax.contiguous()
+
+
 def quantize_per_token_into(
     x, global_scale_inv, sf_layout, four_over_six, input_amax, input_amax_valid_rows, codes, block_scales, per_token_scale
 ) -> None:
@@ -164,11 +178,7 @@ def quantize_per_token_into(
     if x.shape[0] == 0:
         return
     _check_size("x", x)
-    scale_source, amax_tiles = "rescan", 0
-    if input_amax is not None:
-        _check_size("input_amax", input_amax)
-        input_amax = input_amax.contiguous()
-        scale_source, amax_tiles = "aux", input_amax.shape[1]
+    scale_source, amax_tiles, input_amax = _per_token_source(input_amax)
     device, has_valid_rows = x.get_device(), input_amax_valid_rows is not None
     static = (x.dtype, x.shape[1], sf_layout, four_over_six, scale_source, has_valid_rows, _many_rows(x))
     kernel = compile_quantize(*static, ARCH, amax_tiles)
@@ -183,6 +193,41 @@ def quantize_per_token_into(
         input_amax,
         input_amax_valid_rows,
     )
+
+
+def quantize_decoded(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """`quantize` (linear scales, no 4-over-6) as the sm90 MoE GEMMs take it: the codes' exact values
+    `e2m1 * sf` in bf16 [M, K], what decoding its codes and scales gives (`moe_launch.decoded`), in the
+    same pass as the quantization. The global factor stays out of the values, as in the codes."""
+    values = x.new_empty(x.shape, dtype=torch.bfloat16)
+    if x.shape[0]:
+        _check_size("x", x)
+        kernel = compile_quantize(x.dtype, x.shape[1], "linear", "off", "tensor", False, _many_rows(x), ARCH, decoded=True)
+        kernel(vector_rows(x), global_scale.reshape(1), values, None, None, None, None, None)
+    return values
+
+
+def quantize_per_token_decoded(
+    x: torch.Tensor, global_scale_inv: float, input_amax: torch.Tensor | None, input_amax_valid_rows: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_per_token` (linear scales, no 4-over-6) as the sm90 MoE GEMMs take it: (the codes'
+    exact values `e2m1 * sf` in bf16 [M, K], the FP32 per-token scale [M]), in one pass. Rows at or past
+    `input_amax_valid_rows` are not written."""
+    values = x.new_empty(x.shape, dtype=torch.bfloat16)
+    per_token_scale = x.new_empty((x.shape[0],), dtype=torch.float32)
+    if x.shape[0] == 0:
+        return values, per_token_scale
+    _check_size("x", x)
+    scale_source, amax_tiles, input_amax = _per_token_source(input_amax)
+    kernel = compile_quantize(
+        x.dtype, x.shape[1], "linear", "off", scale_source, input_amax_valid_rows is not None, _many_rows(x), ARCH,
+        amax_tiles, decoded=True,
+    )
+    kernel(
+        vector_rows(x), None, values, None, per_token_scale, _per_token_numerator(global_scale_inv), input_amax,
+        input_amax_valid_rows,
+    )
+    return values, per_token_scale
 
 
 def _tile_vector(x: torch.Tensor, tile_n: int) -> int:
