@@ -391,7 +391,6 @@ class MoEGemmSm90:
         `rows_full`. The producer runs stages ahead of the consumers, so these dependent global loads
         (a pair, then its router weight) stay off the consumers' path: their epilogues and row counts
         read shared memory."""
-        router_weights, row_scales = row_factors
         pairs, weights, scales, offset = self.staged_view(storage, item_number)
         thread = cute.arch.thread_idx()[0]
         buffer = item_number % 2
@@ -399,17 +398,30 @@ class MoEGemmSm90:
         for j in cutlass.range_constexpr(-(-self.tile_rows // WARPGROUP_THREADS)):
             n = thread + j * WARPGROUP_THREADS
             if n < self.tile_rows:
-                pair = mPermutedToPair[tile * self.tile_rows + n]
-                valid = (pair >= 0) & (pair < num_pairs)
-                pairs[offset + n] = cutlass.select_(valid, pair, Int32(-1))
+                pair, weight, scale = self.load_row(row_factors, mPermutedToPair, num_pairs, tile * self.tile_rows + n)
+                pairs[offset + n] = pair
                 if const_expr(self.router_weighted):
-                    weights[offset + n] = router_weights[cutlass.select_(valid, pair, Int32(0))]
+                    weights[offset + n] = weight
                 if const_expr(self.row_scaled):
-                    if const_expr(self.epilogue == "gemm1"):
-                        scales[offset + n] = row_scales[cutlass.select_(valid, pair, Int32(0)) // self.top_k]
-                    else:
-                        scales[offset + n] = row_scales[tile * self.tile_rows + n]
+                    scales[offset + n] = scale
         cute.arch.mbarrier_arrive(storage.rows_full.data_ptr() + buffer)
+
+    def load_row(self, row_factors, mPermutedToPair, num_pairs, row):
+        """Plan row `row` from global memory: (its pair, -1 for a padding row; with `router_weighted` its
+        router weight, with `row_scaled` its activation scale, else None). GEMM1's rows are tokens' (one
+        scale per token), GEMM2's the plan's own. Plain Python, run while the kernel is traced."""
+        router_weights, row_scales = row_factors[:2]
+        pair = mPermutedToPair[row]
+        valid = (pair >= 0) & (pair < num_pairs)
+        weight, scale = None, None
+        if self.router_weighted:
+            weight = router_weights[cutlass.select_(valid, pair, Int32(0))]
+        if self.row_scaled:
+            if self.epilogue == "gemm1":
+                scale = row_scales[cutlass.select_(valid, pair, Int32(0)) // self.top_k]
+            else:
+                scale = row_scales[row]
+        return cutlass.select_(valid, pair, Int32(-1)), weight, scale
 
     @cute.jit
     def produce_item(
@@ -697,7 +709,6 @@ class MoEGemmSm90:
         shared memory where the producer wrote them (`stage_rows`), else from global memory, where the
         loads are independent of each other, so they overlap (loaded next to each store, each waited
         for a round trip). Chunks bound the registers the loaded rows take."""
-        router_weights, row_scales = row_factors[:2]
         pairs, weights, scales = {}, {}, {}
         for v in cutlass.range_constexpr(self.chunk_values(c).start, self.chunk_values(c).stop):
             if const_expr((v // 2) % 2 == 0 and self.staged_rows):
@@ -710,17 +721,11 @@ class MoEGemmSm90:
                     scales[v] = staged_scales[offset + n]
             elif const_expr((v // 2) % 2 == 0):
                 _, n = coordinates[v, 0, 0]
-                pair = mPermutedToPair[first_row + n]
-                valid = (pair >= 0) & (pair < num_pairs)
-                pairs[v] = cutlass.select_(valid, pair, Int32(-1))
+                pairs[v], weight, scale = self.load_row(row_factors, mPermutedToPair, num_pairs, first_row + n)
                 if const_expr(self.router_weighted):
-                    weights[v] = router_weights[cutlass.select_(valid, pair, Int32(0))]
+                    weights[v] = weight
                 if const_expr(self.row_scaled):
-                    # GEMM1's rows are tokens' (one scale per token), GEMM2's the plan's own.
-                    if const_expr(self.epilogue == "gemm1"):
-                        scales[v] = row_scales[cutlass.select_(valid, pair, Int32(0)) // self.top_k]
-                    else:
-                        scales[v] = row_scales[first_row + n]
+                    scales[v] = scale
         return pairs, weights, scales
 
     def epilogue_rows_of(self, early_rows, coordinates, first_row, c, row_factors, mPermutedToPair, num_pairs):
