@@ -202,7 +202,9 @@ def quantize_decoded(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tenso
     values = x.new_empty(x.shape, dtype=torch.bfloat16)
     if x.shape[0]:
         _check_size("x", x)
-        kernel = compile_quantize(x.dtype, x.shape[1], "linear", "off", "tensor", False, _many_rows(x), ARCH, decoded=True)
+        kernel = compile_quantize(
+            x.dtype, x.shape[1], "linear", "off", "tensor", False, _many_rows(x), ARCH, decoded=True
+        )
         kernel(vector_rows(x), global_scale.reshape(1), values, None, None, None, None, None)
     return values
 
