@@ -65,10 +65,10 @@ def staged_row_bytes(tile_rows: int) -> int:
     `EARLY_ROWS_TILE_ROWS`: per row its pair, router weight and activation scale, for two items."""
     return 2 * tile_rows * 12 + 32 if tile_rows > EARLY_ROWS_TILE_ROWS else 0
 MIN_WIDE_TILE_ROWS = 64
+"""Rows that the MMAs of an item of a larger tile always cover."""
 AUX_AMAX_COLUMNS = 8
 """Intermediate columns per aux-amax entry of GEMM1: the 8 features one warp's lanes 4g + c (g = 0..7)
 hold for a row, so a row's maximum over them is three butterfly shuffles, with no shared memory."""
-"""Rows that the MMAs of an item of a larger tile always cover."""
 
 
 def variant_rows(tile_rows: int, row_granule: int) -> list[int]:
