@@ -30,14 +30,23 @@ from benchmarks.moe_cases import random_moe_weights
 from benchmarks.timing import PreparedCall, time_interleaved
 from fp4moe import dispatch, weight_layout
 from fp4moe.kernels.sm90 import moe_launch
-from fp4moe.kernels.sm90.moe_gemm import EPILOGUE_ROWS, pipeline_stages
+from fp4moe.kernels.sm90.moe_gemm import EARLY_ROWS_TILE_ROWS, EPILOGUE_ROWS, pipeline_stages
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 7168, 2048, 256, 8
 
 
+def ctas_per_sm_choices(tile_rows: int) -> tuple[int, ...]:
+    """CTAs per SM to try: tiles of at most 32 rows fit two; decode tiles (at most
+    `EARLY_ROWS_TILE_ROWS`) also three, whose consumers then have 64 registers: more consumer warps per
+    SM for the decode, which is consumer-bound at T = 1."""
+    if tile_rows <= EARLY_ROWS_TILE_ROWS:
+        return (1, 2, 3)
+    return (1, 2) if tile_rows <= 32 else (1,)
+
+
 def configurations(default: moe_launch.GemmShape, default_k_splits: int | None = None) -> list[tuple]:
     """(shape key, K slices, epilogue rows): `default`'s, then those around it: features per CTA, CTAs
-    per SM (tiles of at most 32 rows), K per k tile, row granule (the default's, 32, 64 or the whole
+    per SM (`ctas_per_sm_choices`), K per k tile, row granule (the default's, 32, 64 or the whole
     tile); stages: as many as fit. Then the default key with the epilogue's other row chunks (64 or
     the whole tile) and, with `default_k_splits` (the fused GEMM2, which can split K), at every other
     slice count that divides its k tiles; else K is never split."""
@@ -46,9 +55,7 @@ def configurations(default: moe_launch.GemmShape, default_k_splits: int | None =
     epilogue_rows = min(rows, EPILOGUE_ROWS)
     first = (default.key(), default_k_splits or 1, epilogue_rows)
     configs = []
-    for features, ctas, tile_k, granule in itertools.product(
-        (64, 128), (1, 2) if rows <= 32 else (1,), (64, 128), granules
-    ):
+    for features, ctas, tile_k, granule in itertools.product((64, 128), ctas_per_sm_choices(rows), (64, 128), granules):
         stages = pipeline_stages(features, rows, tile_k, ctas)
         k_splits = first[1] if (default.prepared_k // tile_k) % first[1] == 0 else 1
         configs.append(((

@@ -1,5 +1,6 @@
 """The sm90 GEMM sweep's configurations (no GPU needed): led by the plan tile `fused_moe` picks, each
-once, with the fused GEMM2's slices of K and the epilogue's row chunks among the neighbours."""
+once, with the fused GEMM2's slices of K, the epilogue's row chunks and the CTAs per SM among the
+neighbours."""
 
 from benchmarks import sm90_gemm_sweep as sweep
 from fp4moe import dispatch
@@ -19,6 +20,7 @@ def test_the_sweep_lists_each_configuration_once_with_k_slices_and_epilogue_chun
             chunks = {e for e in (default_rows, 64, tile_m) if e <= tile_m and tile_m % e == 0}
             assert {rows for *_, rows in configs} == chunks
         assert {splits for _, splits, _ in gemm1} == {1}  # GEMM1 never splits K
+        assert {key[8] for key, _, _ in gemm1} == set(sweep.ctas_per_sm_choices(tile_m))
         key = gemm2[0][0]
         k_tiles = key[2] // key[6]
         assert {s for _, s, _ in gemm2} == {s for s in range(1, moe_launch.MAX_K_SPLITS + 1) if k_tiles % s == 0}
