@@ -80,21 +80,9 @@ def check_stages(hidden: int, intermediate: int, experts: int, tokens: int, top_
     return ok
 
 
-def _median_us(fn, repeats: int = 10) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def time_stages(weights, tokens: int, hidden: int, experts: int, top_k: int, g) -> None:
-    """Each W4A16 stage alone (eager, warm): where the time of one call goes."""
+    """Each W4A16 stage alone, in CUDA-graph replays with a cold L2 (`graph_median_us`): where the
+    time of one call goes. Timed eagerly, each stage would measure its host launch path instead."""
     w1_alpha, w2_alpha = weights.alphas()
     x = torch.randn(tokens, hidden, generator=g, device="cuda").to(torch.bfloat16)
     topk_ids, topk_weights = ops.route_softmax_topk(torch.randn(tokens, experts, generator=g, device="cuda"), top_k, True)
@@ -113,7 +101,8 @@ def time_stages(weights, tokens: int, hidden: int, experts: int, top_k: int, g) 
         "finalize fused": lambda: moe_launch.finalize(accumulator, None, tokens, top_k),
         "finalize ordered": lambda: moe_launch.finalize(expanded, p2p, tokens, top_k),
     }
-    print(f"T={tokens} tile_m={tile_m} stages: " + ", ".join(f"{k} {_median_us(f):.1f} us" for k, f in timings.items()), flush=True)
+    medians = graph_median_us(*timings.values())
+    print(f"T={tokens} tile_m={tile_m} stages: " + ", ".join(f"{k} {us:.1f} us" for k, us in zip(timings, medians)), flush=True)
 
 
 def graph_median_us(*fns, replays: int = 50) -> list[float]:
