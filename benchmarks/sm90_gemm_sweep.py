@@ -36,12 +36,12 @@ HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 7168, 2048, 256, 8
 
 
 def ctas_per_sm_choices(tile_rows: int) -> tuple[int, ...]:
-    """CTAs per SM to try: tiles of at most 32 rows fit two; decode tiles (at most
+    """CTAs per SM to try: tiles of at most `TWO_CTA_TILE_ROWS` rows fit two; decode tiles (at most
     `EARLY_ROWS_TILE_ROWS`) also three, whose consumers then have 64 registers: more consumer warps per
     SM for the decode, which is consumer-bound at T = 1."""
     if tile_rows <= EARLY_ROWS_TILE_ROWS:
         return (1, 2, 3)
-    return (1, 2) if tile_rows <= 32 else (1,)
+    return (1, 2) if tile_rows <= moe_launch.TWO_CTA_TILE_ROWS else (1,)
 
 
 def configurations(default: moe_launch.GemmShape, default_k_splits: int | None = None) -> list[tuple]:
