@@ -22,7 +22,7 @@ onto an mbarrier, `cp.async` with a zero-fill source size, `red.global.add.f32`.
 
 from __future__ import annotations
 
-from cutlass import Int32, Int64, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -97,9 +97,27 @@ def load_shared_v2(smem_address, *, loc=None, ip=None):
 @dsl_user_op
 def reduce_add_f32(gmem_address, value, *, loc=None, ip=None) -> None:
     """`red.global.add.f32`: an atomic FP32 addition without a returned value."""
-    from cutlass import Float32
-
     _asm(None, "red.global.add.f32 [$0], $1;", "l,f", (Int64(gmem_address), Float32(value)), True, loc, ip)
+
+
+@dsl_user_op
+def magnitudes_bf16x2(low, high, *, loc=None, ip=None) -> Uint32:
+    """|low| and |high| (FP32 values exact in bf16) as a bf16 pair, `low` in the low half: one
+    conversion and a mask of the sign bits (so -0 becomes +0)."""
+    ptx = "{ .reg .b32 p; cvt.rn.bf16x2.f32 p, $2, $1; and.b32 $0, p, 0x7fff7fff; }"
+    return Uint32(_asm(T.i32(), ptx, "=r,f,f", (Float32(low), Float32(high)), False, loc, ip))
+
+
+@dsl_user_op
+def max_bf16x2(a, b, *, loc=None, ip=None) -> Uint32:
+    """The lane-wise maximum of two bf16 pairs; a NaN lane gives the other operand's (maxNum)."""
+    return Uint32(_asm(T.i32(), "max.bf16x2 $0, $1, $2;", "=r,r,r", (Uint32(a), Uint32(b)), False, loc, ip))
+
+
+@dsl_user_op
+def store_global_u32(gmem_address, value, *, loc=None, ip=None) -> None:
+    """One 32-bit store to a 4-byte aligned global address."""
+    _asm(None, "st.global.b32 [$0], $1;", "l,r", (Int64(gmem_address), Uint32(value)), True, loc, ip)
 
 
 @dsl_user_op

@@ -68,7 +68,8 @@ MIN_WIDE_TILE_ROWS = 64
 """Rows that the MMAs of an item of a larger tile always cover."""
 AUX_AMAX_COLUMNS = 8
 """Intermediate columns per aux-amax entry of GEMM1: the 8 features one warp's lanes 4g + c (g = 0..7)
-hold for a row, so a row's maximum over them is three butterfly shuffles, with no shared memory."""
+hold for a row, so a row's maximum over them is three butterfly shuffles (of two rows at a time), with
+no shared memory."""
 
 
 def variant_rows(tile_rows: int, row_granule: int) -> list[int]:
@@ -739,9 +740,17 @@ class MoEGemmSm90:
     def finish_gemm1(self, acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, outputs, early_rows):
         for c in cutlass.range_constexpr(self.tile_rows // self.epilogue_rows):
             rows = self.epilogue_rows_of(early_rows, coordinates, first_row, c, row_factors, mPermutedToPair, num_pairs)
-            for v, value, feature, pair, weight in self.gemm1_values(acc, coordinates, alpha, block, c, rows):
+            values = self.gemm1_values(acc, coordinates, alpha, block, c, rows)
+            rounded = []
+            for v, value, feature, pair, weight in values:
                 _, n = coordinates[v, 0, 0]
-                self.store_gemm1(value, feature, first_row + n, pair, weight, outputs)
+                rounded.append(self.store_gemm1(value, feature, first_row + n, pair, weight, outputs))
+            if const_expr(self.aux_amax):
+                # Values 2i and 2i + 1 are one feature's elements v, v + 1: rows n and n + 1 (n even).
+                for i in cutlass.range_constexpr(0, len(values), 2):
+                    v, _, feature, _, _ = values[i]
+                    _, n = coordinates[v, 0, 0]
+                    self.store_aux_amax(rounded[i], rounded[i + 1], feature, first_row + n, outputs)
 
     def gemm1_values(self, acc, coordinates, alpha, block, c, rows):
         """GEMM1's FP32 values of epilogue chunk `c` before the router weight: (element, value, output
@@ -773,19 +782,32 @@ class MoEGemmSm90:
     @cute.jit
     def store_gemm1(self, value, feature, row, pair, weight, outputs):
         """The router weight applies to rows that hold a pair; padding rows are written too (zeros).
-        With `aux_amax`, the maximum magnitude of the rounded value over the 8 features of its warp
-        (`AUX_AMAX_COLUMNS`; lanes 4g + c, g = 0..7, hold one row's) goes to the aux-amax entry of
-        the row: every lane of the warp takes part in the shuffles."""
-        mOut, mAuxAmax, _, _ = outputs
-        rounded = self.router_weight(value, pair, weight).to(self.out_type)
+        The FP32 value whose rounding was stored."""
+        mOut, _, _, _ = outputs
+        weighted = self.router_weight(value, pair, weight)
         if feature < self.out_features:
-            mOut[row, feature] = rounded
-        if const_expr(self.aux_amax):
-            magnitude = cute.arch.fmax(rounded.to(Float32), -rounded.to(Float32))
-            for lanes in cutlass.range_constexpr(2, 5):
-                magnitude = cute.arch.fmax(magnitude, cute.arch.shuffle_sync_bfly(magnitude, 1 << lanes))
-            if ((cute.arch.lane_idx() // 4) == 0) & (feature < self.out_features):
-                mAuxAmax[row // 8, feature // AUX_AMAX_COLUMNS, row % 8] = magnitude.to(BFloat16)
+            mOut[row, feature] = weighted.to(self.out_type)
+        return weighted
+
+    @cute.jit
+    def store_aux_amax(self, low, high, feature, row, outputs):
+        """The aux-amax entries of rows `row` (even) and `row + 1` for `feature`'s tile: the maximum
+        magnitude of the rounded values over the 8 features of the warp (`AUX_AMAX_COLUMNS`; lanes
+        4g + c, g = 0..7, hold a row's), both rows in one bf16 pair, so each step of the butterfly is
+        one shuffle and one `max.bf16x2` (NaN ignored, -0 as +0: the masked magnitudes), and lane c
+        stores the pair as one 32-bit word (the two rows are adjacent in the blocked layout). Every
+        lane of the warp takes part in the shuffles. `low`, `high`: the FP32 values whose bf16
+        roundings GEMM1 stored (the pair conversion rounds them the same way)."""
+        _, mAuxAmax, _, _ = outputs
+        magnitudes = dev.magnitudes_bf16x2(low, high)
+        for lanes in cutlass.range_constexpr(2, 5):
+            magnitudes = dev.max_bf16x2(magnitudes, cute.arch.shuffle_sync_bfly(magnitudes, 1 << lanes))
+        if ((cute.arch.lane_idx() // 4) == 0) & (feature < self.out_features):
+            # [R / 8, tiles, 8] bf16, compact: entry (row, tile) at ((row / 8) * tiles + tile) * 8 + row % 8,
+            # and tile = feature / 8 (AUX_AMAX_COLUMNS).
+            tiles = -(-self.out_features // AUX_AMAX_COLUMNS)
+            entry = ((row >> 3) * tiles + (feature >> 3)) * 8 + (row & 7)
+            dev.store_global_u32(mAuxAmax.iterator.toint() + Int64(entry) * 2, magnitudes)
 
     @cute.jit
     def finish_gemm1_nvfp4(
