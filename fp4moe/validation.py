@@ -365,20 +365,26 @@ def check_aligned_moe(
     topk_weights: torch.Tensor,
     routed_scaling_factor: float,
     block_m: int,
+    weight_layout: str,
     *,
     real_storage: bool,
 ) -> None:
     """The contract of `aligned_moe_` (semantics §5.5). The real op passes `real_storage=True` to add the
     checks that need addresses, which fakes do not have: 16-byte aligned vector operands, and `out`
-    (written while the inputs are still being read) overlapping no other tensor argument."""
+    (written while the inputs are still being read) overlapping no other tensor argument. Weights in
+    the sm90 prepared layout (`weight_layout="sm90"`) have uint8 scales and their own shapes."""
+    from fp4moe.weight_layout import LINEAR, WEIGHT_LAYOUTS
+
+    check_choice("weight_layout", weight_layout, WEIGHT_LAYOUTS)
+    weight_scale_dtype = torch.float8_e4m3fn if weight_layout == LINEAR else torch.uint8
     tensors = {
         "out": (out, torch.bfloat16),
         "hidden": (hidden, torch.uint8),
         "hidden_scales": (hidden_scales, torch.float8_e4m3fn),
         "w1": (w1, torch.uint8),
-        "w1_scales": (w1_scales, torch.float8_e4m3fn),
+        "w1_scales": (w1_scales, weight_scale_dtype),
         "w2": (w2, torch.uint8),
-        "w2_scales": (w2_scales, torch.float8_e4m3fn),
+        "w2_scales": (w2_scales, weight_scale_dtype),
         "scale_gate": (scale_gate, torch.float32),
         "scale_up": (scale_up, torch.float32),
         "scale_down": (scale_down, torch.float32),
@@ -394,15 +400,29 @@ def check_aligned_moe(
     rows, k = hidden.shape[0], hidden.shape[1] * 2
     if k < ALIGNED_MOE_DIM_MULTIPLE or k % ALIGNED_MOE_DIM_MULTIPLE != 0:
         raise ValueError(f"hidden.shape[1] * 2 (K = {k}) must be a positive multiple of {ALIGNED_MOE_DIM_MULTIPLE}")
-    check_dim("w1", w1, 3)
-    experts, n = w1.shape[0], w1.shape[1]
+    if weight_layout == LINEAR:
+        check_dim("w1", w1, 3)
+        experts, n = w1.shape[0], w1.shape[1]
+    else:
+        experts, n, w1_k = check_prepared_weights("w1", w1, w1_scales, scale_gate, "hidden", hidden)
     if n < ALIGNED_MOE_DIM_MULTIPLE or n % ALIGNED_MOE_DIM_MULTIPLE != 0:
-        raise ValueError(f"w1.shape[1] (N = 2I = {n}) must be a positive multiple of {ALIGNED_MOE_DIM_MULTIPLE}")
-    check_shape("w1", w1, (experts, n, k // 2))
+        raise ValueError(f"w1's rows (N = 2I = {n}) must be a positive multiple of {ALIGNED_MOE_DIM_MULTIPLE}")
     check_shape("hidden_scales", hidden_scales, (rows, k // BLOCK_SIZE))
-    check_shape("w1_scales", w1_scales, (experts, n, k // BLOCK_SIZE))
-    check_shape("w2", w2, (experts, k, n // 4))
-    check_shape("w2_scales", w2_scales, (experts, k, n // 2 // BLOCK_SIZE))
+    if weight_layout == LINEAR:
+        check_shape("w1", w1, (experts, n, k // 2))
+        check_shape("w1_scales", w1_scales, (experts, n, k // BLOCK_SIZE))
+        check_shape("w2", w2, (experts, k, n // 4))
+        check_shape("w2_scales", w2_scales, (experts, k, n // 2 // BLOCK_SIZE))
+    else:
+        # Multiples of 256 need no padding: the prepared sizes are the linear ones.
+        w2_experts, w2_rows, w2_k = check_prepared_weights("w2", w2, w2_scales, scale_down, "hidden", hidden)
+        prepared = {"w1 K": (w1_k, k), "w2 experts": (w2_experts, experts), "w2 rows": (w2_rows, k), "w2 K": (w2_k, n // 2)}
+        for what, (got, want) in prepared.items():
+            if got != want:
+                raise ValueError(
+                    f"prepared weights (weight_layout='sm90') do not match hidden's K = {k} and w1's N = {n}: "
+                    f"{what} is {got}, expected {want}"
+                )
     for name in ("scale_gate", "scale_up", "scale_down"):
         check_shape(name, tensors[name][0], (experts,))
     check_dim("topk_weights", topk_weights, 2)

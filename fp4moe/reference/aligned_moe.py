@@ -47,6 +47,7 @@ from __future__ import annotations
 import torch
 
 from fp4moe import nvfp4
+from fp4moe import weight_layout as layouts
 from fp4moe.op_outputs import align_block_size_outputs
 from fp4moe.reference.grouping import group_pairs_by_expert, tile_owners
 
@@ -93,8 +94,10 @@ def aligned_moe_(
     topk_weights: torch.Tensor,
     routed_scaling_factor: float,
     block_m: int,
+    weight_layout: str = layouts.LINEAR,
 ) -> None:
-    """Adds the routed experts' outputs to `out` in place (see the module docstring).
+    """Adds the routed experts' outputs to `out` in place (see the module docstring). Weights in the
+    sm90 prepared layout are read back to `linear` first.
 
     Every row of every block is computed and the inert ones are discarded by masks, so nothing
     depends on device values on the host. The GEMMs are FP32 `bmm`s over exactly dequantized
@@ -104,8 +107,10 @@ def aligned_moe_(
     num_blocks = expert_ids.numel()
     if num_tokens == 0 or num_blocks == 0:
         return
-    num_experts, intermediate = w1.shape[0], w1.shape[1] // 2
     hidden_size = out.shape[1]
+    w1, w1_scales = layouts.as_linear(w1, w1_scales, weight_layout, gated=True, rows=None, k=hidden_size)
+    w2, w2_scales = layouts.as_linear(w2, w2_scales, weight_layout, gated=False, rows=hidden_size, k=w1.shape[1] // 2)
+    num_experts, intermediate = w1.shape[0], w1.shape[1] // 2
     num_pairs = num_tokens * top_k
     device = out.device
 
