@@ -233,13 +233,13 @@ class MoEProblem:
             x_scales=None, weight_layout=w.layout,
         )
 
-    def aligned_moe_arguments(self, x, topk_ids, topk_weights, block_m: int) -> dict:
+    def aligned_moe_arguments(self, x, topk_ids, topk_weights, block_m: int, prepared: bool = True) -> dict:
         """Every argument of `aligned_moe_` but `out`, for the same layer: `x` quantized to NVFP4 without
-        a global scale (the aligned MoE's `hidden`), the prepared experts, the W4A16 alphas as
-        `scale_gate = scale_up` and `scale_down`, the route plan of `align_block_size` (built here, as
-        an engine builds it before the layer) and a routed scaling factor of 1 (the routing weights
-        already carry the shape's)."""
-        w = self.prepared_weights
+        a global scale (the aligned MoE's `hidden`), the experts (prepared, as the kernels read them, or
+        linear), the W4A16 alphas as `scale_gate = scale_up` and `scale_down`, the route plan of
+        `align_block_size` (built here, as an engine builds it before the layer) and a routed scaling
+        factor of 1 (the routing weights already carry the shape's)."""
+        w = self.prepared_weights if prepared else self.weights
         w1_alpha, w2_alpha = w.alphas()
         hidden, hidden_scales = ops.quantize(x, torch.ones(1, device=x.device), "linear", "off")
         plan = ops.align_block_size(topk_ids, block_m, self.shape.local_experts, self.shape.local_expert_offset)

@@ -54,15 +54,28 @@ class SpotCheck:
         computed once."""
         if config not in self._expected:
             p, rows = self.problem, self._row_index
-            if config == ALIGNED_MOE:  # any block size: each row's output does not depend on the plan
-                arguments = p.aligned_moe_arguments(p.x[rows], p.topk_ids[rows], p.topk_weights[rows], block_m=8)
-                out = torch.zeros(len(self.rows), p.shape.hidden_size, dtype=torch.bfloat16, device=p.device)
-                aligned_reference.aligned_moe_(out, **arguments)
-                self._expected[config] = out
+            if config == ALIGNED_MOE:
+                self._expected[config] = torch.cat([self._aligned_reference_row(row) for row in self.rows])
             else:
                 arguments = p.fused_moe_arguments(config, p.x[rows], p.topk_ids[rows], p.topk_weights[rows])
                 self._expected[config] = pipeline.fused_moe(**arguments, reference=True)
         return self._expected[config]
+
+    def _aligned_reference_row(self, row: int) -> torch.Tensor:
+        """The aligned reference's output [1, H] for one token. The reference computes every block of
+        its plan with that block's experts dequantized to FP32, so the plan is cut to its used blocks
+        (a host read: this is not timed) and made for one token at a time: at most top_k blocks."""
+        p, block_m = self.problem, 8  # any block size: a row's output does not depend on the plan
+        arguments = p.aligned_moe_arguments(
+            p.x[row : row + 1], p.topk_ids[row : row + 1], p.topk_weights[row : row + 1], block_m, prepared=False
+        )
+        used = int(arguments["num_tokens_post_padded"])
+        arguments["sorted_token_ids"] = arguments["sorted_token_ids"][:used]
+        arguments["expert_ids"] = arguments["expert_ids"][: used // block_m]
+        out = torch.zeros(1, p.shape.hidden_size, dtype=torch.bfloat16, device=p.device)
+        if used:
+            aligned_reference.aligned_moe_(out, **arguments)
+        return out
 
     def relative_error(self, output: torch.Tensor, num_tokens: int, config: QuantConfig | str) -> float:
         """Of the sample rows below `num_tokens` of a case's output [num_tokens, H]."""

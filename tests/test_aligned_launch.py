@@ -5,7 +5,7 @@ blocks that start below `num_tokens_post_padded` and name a local expert, holdin
 
 import torch
 
-from fp4moe.kernels.sm90.aligned_launch import live_plan
+from fp4moe.kernels.sm90.aligned_launch import gemms_tile, live_plan
 
 
 def test_live_plan_marks_the_rows_the_reference_processes():
@@ -34,3 +34,22 @@ def test_live_plan_marks_the_rows_the_reference_processes():
     assert tile_expert.dtype == pair_to_row.dtype == torch.int32
     assert 0 < sum(t >= 0 for t in expected_tiles) < blocks  # the case has live and dead blocks
     assert 0 < sum(r >= 0 for r in expected_rows) < num_pairs  # and processed and unprocessed pairs
+
+
+def test_the_block_sizes_it_accepts_are_those_the_gemms_take():
+    """`gemms_tile` agrees with the GEMM class's own checks (built on the CPU, nothing compiled), so a
+    block size either raises NotImplementedError before any launch or runs."""
+    from fp4moe.kernels.sm90.moe_gemm import MoEGemmSm90
+    from fp4moe.kernels.sm90.moe_launch import row_granule
+
+    for block_m in range(8, 272, 8):
+        try:
+            MoEGemmSm90(
+                epilogue="gemm2_expanded", num_experts=4, prepared_rows=256, prepared_k=256, act_k=256, out_features=256,
+                tile_features=128, tile_rows=block_m, row_granule=row_granule(block_m), tile_k=128, stages=2,
+                ctas_per_sm=1, max_ctas=132, top_k=2,
+            )
+            built = True
+        except AssertionError:
+            built = False
+        assert gemms_tile(block_m) == built, block_m

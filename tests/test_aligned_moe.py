@@ -230,16 +230,17 @@ def test_aligned_moe_matches_loop_reference(device, case):
     c = case
     problem, topk_ids, out = make_problem(c.tokens, c.top_k, c.experts, c.k, c.n, seed=c.k + c.n + c.tokens,
                                           global_experts=c.global_experts, dropped=c.dropped, device=device)
+    local = ((topk_ids >= c.offset) & (topk_ids < c.offset + c.experts)).any(dim=1)
+    if c.global_experts:  # the shard case must exercise tokens that no local expert serves
+        assert 0 < int(local.sum()) < c.tokens
+    out[~local] = -0.0  # adding +0 would turn -0 into +0: only rows left unwritten keep it
     seed_out = out.clone()
     data_ptr = out.data_ptr()
     run_aligned_moe(problem, plan_for(topk_ids, c.block_m, c.experts, c.offset), out, c.block_m)
     assert out.data_ptr() == data_ptr
     expected, magnitude = loop_reference(problem, topk_ids, seed_out, c.offset)
     assert_matches_reference(out, expected, magnitude, c.n // 2, c.top_k)
-    # Additive: tokens with no local expert keep the seeded value bit for bit.
-    local = ((topk_ids >= c.offset) & (topk_ids < c.offset + c.experts)).any(dim=1)
-    if c.global_experts:  # the shard case must exercise tokens that no local expert serves
-        assert 0 < int(local.sum()) < c.tokens
+    # Additive: tokens with no local expert are not written (their -0.0 survives bit for bit).
     assert_bitwise_equal(out[~local], seed_out[~local], "tokens without a local expert")
 
 

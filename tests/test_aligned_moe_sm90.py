@@ -42,8 +42,10 @@ def test_hopper_runs_the_sm90_aligned_moe():
     [
         (40, 4, 8, 256, 256, 8),
         (40, 4, 8, 256, 256, 16),
+        (40, 4, 8, 256, 256, 24),
         (40, 4, 8, 512, 256, 32),
         (40, 4, 8, 256, 512, 64),
+        (40, 4, 8, 256, 256, 96),
         (3, 8, 16, 6144, 1024, 16),  # GLM-style K and N (fewer experts)
         (3, 2, 4, 7168, 4096, 8),  # DeepSeek-V3's K and N = 2I
     ],
@@ -76,8 +78,8 @@ def test_repeated_calls_are_bitwise_equal():
         assert_bitwise_equal(again, first, "a repeated call")
 
 
-def test_a_block_size_the_gemms_do_not_tile_raises_before_writing():
-    block_m = 40  # a multiple of 8 above 32 that is not a multiple of 16
+@pytest.mark.parametrize("block_m", [40, 48, 264])  # not a multiple of 16; of 16 but not 32; above 256
+def test_a_block_size_the_gemms_do_not_tile_raises_before_writing(block_m):
     problem, topk_ids, out = make_problem(8, 2, 4, 256, 256, seed=42, device="cuda")
     before = out.clone()
     with pytest.raises(NotImplementedError, match="block_m"):

@@ -11,8 +11,8 @@ call, on the current stream, with no host read of device data:
 3. GEMM1 with SwiGLU, `scale_gate` on the gate half and `scale_up` on the up half (`up_alpha`), the
    intermediate quantized to NVFP4 with a global scale of 1 in the epilogue and written as its codes'
    exact bf16 values `e2m1 * sf` (semantics §5 step 4: `sf = e4m3(RN(bmax * RN(1/6)))`);
-4. GEMM2 with `scale_down`, the router weight and then `RN(routed_scaling_factor)` (`output_factor`),
-   one FP32 row per processed pair;
+4. GEMM2 with `scale_down`, the router weight and then `RN(routed_scaling_factor)` (`output_scaled`,
+   a [1] device value: a new factor needs no new kernel), one FP32 row per processed pair;
 5. the additive finalize: each token's processed pairs summed in the reference's order and added to
    `out` once, so the result is deterministic and its last two steps bitwise the reference's.
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from fp4moe.kernels.sm90.moe_gemm import EPILOGUE_ROWS
 from fp4moe.kernels.sm90.moe_launch import (
     _prepared,
     compile_finalize,
@@ -38,6 +39,12 @@ from fp4moe.weight_layout import LINEAR
 
 MAX_BLOCK_M = 256
 """The largest plan tile the grouped GEMMs take."""
+
+
+def gemms_tile(block_m: int) -> bool:
+    """Whether the grouped GEMMs take plan tiles of `block_m` rows (a multiple of 8): their MMA row
+    granule and their epilogue's row chunk must divide it (multiples of 8 up to 32, of 32 above)."""
+    return block_m <= MAX_BLOCK_M and block_m % row_granule(block_m) == 0 and block_m % min(block_m, EPILOGUE_ROWS) == 0
 
 
 def live_plan(sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, num_experts, num_pairs):
@@ -65,10 +72,10 @@ def aligned_moe_(
     num_tokens, top_k = topk_weights.shape
     if num_tokens == 0 or expert_ids.numel() == 0:
         return
-    if block_m > MAX_BLOCK_M or block_m % row_granule(block_m):
+    if not gemms_tile(block_m):
         raise NotImplementedError(
-            f"the sm90 aligned MoE takes the block_m its GEMMs tile: multiples of 8 up to 32, of 16 up to 64, "
-            f"of 32 up to {MAX_BLOCK_M}; got {block_m}"
+            f"the sm90 aligned MoE takes the block_m its GEMMs tile: multiples of 8 up to 32, of 32 up to "
+            f"{MAX_BLOCK_M}; got {block_m}"
         )
     hidden_size = out.shape[1]
     w1, w1_scales = _prepared(w1, w1_scales, weight_layout, gated=True)
@@ -98,7 +105,11 @@ def aligned_moe_(
     shape2 = plan_gemm_shape(w2, permuted_to_pair, tile_expert, num_pairs)
     gemm2 = compile_gemm(
         "gemm2_expanded", shape2.key(), intermediate_size, hidden_size, top_k, "none", (None, None, None), True,
-        output_factor=float(routed_scaling_factor),
+        output_scales=1,
     )
-    launch_gemm(gemm2, w2, w2_scales, intermediate, permuted_to_pair, tile_expert, scale_down, topk_weights, per_pair)
+    routed_factor = torch.full((1,), routed_scaling_factor, dtype=torch.float32, device=out.device)
+    launch_gemm(
+        gemm2, w2, w2_scales, intermediate, permuted_to_pair, tile_expert, scale_down, topk_weights, per_pair,
+        output_scale=routed_factor,
+    )
     compile_finalize("additive", hidden_size, top_k, out.dtype)(per_pair, pair_to_row, out)

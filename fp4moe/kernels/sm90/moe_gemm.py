@@ -9,8 +9,8 @@ One kernel class serves both projections; `MoEGemmSm90`'s static parameters choo
   maxima of its rounded values over each row's `AUX_AMAX_COLUMNS` columns (the aux-amax handoff).
   With `up_alpha`, SwiGLU's up half takes its own per-expert alpha (the aligned MoE's `scale_up`).
 - ``"gemm2_fused"``: rows are the plan's rows of the intermediate; `alpha`, the row's activation scale
-  (`row_scaled`), the router weight, a constant `output_factor` (the aligned MoE's routed scaling
-  factor, after the router weight), and an FP32 atomic reduction into the token's output row
+  (`row_scaled`), the router weight, with `output_scaled` a factor read from the device after it (the
+  aligned MoE's routed scaling factor), and an FP32 atomic reduction into the token's output row
   (finalize fused). With `k_splits` > 1 each item covers one of that many slices of K and adds its
   partial sums (split-K, for grids that would leave SMs idle: the reduction is linear, and adds in
   FP32 either way).
@@ -175,7 +175,7 @@ class MoEGemmSm90:
         epilogue_rows: int = EPILOGUE_ROWS,
         nvfp4_out: bool = False,
         up_alpha: bool = False,
-        output_factor: float | None = None,
+        output_scaled: bool = False,
     ):
         assert epilogue in EPILOGUES
         assert tile_features in (64, 128) and prepared_rows % tile_features == 0
@@ -209,11 +209,11 @@ class MoEGemmSm90:
         assert not aux_amax or (epilogue == "gemm1" and not float32_out)
         assert not nvfp4_out or (epilogue == "gemm1" and not float32_out and not aux_amax)
         assert not up_alpha or (epilogue == "gemm1" and activation == "swiglu")
-        assert output_factor is None or epilogue != "gemm1"
+        assert not output_scaled or epilogue != "gemm1"
         self.aux_amax = aux_amax
         self.nvfp4_out = nvfp4_out
         self.up_alpha = up_alpha
-        self.output_factor = output_factor
+        self.output_scaled = output_scaled
         self.out_type = Float32 if float32_out or epilogue != "gemm1" else BFloat16
         self.consumer_groups = tile_features // weight_layout.ROW_BLOCK
         self.feature_blocks = self.row_blocks // self.consumer_groups
@@ -247,7 +247,8 @@ class MoEGemmSm90:
         mRowScales: cute.Tensor | None,  # fp32, with row_scaled: gemm1 [T] (per token), gemm2 [R] (per row)
         mOut: cute.Tensor,  # gemm1: bf16/fp32 [R, out]; gemm2_fused: fp32 [T, out]; gemm2_expanded: fp32 [T*k, out]
         mAuxAmax: cute.Tensor | None,  # bf16 [R / 8, out / AUX_AMAX_COLUMNS, 8], with aux_amax
-        mOutputScale: cute.Tensor | None,  # fp32 [1] or [E]: the intermediate's NVFP4 global scale, with nvfp4_out
+        mOutputScale: cute.Tensor | None,  # fp32 [1] or [E]: the intermediate's NVFP4 global scale (nvfp4_out), or
+        # fp32 [1]: GEMM2's factor after the router weight (output_scaled)
         stream,
     ):
         tiled_mma = self.tiled_mma(self.tile_rows)
@@ -690,7 +691,10 @@ class MoEGemmSm90:
         elif const_expr(self.epilogue == "gemm1"):
             self.finish_gemm1(acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, outputs, early_rows)
         else:
-            self.finish_gemm2(acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, outputs[0], early_rows)
+            self.finish_gemm2(
+                acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, outputs[0], early_rows,
+                outputs[2],
+            )
 
     @cute.jit
     def activate(self, gate, up):
@@ -877,8 +881,14 @@ class MoEGemmSm90:
         return value
 
     @cute.jit
-    def finish_gemm2(self, acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, mOut, early_rows):
+    def finish_gemm2(
+        self, acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, mOut, early_rows,
+        mOutputScale,
+    ):
         out_address = mOut.iterator.toint()
+        factor = Float32(1.0)
+        if const_expr(self.output_scaled):
+            factor = mOutputScale[0]
         row_bytes = Int64(mOut.stride[0]) * 4
         for c in cutlass.range_constexpr(self.tile_rows // self.epilogue_rows):
             pairs, weights, scales = self.epilogue_rows_of(
@@ -893,8 +903,8 @@ class MoEGemmSm90:
                     y = self.row_scale(acc[v, 0, 0] * alpha, scales.get(same_row))
                     if const_expr(self.router_weighted):
                         y = y * weights[same_row]
-                    if const_expr(self.output_factor is not None):
-                        y = y * Float32(self.output_factor)
+                    if const_expr(self.output_scaled):
+                        y = y * factor
                     if const_expr(self.epilogue == "gemm2_fused"):
                         token = pair // self.top_k
                         dev.reduce_add_f32(out_address + Int64(token) * row_bytes + Int64(feature) * 4, y)

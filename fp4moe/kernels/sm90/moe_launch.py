@@ -156,13 +156,13 @@ def compile_gemm(
     epilogue: str, shape_key: tuple, act_k: int, out_features: int, top_k: int, activation: str,
     swiglu: tuple, router_weighted: bool, row_scaled: bool = False, float32_out: bool = False,
     aux_amax: bool = False, k_splits: int = 1, epilogue_rows: int = EPILOGUE_ROWS, output_scales: int = 0,
-    up_alpha: bool = False, output_factor: float | None = None,
+    up_alpha: bool = False,
 ):
     """The grouped GEMM of `MoEGemmSm90`'s static configuration, compiled once per process (and cached
     on disk). `output_scales`: GEMM1 writes its intermediate quantized to NVFP4 and dequantized
-    (`nvfp4_out`) with that many global scales (1, or one per expert); 0: it does not. `up_alpha`:
-    the alpha is [2E], SwiGLU's up half taking the second E; `output_factor`: GEMM2's constant factor
-    after the router weight (the aligned MoE's)."""
+    (`nvfp4_out`) with that many global scales (1, or one per expert); GEMM2 (1) multiplies by a
+    factor read from the device after the router weight (`output_scaled`, the aligned MoE's routed
+    scaling factor); 0: neither. `up_alpha`: the alpha is [2E], SwiGLU's up half taking the second E."""
     experts, rows, k, tile_features, tile_rows, granule, tile_k, stages, ctas_per_sm, max_ctas = shape_key
     kernel = MoEGemmSm90(
         epilogue=epilogue, num_experts=experts, prepared_rows=rows, prepared_k=k, act_k=act_k,
@@ -170,7 +170,8 @@ def compile_gemm(
         stages=stages, ctas_per_sm=ctas_per_sm, max_ctas=max_ctas, top_k=top_k, activation=activation,
         swiglu_alpha=swiglu[0], swiglu_beta=swiglu[1], swiglu_limit=swiglu[2], router_weighted=router_weighted,
         row_scaled=row_scaled, float32_out=float32_out, aux_amax=aux_amax, k_splits=k_splits,
-        epilogue_rows=epilogue_rows, nvfp4_out=output_scales > 0, up_alpha=up_alpha, output_factor=output_factor,
+        epilogue_rows=epilogue_rows, nvfp4_out=output_scales > 0 and epilogue == "gemm1", up_alpha=up_alpha,
+        output_scaled=output_scales > 0 and epilogue != "gemm1",
     )
     tiles = (experts, rows // weight_layout.ROW_BLOCK, k // weight_layout.K_TILE)
     codes = make_fake_compact_tensor(
@@ -196,7 +197,7 @@ def compile_gemm(
     output_scale = make_fake_compact_tensor(cutlass.Float32, (output_scales,)) if output_scales else None
     key = (
         "moe_gemm", epilogue, shape_key, act_k, out_features, top_k, activation, swiglu, router_weighted, row_scaled,
-        float32_out, aux_amax, k_splits, epilogue_rows, output_scales, up_alpha, output_factor,
+        float32_out, aux_amax, k_splits, epilogue_rows, output_scales, up_alpha,
     )
     return compile_kernel(
         kernel, codes, scales, act, _i32(rows_dim), _i32(_dynamic()), alpha, router, row_scales, out, aux,
