@@ -71,6 +71,18 @@ def align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int, loc
     return sorted_token_ids, expert_ids, num_tokens_post_padded
 
 
+def processed_rows(sorted_token_ids, expert_ids, num_tokens_post_padded, block_m: int, num_experts: int, num_pairs: int):
+    """(pairs [B, block_m] int64, live blocks [B], processed rows [B, block_m]): the plan's rows by
+    block, the blocks that start below `num_tokens_post_padded` and name a local expert, and the rows
+    of those blocks that hold a pair index in [0, num_pairs) (module docstring). Device ops only."""
+    num_blocks = expert_ids.numel()
+    pairs = sorted_token_ids[: num_blocks * block_m].long().view(num_blocks, block_m)
+    block_expert = expert_ids.long()
+    block_start = torch.arange(num_blocks, device=expert_ids.device) * block_m
+    live_block = (block_start < num_tokens_post_padded.long()) & (block_expert >= 0) & (block_expert < num_experts)
+    return pairs, live_block, live_block[:, None] & (pairs >= 0) & (pairs < num_pairs)
+
+
 def silu_fp32(g: torch.Tensor) -> torch.Tensor:
     """FP32 SiLU rounded once from FP64, so the oracle does not depend on a device's FP32 `exp`."""
     g64 = g.double()
@@ -114,14 +126,12 @@ def aligned_moe_(
     num_pairs = num_tokens * top_k
     device = out.device
 
-    pair = sorted_token_ids[: num_blocks * block_m].long().view(num_blocks, block_m)
-    block_expert = expert_ids.long()
-    block_start = torch.arange(num_blocks, device=device) * block_m
-    live_block = (block_start < num_tokens_post_padded.long()) & (block_expert >= 0) & (block_expert < num_experts)
-    live = live_block[:, None] & (pair >= 0) & (pair < num_pairs)
+    pair, live_block, live = processed_rows(
+        sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, num_experts, num_pairs
+    )
     # Inert rows and blocks compute on pair 0 / expert 0 (always in bounds); masks discard them below.
     pair = torch.where(live, pair, 0)
-    expert = torch.where(live_block, block_expert, 0)
+    expert = torch.where(live_block, expert_ids.long(), 0)
     token = pair // top_k
 
     x = nvfp4.dequantize_blocks(hidden[token], hidden_scales[token])  # [B, block_m, K]

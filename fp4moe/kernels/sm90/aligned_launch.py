@@ -35,6 +35,7 @@ from fp4moe.kernels.sm90.moe_launch import (
     row_granule,
     standard_strides,
 )
+from fp4moe.reference import aligned_moe as aligned_reference
 from fp4moe.weight_layout import LINEAR
 
 MAX_BLOCK_M = 256
@@ -48,17 +49,15 @@ def gemms_tile(block_m: int) -> bool:
 
 
 def live_plan(sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, num_experts, num_pairs):
-    """(tile_expert, pair_to_row): `expert_ids` with -1 for every block that starts at or past
-    `num_tokens_post_padded` or names no local expert; per pair, the row of a live block that lists it
-    (-1 for none; a well-formed plan lists a pair once)."""
-    blocks = expert_ids.numel()
-    starts = torch.arange(blocks, device=expert_ids.device, dtype=torch.int32) * block_m
-    live = (starts < num_tokens_post_padded) & (expert_ids >= 0) & (expert_ids < num_experts)
+    """(tile_expert, pair_to_row) from the reference's `processed_rows`: `expert_ids` with -1 for every
+    block that is not live (a tile the GEMMs skip); per pair, the processed row that lists it (-1 for
+    none; a well-formed plan lists a pair once)."""
+    pairs, live, listed = aligned_reference.processed_rows(
+        sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, num_experts, num_pairs
+    )
     tile_expert = torch.where(live, expert_ids, -1)
-    pairs = sorted_token_ids.view(blocks, block_m)
-    listed = live[:, None] & (pairs >= 0) & (pairs < num_pairs)
-    slots = torch.where(listed, pairs, num_pairs).reshape(-1).long()  # slot num_pairs takes the rest
-    rows = torch.arange(blocks * block_m, device=expert_ids.device, dtype=torch.int32)
+    slots = torch.where(listed, pairs, num_pairs).reshape(-1)  # slot num_pairs takes the rest
+    rows = torch.arange(listed.numel(), device=expert_ids.device, dtype=torch.int32)
     pair_to_row = torch.full((num_pairs + 1,), -1, device=expert_ids.device, dtype=torch.int32)
     pair_to_row.scatter_(0, slots, rows)
     return tile_expert, pair_to_row[:num_pairs]

@@ -63,7 +63,11 @@ class MoEFinalizeSm90:
             processed = Int32(0)
             if const_expr(self.mode == "fused"):
                 cute.autovec_copy(cute.local_tile(mIn[token, None], (VECTOR,), (column // VECTOR,)), total)
-            elif const_expr(self.mode == "additive"):
+            else:
+                # Slots in ascending order, +0 for a pair not processed. Deterministic starts from +0
+                # (its sum is never -0, so the +0 of a skipped pair changes nothing); additive starts
+                # from slot 0's row, as the aligned reference does.
+                total.fill(0.0)
                 part = cute.make_rmem_tensor((VECTOR,), Float32)
                 for j in cutlass.range_constexpr(self.top_k):
                     pair = token * self.top_k + j
@@ -71,17 +75,9 @@ class MoEFinalizeSm90:
                     if mPairToPermuted[pair] >= 0:
                         cute.autovec_copy(cute.local_tile(mIn[pair, None], (VECTOR,), (column // VECTOR,)), part)
                         processed = Int32(1)
-                    if const_expr(j == 0):
+                    if const_expr(j == 0 and self.mode == "additive"):
                         total.store(part.load())
                     else:
-                        total.store(total.load() + part.load())
-            else:
-                total.fill(0.0)
-                part = cute.make_rmem_tensor((VECTOR,), Float32)
-                for j in cutlass.range_constexpr(self.top_k):
-                    pair = token * self.top_k + j
-                    if mPairToPermuted[pair] >= 0:
-                        cute.autovec_copy(cute.local_tile(mIn[pair, None], (VECTOR,), (column // VECTOR,)), part)
                         total.store(total.load() + part.load())
             out = cute.make_rmem_tensor((VECTOR,), self.out_type)
             out_tile = cute.local_tile(mOut[token, None], (VECTOR,), (column // VECTOR,))
