@@ -93,6 +93,8 @@ W4A4_PER_TENSOR = QuantConfig("w4a4_tensor", "w4a4", False)
 W4A4_PER_TOKEN = QuantConfig("w4a4_token", "w4a4", True)
 W4A16 = QuantConfig("w4a16", "w4a16", False)
 QUANT_CONFIGS = (W4A4_PER_TENSOR, W4A4_PER_TOKEN, W4A16)
+ALIGNED_MOE = "aligned_moe"
+"""The spot-check's key for the aligned MoE's own reference (semantics §5), beside the fused_moe modes."""
 
 FC2_INPUT_AMAX = 64.0
 """Static calibration of the intermediate for per-tensor W4A4 (encode scale 2688 / 64): gate and up are
@@ -168,6 +170,9 @@ class MoECase:
     def fused_moe_arguments(self, config: QuantConfig) -> dict:
         return self.problem.fused_moe_arguments(config, self.x, self.topk_ids, self.topk_weights)
 
+    def aligned_moe_arguments(self, block_m: int) -> dict:
+        return self.problem.aligned_moe_arguments(self.x, self.topk_ids, self.topk_weights, block_m)
+
 
 class MoEProblem:
     """Random NVFP4 experts (the local ones), `max_tokens` bf16 tokens and their fixed-seed routing."""
@@ -226,6 +231,24 @@ class MoEProblem:
             apply_router_weight_on_input=False, deterministic=False,
             local_expert_offset=self.shape.local_expert_offset, num_local_experts=self.shape.local_experts,
             x_scales=None, weight_layout=w.layout,
+        )
+
+    def aligned_moe_arguments(self, x, topk_ids, topk_weights, block_m: int, prepared: bool = True) -> dict:
+        """Every argument of `aligned_moe_` but `out`, for the same layer: `x` quantized to NVFP4 without
+        a global scale (the aligned MoE's `hidden`), the experts (prepared, as the kernels read them, or
+        linear), the W4A16 alphas as `scale_gate = scale_up` and `scale_down`, the route plan of
+        `align_block_size` (built here, as an engine builds it before the layer) and a routed scaling
+        factor of 1 (the routing weights already carry the shape's)."""
+        w = self.prepared_weights if prepared else self.weights
+        w1_alpha, w2_alpha = w.alphas()
+        hidden, hidden_scales = ops.quantize(x, torch.ones(1, device=x.device), "linear", "off")
+        plan = ops.align_block_size(topk_ids, block_m, self.shape.local_experts, self.shape.local_expert_offset)
+        return dict(
+            hidden=hidden, hidden_scales=hidden_scales,
+            w1=w.w1, w1_scales=w.w1_scales, w2=w.w2, w2_scales=w.w2_scales,
+            scale_gate=w1_alpha, scale_up=w1_alpha, scale_down=w2_alpha,
+            sorted_token_ids=plan[0], expert_ids=plan[1], num_tokens_post_padded=plan[2],
+            topk_weights=topk_weights, routed_scaling_factor=1.0, block_m=block_m, weight_layout=w.layout,
         )
 
     @functools.cached_property

@@ -13,8 +13,9 @@ import math
 
 import torch
 
-from benchmarks.moe_cases import MoEProblem, QuantConfig
+from benchmarks.moe_cases import ALIGNED_MOE, MoEProblem, QuantConfig
 from fp4moe import pipeline
+from fp4moe.reference import aligned_moe as aligned_reference
 
 CHECK_FIRST_ROWS = 8
 CHECK_SPREAD_ROWS = 32
@@ -48,15 +49,35 @@ class SpotCheck:
         self._row_index = torch.tensor(self.rows, device=problem.device)
         self._expected: dict[QuantConfig, torch.Tensor] = {}
 
-    def expected(self, config: QuantConfig) -> torch.Tensor:
-        """The reference output of the sample rows in `config`, computed once."""
+    def expected(self, config: QuantConfig | str) -> torch.Tensor:
+        """The reference output of the sample rows in `config` (or of the aligned MoE, `ALIGNED_MOE`),
+        computed once."""
         if config not in self._expected:
             p, rows = self.problem, self._row_index
-            arguments = p.fused_moe_arguments(config, p.x[rows], p.topk_ids[rows], p.topk_weights[rows])
-            self._expected[config] = pipeline.fused_moe(**arguments, reference=True)
+            if config == ALIGNED_MOE:
+                self._expected[config] = torch.cat([self._aligned_reference_row(row) for row in self.rows])
+            else:
+                arguments = p.fused_moe_arguments(config, p.x[rows], p.topk_ids[rows], p.topk_weights[rows])
+                self._expected[config] = pipeline.fused_moe(**arguments, reference=True)
         return self._expected[config]
 
-    def relative_error(self, output: torch.Tensor, num_tokens: int, config: QuantConfig) -> float:
+    def _aligned_reference_row(self, row: int) -> torch.Tensor:
+        """The aligned reference's output [1, H] for one token. The reference computes every block of
+        its plan with that block's experts dequantized to FP32, so the plan is cut to its used blocks
+        (a host read: this is not timed) and made for one token at a time: at most top_k blocks."""
+        p, block_m = self.problem, 8  # any block size: a row's output does not depend on the plan
+        arguments = p.aligned_moe_arguments(
+            p.x[row : row + 1], p.topk_ids[row : row + 1], p.topk_weights[row : row + 1], block_m, prepared=False
+        )
+        used = int(arguments["num_tokens_post_padded"])
+        arguments["sorted_token_ids"] = arguments["sorted_token_ids"][:used]
+        arguments["expert_ids"] = arguments["expert_ids"][: used // block_m]
+        out = torch.zeros(1, p.shape.hidden_size, dtype=torch.bfloat16, device=p.device)
+        if used:
+            aligned_reference.aligned_moe_(out, **arguments)
+        return out
+
+    def relative_error(self, output: torch.Tensor, num_tokens: int, config: QuantConfig | str) -> float:
         """Of the sample rows below `num_tokens` of a case's output [num_tokens, H]."""
         expected_shape = (num_tokens, self.problem.shape.hidden_size)
         if tuple(output.shape) != expected_shape:

@@ -41,6 +41,8 @@ KERNEL_MODULES = {
     ("quantize", CUTE_SM90_BACKEND): "fp4moe.kernels.sm90.quantize_launch",
     ("moe", REFERENCE_BACKEND): "fp4moe.reference.moe",
     ("moe", CUTE_SM90_BACKEND): "fp4moe.kernels.sm90.moe_launch",
+    ("aligned_moe", REFERENCE_BACKEND): "fp4moe.reference.aligned_moe",
+    ("aligned_moe", CUTE_SM90_BACKEND): "fp4moe.kernels.sm90.aligned_launch",
 }
 """(kernel family, backend) -> the module implementing that family's stage functions. Adding a
 kernel backend for a family is one module and one entry here."""

@@ -365,20 +365,26 @@ def check_aligned_moe(
     topk_weights: torch.Tensor,
     routed_scaling_factor: float,
     block_m: int,
+    weight_layout: str,
     *,
     real_storage: bool,
 ) -> None:
     """The contract of `aligned_moe_` (semantics §5.5). The real op passes `real_storage=True` to add the
     checks that need addresses, which fakes do not have: 16-byte aligned vector operands, and `out`
-    (written while the inputs are still being read) overlapping no other tensor argument."""
+    (written while the inputs are still being read) overlapping no other tensor argument. Weights in
+    the sm90 prepared layout (`weight_layout="sm90"`) have uint8 scales and their own shapes."""
+    from fp4moe.weight_layout import LINEAR, WEIGHT_LAYOUTS
+
+    check_choice("weight_layout", weight_layout, WEIGHT_LAYOUTS)
+    weight_scale_dtype = torch.float8_e4m3fn if weight_layout == LINEAR else torch.uint8
     tensors = {
         "out": (out, torch.bfloat16),
         "hidden": (hidden, torch.uint8),
         "hidden_scales": (hidden_scales, torch.float8_e4m3fn),
         "w1": (w1, torch.uint8),
-        "w1_scales": (w1_scales, torch.float8_e4m3fn),
+        "w1_scales": (w1_scales, weight_scale_dtype),
         "w2": (w2, torch.uint8),
-        "w2_scales": (w2_scales, torch.float8_e4m3fn),
+        "w2_scales": (w2_scales, weight_scale_dtype),
         "scale_gate": (scale_gate, torch.float32),
         "scale_up": (scale_up, torch.float32),
         "scale_down": (scale_down, torch.float32),
@@ -394,15 +400,33 @@ def check_aligned_moe(
     rows, k = hidden.shape[0], hidden.shape[1] * 2
     if k < ALIGNED_MOE_DIM_MULTIPLE or k % ALIGNED_MOE_DIM_MULTIPLE != 0:
         raise ValueError(f"hidden.shape[1] * 2 (K = {k}) must be a positive multiple of {ALIGNED_MOE_DIM_MULTIPLE}")
-    check_dim("w1", w1, 3)
-    experts, n = w1.shape[0], w1.shape[1]
+    if weight_layout == LINEAR:
+        check_dim("w1", w1, 3)
+        experts, n = w1.shape[0], w1.shape[1]
+    else:
+        experts, n, w1_k = check_prepared_weights("w1", w1, w1_scales, scale_gate, "hidden", hidden, "scale_gate")
     if n < ALIGNED_MOE_DIM_MULTIPLE or n % ALIGNED_MOE_DIM_MULTIPLE != 0:
-        raise ValueError(f"w1.shape[1] (N = 2I = {n}) must be a positive multiple of {ALIGNED_MOE_DIM_MULTIPLE}")
-    check_shape("w1", w1, (experts, n, k // 2))
+        raise ValueError(f"w1's rows (N = 2I = {n}) must be a positive multiple of {ALIGNED_MOE_DIM_MULTIPLE}")
     check_shape("hidden_scales", hidden_scales, (rows, k // BLOCK_SIZE))
-    check_shape("w1_scales", w1_scales, (experts, n, k // BLOCK_SIZE))
-    check_shape("w2", w2, (experts, k, n // 4))
-    check_shape("w2_scales", w2_scales, (experts, k, n // 2 // BLOCK_SIZE))
+    if weight_layout == LINEAR:
+        check_shape("w1", w1, (experts, n, k // 2))
+        check_shape("w1_scales", w1_scales, (experts, n, k // BLOCK_SIZE))
+        check_shape("w2", w2, (experts, k, n // 4))
+        check_shape("w2_scales", w2_scales, (experts, k, n // 2 // BLOCK_SIZE))
+    else:
+        # Multiples of 256 need no padding: the prepared sizes are the linear ones.
+        w2_experts, w2_rows, w2_k = check_prepared_weights(
+            "w2", w2, w2_scales, scale_down, "hidden", hidden, "scale_down"
+        )
+        prepared = {
+            "w1 K": (w1_k, k), "w2 experts": (w2_experts, experts), "w2 rows": (w2_rows, k), "w2 K": (w2_k, n // 2),
+        }
+        for what, (got, want) in prepared.items():
+            if got != want:
+                raise ValueError(
+                    f"prepared weights (weight_layout='sm90') do not match hidden's K = {k} and w1's N = {n}: "
+                    f"{what} is {got}, expected {want}"
+                )
     for name in ("scale_gate", "scale_up", "scale_down"):
         check_shape(name, tensors[name][0], (experts,))
     check_dim("topk_weights", topk_weights, 2)
@@ -655,9 +679,13 @@ def check_moe_finalize(expanded, pair_to_permuted, top_k, out_dtype) -> None:
         raise TypeError(f"out_dtype must be one of ({', '.join(str(d) for d in ACTIVATION_DTYPES)}), got {out_dtype}")
 
 
-def check_prepared_weights(prefix: str, w, scales, alpha, anchor_name: str, anchor) -> tuple:
+def check_prepared_weights(
+    prefix: str, w, scales, alpha, anchor_name: str, anchor, alpha_name: str | None = None
+) -> tuple:
     """Expert weights in the sm90 prepared layout (`fp4moe.weight_layout`): codes uint8
-    `[E, J, T, 2048]`, scales uint8 `[E, J, T, 256]`, FP32 alpha `[E]`. Returns (E, rows, K) padded."""
+    `[E, J, T, 2048]`, scales uint8 `[E, J, T, 256]`, FP32 per-expert scalars `[E]` (named `alpha_name`,
+    default `<prefix>_alpha`). Returns (E, rows, K) padded."""
+    alpha_name = alpha_name or f"{prefix}_alpha"
     from fp4moe import weight_layout
 
     check_dtype(f"{prefix} (weight_layout='sm90')", w, (torch.uint8,))
@@ -670,9 +698,9 @@ def check_prepared_weights(prefix: str, w, scales, alpha, anchor_name: str, anch
         )
     check_dtype(f"{prefix}_scales (weight_layout='sm90')", scales, (torch.uint8,))
     check_shape(f"{prefix}_scales (weight_layout='sm90')", scales, (experts, row_blocks, k_tiles, weight_layout.SCALE_BYTES))
-    check_dtype(f"{prefix}_alpha", alpha, (torch.float32,))
-    check_shape(f"{prefix}_alpha", alpha, (experts,))
-    for name, tensor in ((prefix, w), (f"{prefix}_scales", scales), (f"{prefix}_alpha", alpha)):
+    check_dtype(alpha_name, alpha, (torch.float32,))
+    check_shape(alpha_name, alpha, (experts,))
+    for name, tensor in ((prefix, w), (f"{prefix}_scales", scales), (alpha_name, alpha)):
         check_same_device(name, tensor, anchor_name, anchor)
     return experts, row_blocks * weight_layout.ROW_BLOCK, k_tiles * weight_layout.K_TILE
 

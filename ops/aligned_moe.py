@@ -1,12 +1,14 @@
 """Schemas and CPU/CUDA registrations of the aligned fused MoE and its route-plan op (semantics §5).
 
-Every device runs the pure-torch reference (`fp4moe.reference.aligned_moe`) until a kernel is
-registered for it; the semantics are documented there.
+`aligned_moe_` runs on the backend the architecture switch picks for the device
+(`dispatch.device_backend`, family `aligned_moe` of `dispatch.KERNEL_MODULES`): the sm90 kernels on
+Hopper, the pure-torch reference (`fp4moe.reference.aligned_moe`, where the semantics are documented)
+everywhere else. The route-plan op runs the reference everywhere.
 """
 
 from __future__ import annotations
 
-from fp4moe import validation
+from fp4moe import dispatch, validation
 from fp4moe.ops.library import define_op
 from fp4moe.reference import aligned_moe as reference
 
@@ -18,7 +20,7 @@ ALIGNED_MOE_SCHEMA = (
     "aligned_moe_(Tensor(a!) out, Tensor hidden, Tensor hidden_scales, Tensor w1, Tensor w1_scales, "
     "Tensor w2, Tensor w2_scales, Tensor scale_gate, Tensor scale_up, Tensor scale_down, "
     "Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, "
-    "float routed_scaling_factor, int block_m) -> ()"
+    "float routed_scaling_factor, int block_m, str weight_layout=\"linear\") -> ()"
 )
 
 
@@ -29,7 +31,8 @@ def align_block_size(topk_ids, block_m, num_experts, local_expert_offset):
 
 def aligned_moe_(**args):
     validation.check_aligned_moe(**args, real_storage=True)
-    reference.aligned_moe_(**args)
+    backend = dispatch.device_backend(args["out"].device)
+    dispatch.kernel_module("aligned_moe", backend).aligned_moe_(**args)
 
 
 for _schema, _impl in ((ALIGN_BLOCK_SIZE_SCHEMA, align_block_size), (ALIGNED_MOE_SCHEMA, aligned_moe_)):

@@ -9,13 +9,14 @@ The remaining differences are FP32 rounding in GEMM2, the scale products and the
 in `assert_matches_reference`.
 """
 
+import warnings
 from typing import NamedTuple
 
 import pytest
 import torch
 import torch._dynamo.testing
 
-from fp4moe import nvfp4
+from fp4moe import nvfp4, weight_layout
 from tests.compare import assert_bitwise_equal
 from tests.devices import DEVICES
 from tests.opcheck import opcheck
@@ -229,16 +230,17 @@ def test_aligned_moe_matches_loop_reference(device, case):
     c = case
     problem, topk_ids, out = make_problem(c.tokens, c.top_k, c.experts, c.k, c.n, seed=c.k + c.n + c.tokens,
                                           global_experts=c.global_experts, dropped=c.dropped, device=device)
+    local = ((topk_ids >= c.offset) & (topk_ids < c.offset + c.experts)).any(dim=1)
+    if c.global_experts:  # the shard case must exercise tokens that no local expert serves
+        assert 0 < int(local.sum()) < c.tokens
+    out[~local] = -0.0  # adding +0 would turn -0 into +0: only rows left unwritten keep it
     seed_out = out.clone()
     data_ptr = out.data_ptr()
     run_aligned_moe(problem, plan_for(topk_ids, c.block_m, c.experts, c.offset), out, c.block_m)
     assert out.data_ptr() == data_ptr
     expected, magnitude = loop_reference(problem, topk_ids, seed_out, c.offset)
     assert_matches_reference(out, expected, magnitude, c.n // 2, c.top_k)
-    # Additive: tokens with no local expert keep the seeded value bit for bit.
-    local = ((topk_ids >= c.offset) & (topk_ids < c.offset + c.experts)).any(dim=1)
-    if c.global_experts:  # the shard case must exercise tokens that no local expert serves
-        assert 0 < int(local.sum()) < c.tokens
+    # Additive: tokens with no local expert are not written (their -0.0 survives bit for bit).
     assert_bitwise_equal(out[~local], seed_out[~local], "tokens without a local expert")
 
 
@@ -313,6 +315,24 @@ def test_row_strided_views(device):
     assert (out_storage[:, k:].view(torch.uint8) == 0x5A).all(), "the op wrote outside out's view"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_prepared_weights_give_the_linear_result(device):
+    """weight_layout="sm90" takes `weight_layout.prepare_sm90`'s layout (read back on the reference)."""
+    problem, topk_ids, out = make_problem(13, 2, 4, 256, 512, seed=13, device=device)
+    plan = plan_for(topk_ids, 8, 4)
+    linear_out, prepared_out = out.clone(), out.clone()
+    with warnings.catch_warnings():  # on Hopper, linear weights are prepared per call, with a warning
+        warnings.simplefilter("ignore", RuntimeWarning)
+        run_aligned_moe(problem, plan, linear_out, 8)
+    prepared = dict(problem)
+    prepared["w1"], prepared["w1_scales"] = weight_layout.prepare_sm90(problem["w1"], problem["w1_scales"], gated=True)
+    prepared["w2"], prepared["w2_scales"] = weight_layout.prepare_sm90(problem["w2"], problem["w2_scales"], gated=False)
+    ops.aligned_moe_(
+        prepared_out, **prepared, **plan, routed_scaling_factor=ROUTED_SCALING_FACTOR, block_m=8, weight_layout="sm90"
+    )
+    assert_bitwise_equal(prepared_out, linear_out, "prepared vs linear weights")
+
+
 # ---------------------------------------------------------------------------------------------------
 # Contract checks (raised on the host, before anything is written)
 # ---------------------------------------------------------------------------------------------------
@@ -320,7 +340,7 @@ def valid_call(tokens=8, top_k=2, experts=4, k=256, n=256, block_m=8, device="cp
     """Keyword arguments of a well-formed aligned_moe_ call, in schema order."""
     problem, topk_ids, out = make_problem(tokens, top_k, experts, k, n, seed=3, device=device)
     named = dict(out=out, **problem, **plan_for(topk_ids, block_m, experts))
-    named.update(routed_scaling_factor=ROUTED_SCALING_FACTOR, block_m=block_m)
+    named.update(routed_scaling_factor=ROUTED_SCALING_FACTOR, block_m=block_m, weight_layout="linear")
     return {a.name: named[a.name] for a in ops.aligned_moe_.default._schema.arguments}
 
 
@@ -340,6 +360,34 @@ def edit(**changes):
             call[name] = change(call[name], call) if callable(change) else change
 
     return apply
+
+
+def prepared_weights(w1_k=None, w2_rows=None):
+    """Edits putting w1 / w2 and their scales in the sm90 prepared layout, w1 cut to `w1_k` columns
+    of K or w2 to `w2_rows` rows first when given."""
+
+    def prepare(name, cut, gated):
+        last = {}  # the call last prepared for and its result: the codes' and the scales' edits share it
+
+        def change(call):
+            if last.get("call") is not call:
+                codes, scales = cut(call[name], call[f"{name}_scales"])
+                last.update(call=call, result=weight_layout.prepare_sm90(codes.contiguous(), scales.contiguous(), gated))
+            return last["result"]
+
+        return change
+
+    def cut_w1(codes, scales):
+        return (codes, scales) if w1_k is None else (codes[..., : w1_k // 2], scales[..., : w1_k // 16])
+
+    def cut_w2(codes, scales):
+        return (codes, scales) if w2_rows is None else (codes[:, :w2_rows], scales[:, :w2_rows])
+
+    w1_change, w2_change = prepare("w1", cut_w1, True), prepare("w2", cut_w2, False)
+    return dict(
+        w1=lambda t, c: w1_change(c)[0], w1_scales=lambda t, c: w1_change(c)[1],
+        w2=lambda t, c: w2_change(c)[0], w2_scales=lambda t, c: w2_change(c)[1],
+    )
 
 
 BAD_ALIGNED_MOE_CALLS = [
@@ -379,6 +427,11 @@ BAD_ALIGNED_MOE_CALLS = [
     (edit(routed_scaling_factor=float("-inf")), ValueError, "routed_scaling_factor must be finite"),
     (edit(routed_scaling_factor=1e39), ValueError, "routed_scaling_factor must be finite in FP32, got 1e"),
     (edit(scale_gate=lambda t, c: t.to("meta")), ValueError, "scale_gate is on meta but hidden is on cpu"),
+    # weight layouts: linear (checkpoint) or sm90 (prepared), whose scales are bytes
+    (edit(weight_layout="tiled"), ValueError, "weight_layout must be one of"),
+    (edit(weight_layout="sm90"), TypeError, "w1_scales must have dtype"),
+    (edit(weight_layout="sm90", **prepared_weights(w2_rows=128)), ValueError, "w2 rows is 128, expected 256"),
+    (edit(weight_layout="sm90", **prepared_weights(w1_k=128)), ValueError, "w1 K is 128, expected 256"),
     # layouts and alignment
     (edit(hidden=lambda t, c: t.t().contiguous().t()), ValueError, "hidden must have unit stride"),
     (edit(hidden=lambda t, c: torch.cat((t, t[:, :4]), 1)[:, :128]), ValueError, "hidden's row stride"),

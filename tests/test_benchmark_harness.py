@@ -77,7 +77,9 @@ def test_smoke_run_measures_every_implementation(smoke_run):
             else:
                 assert "floor_s" not in row
             assert 0 <= row["touched_experts"] <= row["local_pairs"] <= row["num_tokens"] * shape["shape"]["top_k"]
-            for name in ("bf16_grouped_mm", "fused_moe_w4a4_tensor", "fused_moe_w4a4_token", "fused_moe_w4a16"):
+            for name in (
+                "bf16_grouped_mm", "fused_moe_w4a4_tensor", "fused_moe_w4a4_token", "fused_moe_w4a16", "aligned_moe",
+            ):
                 cell = row["results"][name]
                 capped = cell["backend"] == "reference" and row["num_tokens"] > REFERENCE_CAP
                 if capped:

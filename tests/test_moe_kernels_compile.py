@@ -18,7 +18,7 @@ from tests.sm90_compile import compile_in_subprocess, sass
 # (epilogue, (experts, prepared rows, prepared K, tile features, tile rows, row granule, tile K, stages, CTAs per SM,
 #  most CTAs),
 #  act_k, out_features, top_k, activation, swiglu (alpha, beta, limit), router weighted[, row scaled, FP32 out,
-#  aux amax, K slices, epilogue rows, NVFP4 output scales])
+#  aux amax, K slices, epilogue rows, output scales (GEMM1: NVFP4 global scales; GEMM2: a factor), up alpha])
 GEMM_VARIANTS = [
     ("gemm1", (256, 4096, 7168, 128, 8, 8, 128, 8, 2, 264), 7168, 2048, 8, "swiglu", (None, None, None), False),
     ("gemm1", (32, 512, 1024, 64, 16, 16, 128, 8, 2, 264), 1000, 256, 2, "swiglu", (1.702, 1.0, 7.0), True),
@@ -42,6 +42,11 @@ GEMM_VARIANTS = [
     ("gemm1", (256, 4096, 7168, 128, 8, 8, 128, 8, 2, 264), 7168, 2048, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 1),
     ("gemm1", (256, 4096, 7168, 128, 192, 32, 64, 7, 1, 132), 7168, 2048, 8, "swiglu", (None, None, None), True, False, False, False, 1, 32, 256),
     ("gemm1", (8, 256, 256, 128, 16, 16, 128, 8, 2, 264), 208, 256, 8, "relu2", (None, None, None), False, False, False, False, 1, 32, 1),
+    # The aligned MoE (`aligned_launch`): GEMM1 with the up half's own alpha and an NVFP4 intermediate of
+    # global scale 1 (block_m 8 and 64); GEMM2 per pair with the routed scaling factor (a device value).
+    ("gemm1", (256, 4096, 7168, 128, 8, 8, 128, 8, 2, 264), 7168, 2048, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 1, True),
+    ("gemm1", (16, 1024, 6144, 128, 64, 16, 128, 8, 1, 132), 6144, 512, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 1, True),
+    ("gemm2_expanded", (256, 7168, 2048, 128, 8, 8, 128, 8, 2, 264), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, 1, 32, 1),
 ]
 
 
@@ -63,7 +68,7 @@ def _fused_moe_variants():
 GEMM_VARIANTS += _fused_moe_variants()
 PLAN_VARIANTS = [(256, 8, 7168), (32, 128, None)]
 DECODE_VARIANTS = [7168, 2048, 272]
-FINALIZE_VARIANTS = [("fused", 7168, 8, "bfloat16"), ("deterministic", 2048, 6, "float32")]
+FINALIZE_VARIANTS = [("fused", 7168, 8, "bfloat16"), ("deterministic", 2048, 6, "float32"), ("additive", 6144, 8, "bfloat16")]
 
 _COMPILE_SCRIPT = textwrap.dedent(
     """

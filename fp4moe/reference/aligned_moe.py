@@ -47,6 +47,7 @@ from __future__ import annotations
 import torch
 
 from fp4moe import nvfp4
+from fp4moe import weight_layout as layouts
 from fp4moe.op_outputs import align_block_size_outputs
 from fp4moe.reference.grouping import group_pairs_by_expert, tile_owners
 
@@ -68,6 +69,18 @@ def align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int, loc
     expert_ids.copy_(torch.where(used, block_expert, EMPTY_BLOCK_EXPERT))
     num_tokens_post_padded.copy_(grouping.segment_end[-1].reshape(1))
     return sorted_token_ids, expert_ids, num_tokens_post_padded
+
+
+def processed_rows(sorted_token_ids, expert_ids, num_tokens_post_padded, block_m: int, num_experts: int, num_pairs: int):
+    """(pairs [B, block_m] int64, live blocks [B], processed rows [B, block_m]): the plan's rows by
+    block, the blocks that start below `num_tokens_post_padded` and name a local expert, and the rows
+    of those blocks that hold a pair index in [0, num_pairs) (module docstring). Device ops only."""
+    num_blocks = expert_ids.numel()
+    pairs = sorted_token_ids[: num_blocks * block_m].long().view(num_blocks, block_m)
+    block_expert = expert_ids.long()
+    block_start = torch.arange(num_blocks, device=expert_ids.device) * block_m
+    live_block = (block_start < num_tokens_post_padded.long()) & (block_expert >= 0) & (block_expert < num_experts)
+    return pairs, live_block, live_block[:, None] & (pairs >= 0) & (pairs < num_pairs)
 
 
 def silu_fp32(g: torch.Tensor) -> torch.Tensor:
@@ -93,8 +106,10 @@ def aligned_moe_(
     topk_weights: torch.Tensor,
     routed_scaling_factor: float,
     block_m: int,
+    weight_layout: str = layouts.LINEAR,
 ) -> None:
-    """Adds the routed experts' outputs to `out` in place (see the module docstring).
+    """Adds the routed experts' outputs to `out` in place (see the module docstring). Weights in the
+    sm90 prepared layout are read back to `linear` first.
 
     Every row of every block is computed and the inert ones are discarded by masks, so nothing
     depends on device values on the host. The GEMMs are FP32 `bmm`s over exactly dequantized
@@ -104,19 +119,19 @@ def aligned_moe_(
     num_blocks = expert_ids.numel()
     if num_tokens == 0 or num_blocks == 0:
         return
-    num_experts, intermediate = w1.shape[0], w1.shape[1] // 2
     hidden_size = out.shape[1]
+    w1, w1_scales = layouts.as_linear(w1, w1_scales, weight_layout, gated=True, rows=None, k=hidden_size)
+    w2, w2_scales = layouts.as_linear(w2, w2_scales, weight_layout, gated=False, rows=hidden_size, k=w1.shape[1] // 2)
+    num_experts, intermediate = w1.shape[0], w1.shape[1] // 2
     num_pairs = num_tokens * top_k
     device = out.device
 
-    pair = sorted_token_ids[: num_blocks * block_m].long().view(num_blocks, block_m)
-    block_expert = expert_ids.long()
-    block_start = torch.arange(num_blocks, device=device) * block_m
-    live_block = (block_start < num_tokens_post_padded.long()) & (block_expert >= 0) & (block_expert < num_experts)
-    live = live_block[:, None] & (pair >= 0) & (pair < num_pairs)
+    pair, live_block, live = processed_rows(
+        sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, num_experts, num_pairs
+    )
     # Inert rows and blocks compute on pair 0 / expert 0 (always in bounds); masks discard them below.
     pair = torch.where(live, pair, 0)
-    expert = torch.where(live_block, block_expert, 0)
+    expert = torch.where(live_block, expert_ids.long(), 0)
     token = pair // top_k
 
     x = nvfp4.dequantize_blocks(hidden[token], hidden_scales[token])  # [B, block_m, K]

@@ -5,17 +5,22 @@
 - ``"deterministic"``: GEMM2 wrote one FP32 row per (token, slot) pair; sum each token's local slots
   in ascending slot order from +0 in FP32, as `fp4moe.reference.moe.moe_finalize` does, then convert
   once (bitwise equal to the reference).
+- ``"additive"`` (the aligned MoE, `fp4moe.reference.aligned_moe`): the same per-pair rows summed as
+  that reference sums them (slot 0's row, or +0 for an unprocessed pair, then each further slot's in
+  ascending order), then `out = out_type(float(out) + sum)` into the caller's `out` (rows may be
+  strided) for tokens with at least one processed pair; the others' rows are not written. Bitwise
+  equal to the reference given the same per-pair rows.
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, const_expr
+from cutlass import BFloat16, Float32, Int32, const_expr
 
 from fp4moe.kernels.sm90.pdl import USE_PDL, wait_for_predecessor_and_release_successor
 
-FINALIZE_MODES = ("fused", "deterministic")
+FINALIZE_MODES = ("fused", "deterministic", "additive")
 THREADS = 256
 VECTOR = 8
 """Output elements per thread: one 16-byte bf16 store."""
@@ -35,9 +40,9 @@ class MoEFinalizeSm90:
     @cute.jit
     def __call__(
         self,
-        mIn: cute.Tensor,  # fp32 [T, H] (fused) or [T * k, H] (deterministic)
-        mPairToPermuted: cute.Tensor | None,  # int32 [T * k], deterministic only
-        mOut: cute.Tensor,  # [T, H] of out_type
+        mIn: cute.Tensor,  # fp32 [T, H] (fused) or [T * k, H] (deterministic, additive)
+        mPairToPermuted: cute.Tensor | None,  # int32 [T * k] (-1: pair not processed), not fused
+        mOut: cute.Tensor,  # [T, H] of out_type (additive: read too; rows may be strided)
         stream,
     ):
         vectors = mOut.shape[0] * self.chunks
@@ -55,16 +60,33 @@ class MoEFinalizeSm90:
         column = (index % self.chunks) * VECTOR
         if token < mOut.shape[0]:
             total = cute.make_rmem_tensor((VECTOR,), Float32)
+            processed = Int32(0)
             if const_expr(self.mode == "fused"):
                 cute.autovec_copy(cute.local_tile(mIn[token, None], (VECTOR,), (column // VECTOR,)), total)
             else:
+                # Slots in ascending order, +0 for a pair not processed. Deterministic starts from +0
+                # (its sum is never -0, so the +0 of a skipped pair changes nothing); additive starts
+                # from slot 0's row, as the aligned reference does.
                 total.fill(0.0)
                 part = cute.make_rmem_tensor((VECTOR,), Float32)
                 for j in cutlass.range_constexpr(self.top_k):
                     pair = token * self.top_k + j
+                    part.fill(0.0)
                     if mPairToPermuted[pair] >= 0:
                         cute.autovec_copy(cute.local_tile(mIn[pair, None], (VECTOR,), (column // VECTOR,)), part)
+                        processed = Int32(1)
+                    if const_expr(j == 0 and self.mode == "additive"):
+                        total.store(part.load())
+                    else:
                         total.store(total.load() + part.load())
             out = cute.make_rmem_tensor((VECTOR,), self.out_type)
-            out.store(total.load().to(self.out_type))
-            cute.autovec_copy(out, cute.local_tile(mOut[token, None], (VECTOR,), (column // VECTOR,)))
+            out_tile = cute.local_tile(mOut[token, None], (VECTOR,), (column // VECTOR,))
+            if const_expr(self.mode == "additive"):
+                if processed != 0:
+                    current = cute.make_rmem_tensor((VECTOR,), self.out_type)
+                    cute.autovec_copy(out_tile, current)
+                    out.store((current.load().to(Float32) + total.load()).to(self.out_type))
+                    cute.autovec_copy(out, out_tile)
+            else:
+                out.store(total.load().to(self.out_type))
+                cute.autovec_copy(out, out_tile)

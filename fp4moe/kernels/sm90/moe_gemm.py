@@ -7,8 +7,10 @@ One kernel class serves both projections; `MoEGemmSm90`'s static parameters choo
   applied on input; bf16 intermediate out (FP32 with `float32_out`; with `nvfp4_out` quantized to
   NVFP4 with a global scale and written as the codes' exact bf16 values), and with `aux_amax` the
   maxima of its rounded values over each row's `AUX_AMAX_COLUMNS` columns (the aux-amax handoff).
+  With `up_alpha`, SwiGLU's up half takes its own per-expert alpha (the aligned MoE's `scale_up`).
 - ``"gemm2_fused"``: rows are the plan's rows of the intermediate; `alpha`, the row's activation scale
-  (`row_scaled`), the router weight, and an FP32 atomic reduction into the token's output row
+  (`row_scaled`), the router weight, with `output_scaled` a factor read from the device after it (the
+  aligned MoE's routed scaling factor), and an FP32 atomic reduction into the token's output row
   (finalize fused). With `k_splits` > 1 each item covers one of that many slices of K and adds its
   partial sums (split-K, for grids that would leave SMs idle: the reduction is linear, and adds in
   FP32 either way).
@@ -173,6 +175,8 @@ class MoEGemmSm90:
         k_splits: int = 1,
         epilogue_rows: int = EPILOGUE_ROWS,
         nvfp4_out: bool = False,
+        up_alpha: bool = False,
+        output_scaled: bool = False,
     ):
         assert epilogue in EPILOGUES
         assert tile_features in (64, 128) and prepared_rows % tile_features == 0
@@ -205,8 +209,12 @@ class MoEGemmSm90:
         assert not float32_out or epilogue == "gemm1"
         assert not aux_amax or (epilogue == "gemm1" and not float32_out)
         assert not nvfp4_out or (epilogue == "gemm1" and not float32_out and not aux_amax)
+        assert not up_alpha or (epilogue == "gemm1" and activation == "swiglu")
+        assert not output_scaled or epilogue != "gemm1"
         self.aux_amax = aux_amax
         self.nvfp4_out = nvfp4_out
+        self.up_alpha = up_alpha
+        self.output_scaled = output_scaled
         self.out_type = Float32 if float32_out or epilogue != "gemm1" else BFloat16
         self.consumer_groups = tile_features // weight_layout.ROW_BLOCK
         self.feature_blocks = self.row_blocks // self.consumer_groups
@@ -235,12 +243,13 @@ class MoEGemmSm90:
         mAct: cute.Tensor,  # bf16 [rows, act_k], row stride a multiple of 8
         mPermutedToPair: cute.Tensor,  # int32 [R]
         mTileExpert: cute.Tensor,  # int32 [R / tile_rows]
-        mAlpha: cute.Tensor,  # fp32 [E]
+        mAlpha: cute.Tensor,  # fp32 [E]; with up_alpha [2E]: the gate's, then the up half's
         mRouterWeights: cute.Tensor | None,  # fp32 [T * k], with router_weighted
         mRowScales: cute.Tensor | None,  # fp32, with row_scaled: gemm1 [T] (per token), gemm2 [R] (per row)
         mOut: cute.Tensor,  # gemm1: bf16/fp32 [R, out]; gemm2_fused: fp32 [T, out]; gemm2_expanded: fp32 [T*k, out]
         mAuxAmax: cute.Tensor | None,  # bf16 [R / 8, out / AUX_AMAX_COLUMNS, 8], with aux_amax
-        mOutputScale: cute.Tensor | None,  # fp32 [1] or [E]: the intermediate's NVFP4 global scale, with nvfp4_out
+        mOutputScale: cute.Tensor | None,  # fp32 [1] or [E]: the intermediate's NVFP4 global scale (nvfp4_out), or
+        # fp32 [1]: GEMM2's factor after the router weight (output_scaled)
         stream,
     ):
         tiled_mma = self.tiled_mma(self.tile_rows)
@@ -669,6 +678,12 @@ class MoEGemmSm90:
         alpha = mAlpha[expert] * Float32(2.0**dev.WEIGHT_DECODE_EXPONENT)
         block = feature_block * self.consumer_groups + group
         first_row = tile * self.tile_rows
+        if const_expr(self.epilogue == "gemm1"):
+            # (gate or ReLU2 input, up): SwiGLU's up half has its own alpha with `up_alpha`.
+            up_alpha = alpha
+            if const_expr(self.up_alpha):
+                up_alpha = mAlpha[self.num_experts + expert] * Float32(2.0**dev.WEIGHT_DECODE_EXPONENT)
+            alpha = (alpha, up_alpha)
         if const_expr(self.epilogue == "gemm1" and self.nvfp4_out):
             self.finish_gemm1_nvfp4(
                 acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, outputs, early_rows,
@@ -677,7 +692,10 @@ class MoEGemmSm90:
         elif const_expr(self.epilogue == "gemm1"):
             self.finish_gemm1(acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, outputs, early_rows)
         else:
-            self.finish_gemm2(acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, outputs[0], early_rows)
+            self.finish_gemm2(
+                acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, outputs[0], early_rows,
+                outputs[2],
+            )
 
     @cute.jit
     def activate(self, gate, up):
@@ -755,8 +773,10 @@ class MoEGemmSm90:
     def gemm1_values(self, acc, coordinates, alpha, block, c, rows):
         """GEMM1's FP32 values of epilogue chunk `c` before the router weight: (element, value, output
         feature, pair, router weight) per output element of the thread. `rows`: the chunk's
-        (`chunk_rows`). Plain Python, run while the kernel is traced."""
+        (`chunk_rows`); `alpha`: (the gate's or ReLU2 input's, the up half's). Plain Python, run while
+        the kernel is traced."""
         pairs, weights, scales = rows
+        alpha, up_alpha = alpha
         values = []
         for v in self.chunk_values(c):
             m, _ = coordinates[v, 0, 0]
@@ -766,7 +786,7 @@ class MoEGemmSm90:
                 # accumulator element v + 2 is element v's row + 8.
                 if (v // 2) % 2 == 0:
                     gate = self.row_scale(acc[v, 0, 0] * alpha, scales.get(v))
-                    up = self.row_scale(acc[v + 2, 0, 0] * alpha, scales.get(v))
+                    up = self.row_scale(acc[v + 2, 0, 0] * up_alpha, scales.get(v))
                     feature = block * 32 + (m // 16) * 8 + m % 16
                     values.append((v, self.activate(gate, up), feature, pairs[v], weights.get(v)))
             else:
@@ -883,8 +903,14 @@ class MoEGemmSm90:
         return value
 
     @cute.jit
-    def finish_gemm2(self, acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, mOut, early_rows):
+    def finish_gemm2(
+        self, acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, mOut, early_rows,
+        mOutputScale,
+    ):
         out_address = mOut.iterator.toint()
+        factor = Float32(1.0)
+        if const_expr(self.output_scaled):
+            factor = mOutputScale[0]
         row_bytes = Int64(mOut.stride[0]) * 4
         for c in cutlass.range_constexpr(self.tile_rows // self.epilogue_rows):
             pairs, weights, scales = self.epilogue_rows_of(
@@ -899,6 +925,8 @@ class MoEGemmSm90:
                     y = self.row_scale(acc[v, 0, 0] * alpha, scales.get(same_row))
                     if const_expr(self.router_weighted):
                         y = y * weights[same_row]
+                    if const_expr(self.output_scaled):
+                        y = y * factor
                     if const_expr(self.epilogue == "gemm2_fused"):
                         token = pair // self.top_k
                         dev.reduce_add_f32(out_address + Int64(token) * row_bytes + Int64(feature) * 4, y)

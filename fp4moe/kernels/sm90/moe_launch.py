@@ -156,10 +156,13 @@ def compile_gemm(
     epilogue: str, shape_key: tuple, act_k: int, out_features: int, top_k: int, activation: str,
     swiglu: tuple, router_weighted: bool, row_scaled: bool = False, float32_out: bool = False,
     aux_amax: bool = False, k_splits: int = 1, epilogue_rows: int = EPILOGUE_ROWS, output_scales: int = 0,
+    up_alpha: bool = False,
 ):
     """The grouped GEMM of `MoEGemmSm90`'s static configuration, compiled once per process (and cached
     on disk). `output_scales`: GEMM1 writes its intermediate quantized to NVFP4 and dequantized
-    (`nvfp4_out`) with that many global scales (1, or one per expert); 0: it does not."""
+    (`nvfp4_out`) with that many global scales (1, or one per expert); GEMM2 (1) multiplies by a
+    factor read from the device after the router weight (`output_scaled`, the aligned MoE's routed
+    scaling factor); 0: neither. `up_alpha`: the alpha is [2E], SwiGLU's up half taking the second E."""
     experts, rows, k, tile_features, tile_rows, granule, tile_k, stages, ctas_per_sm, max_ctas = shape_key
     kernel = MoEGemmSm90(
         epilogue=epilogue, num_experts=experts, prepared_rows=rows, prepared_k=k, act_k=act_k,
@@ -167,7 +170,8 @@ def compile_gemm(
         stages=stages, ctas_per_sm=ctas_per_sm, max_ctas=max_ctas, top_k=top_k, activation=activation,
         swiglu_alpha=swiglu[0], swiglu_beta=swiglu[1], swiglu_limit=swiglu[2], router_weighted=router_weighted,
         row_scaled=row_scaled, float32_out=float32_out, aux_amax=aux_amax, k_splits=k_splits,
-        epilogue_rows=epilogue_rows, nvfp4_out=output_scales > 0,
+        epilogue_rows=epilogue_rows, nvfp4_out=output_scales > 0 and epilogue == "gemm1", up_alpha=up_alpha,
+        output_scaled=output_scales > 0 and epilogue != "gemm1",
     )
     tiles = (experts, rows // weight_layout.ROW_BLOCK, k // weight_layout.K_TILE)
     codes = make_fake_compact_tensor(
@@ -180,7 +184,7 @@ def compile_gemm(
         cutlass.BFloat16, (_dynamic(), act_k), stride=(cute.sym_int64(divisibility=8), 1), assumed_align=16
     )
     rows_dim = _dynamic()
-    alpha = make_fake_compact_tensor(cutlass.Float32, (experts,))
+    alpha = make_fake_compact_tensor(cutlass.Float32, (2 * experts if up_alpha else experts,))
     router = make_fake_compact_tensor(cutlass.Float32, (_dynamic(),)) if router_weighted else None
     row_scales = make_fake_compact_tensor(cutlass.Float32, (_dynamic(),)) if row_scaled else None
     out_type = cutlass.BFloat16 if epilogue == "gemm1" and not float32_out else cutlass.Float32
@@ -193,7 +197,7 @@ def compile_gemm(
     output_scale = make_fake_compact_tensor(cutlass.Float32, (output_scales,)) if output_scales else None
     key = (
         "moe_gemm", epilogue, shape_key, act_k, out_features, top_k, activation, swiglu, router_weighted, row_scaled,
-        float32_out, aux_amax, k_splits, epilogue_rows, output_scales,
+        float32_out, aux_amax, k_splits, epilogue_rows, output_scales, up_alpha,
     )
     return compile_kernel(
         kernel, codes, scales, act, _i32(rows_dim), _i32(_dynamic()), alpha, router, row_scales, out, aux,
@@ -238,8 +242,8 @@ def _prepared(codes, scales, layout, gated):
     if layout != weight_layout.SM90:
         warnings.warn(
             "fp4moe: linear-layout expert weights on a Hopper GPU are re-laid out for the kernels on every "
-            "call (a pass over all expert weights); prepare them once with MoEWeights.prepared() (FusedMoE "
-            "does) and pass weight_layout='sm90'",
+            "call (a pass over all expert weights); prepare them once (MoEWeights.prepared(), which FusedMoE "
+            "uses, or fp4moe.weight_layout.prepare_sm90) and pass weight_layout='sm90'",
             RuntimeWarning,
             stacklevel=4,
         )
@@ -396,9 +400,13 @@ OUT_TYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, t
 @compile_function
 def compile_finalize(mode: str, hidden: int, top_k: int, out_dtype: torch.dtype):
     values = make_fake_compact_tensor(cutlass.Float32, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16)
-    pair_to_permuted = _i32(_dynamic()) if mode == "deterministic" else None
+    pair_to_permuted = None if mode == "fused" else _i32(_dynamic())
     out_type = OUT_TYPES[out_dtype]
-    out = make_fake_compact_tensor(out_type, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16)
+    if mode == "additive":  # the caller's `out`, whose rows may be strided (by multiples of 16 bytes)
+        row_stride = cute.sym_int64(divisibility=16 // (out_type.width // 8))
+        out = make_fake_tensor(out_type, (_dynamic(), hidden), stride=(row_stride, 1), assumed_align=16)
+    else:
+        out = make_fake_compact_tensor(out_type, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16)
     return compile_kernel(
         MoEFinalizeSm90(mode, hidden, top_k, out_type), values, pair_to_permuted, out,
         cache_key=("moe_finalize", mode, hidden, top_k, out_dtype),

@@ -1,0 +1,114 @@
+"""`aligned_moe_` (semantics §5) on Hopper, composed from the MoE pipeline's grouped GEMMs.
+
+The aligned plan is already a plan of the grouped GEMMs: `sorted_token_ids` is a `permuted_to_pair`
+whose sentinel `M * top_k` is a padding row, `expert_ids` a `tile_expert` of `block_m`-row tiles. One
+call, on the current stream, with no host read of device data:
+
+1. the live tiles (`expert_ids` where the block starts below `num_tokens_post_padded` and names a
+   local expert, else -1: a skipped tile, so the blocks of a truncated plan are inert) and, per pair,
+   the plan row that processes it (-1 for none), in a few torch operations;
+2. `hidden` decoded to its exact bf16 values (`nvfp4_decode`);
+3. GEMM1 with SwiGLU, `scale_gate` on the gate half and `scale_up` on the up half (`up_alpha`), the
+   intermediate quantized to NVFP4 with a global scale of 1 in the epilogue and written as its codes'
+   exact bf16 values `e2m1 * sf` (semantics §5 step 4: `sf = e4m3(RN(bmax * RN(1/6)))`);
+4. GEMM2 with `scale_down`, the router weight and then `RN(routed_scaling_factor)` (`output_scaled`,
+   a [1] device value: a new factor needs no new kernel), one FP32 row per processed pair;
+5. the additive finalize: each token's processed pairs summed in the reference's order and added to
+   `out` once, so the result is deterministic and its last two steps bitwise the reference's.
+
+The intermediate and the per-pair rows go through device memory: this is the unfused composition,
+the baseline a one-kernel aligned MoE is measured against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp4moe.kernels.sm90.moe_gemm import EPILOGUE_ROWS
+from fp4moe.kernels.sm90.moe_launch import (
+    _prepared,
+    compile_finalize,
+    compile_gemm,
+    decoded,
+    launch_gemm,
+    plan_gemm_shape,
+    row_granule,
+    standard_strides,
+)
+from fp4moe.reference import aligned_moe as aligned_reference
+from fp4moe.weight_layout import LINEAR
+
+MAX_BLOCK_M = 256
+"""The largest plan tile the grouped GEMMs take."""
+
+
+def gemms_tile(block_m: int) -> bool:
+    """Whether the grouped GEMMs take plan tiles of `block_m` rows (a multiple of 8): their MMA row
+    granule and their epilogue's row chunk must divide it (multiples of 8 up to 32, of 32 above)."""
+    return block_m <= MAX_BLOCK_M and block_m % row_granule(block_m) == 0 and block_m % min(block_m, EPILOGUE_ROWS) == 0
+
+
+def live_plan(sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, num_experts, num_pairs):
+    """(tile_expert, pair_to_row) from the reference's `processed_rows`: `expert_ids` with -1 for every
+    block that is not live (a tile the GEMMs skip); per pair, the processed row that lists it (-1 for
+    none; a well-formed plan lists a pair once)."""
+    pairs, live, listed = aligned_reference.processed_rows(
+        sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, num_experts, num_pairs
+    )
+    tile_expert = torch.where(live, expert_ids, -1)
+    slots = torch.where(listed, pairs, num_pairs).reshape(-1)  # slot num_pairs takes the rest
+    rows = torch.arange(listed.numel(), device=expert_ids.device, dtype=torch.int32)
+    pair_to_row = torch.full((num_pairs + 1,), -1, device=expert_ids.device, dtype=torch.int32)
+    pair_to_row.scatter_(0, slots, rows)
+    return tile_expert, pair_to_row[:num_pairs]
+
+
+def aligned_moe_(
+    out, hidden, hidden_scales, w1, w1_scales, w2, w2_scales, scale_gate, scale_up, scale_down, sorted_token_ids,
+    expert_ids, num_tokens_post_padded, topk_weights, routed_scaling_factor, block_m, weight_layout=LINEAR,
+) -> None:
+    """The reference's contract (`fp4moe.reference.aligned_moe.aligned_moe_`), arguments validated."""
+    num_tokens, top_k = topk_weights.shape
+    if num_tokens == 0 or expert_ids.numel() == 0:
+        return
+    if not gemms_tile(block_m):
+        raise NotImplementedError(
+            f"the sm90 aligned MoE takes the block_m its GEMMs tile: multiples of 8 up to 32, of 32 up to "
+            f"{MAX_BLOCK_M}; got {block_m}"
+        )
+    hidden_size = out.shape[1]
+    w1, w1_scales = _prepared(w1, w1_scales, weight_layout, gated=True)
+    w2, w2_scales = _prepared(w2, w2_scales, weight_layout, gated=False)
+    num_pairs = num_tokens * top_k
+    permuted_to_pair = standard_strides(sorted_token_ids)
+    tile_expert, pair_to_row = live_plan(
+        permuted_to_pair, expert_ids, num_tokens_post_padded, block_m, w1.shape[0], num_pairs
+    )
+
+    a = decoded(hidden, hidden_scales)
+    shape1 = plan_gemm_shape(w1, permuted_to_pair, tile_expert, num_pairs)
+    intermediate_size = shape1.prepared_rows // 2
+    intermediate = a.new_empty((permuted_to_pair.shape[0], intermediate_size), dtype=torch.bfloat16)
+    gemm1 = compile_gemm(
+        "gemm1", shape1.key(), a.shape[1], intermediate_size, top_k, "swiglu", (None, None, None), False,
+        output_scales=1, up_alpha=True,
+    )
+    gate_up_scales = torch.cat((scale_gate, scale_up))
+    unit_global_scale = torch.ones(1, dtype=torch.float32, device=out.device)
+    launch_gemm(
+        gemm1, w1, w1_scales, a, permuted_to_pair, tile_expert, gate_up_scales, None, intermediate,
+        output_scale=unit_global_scale,
+    )
+
+    per_pair = a.new_empty((num_pairs, hidden_size), dtype=torch.float32)  # rows of unprocessed pairs unwritten
+    shape2 = plan_gemm_shape(w2, permuted_to_pair, tile_expert, num_pairs)
+    gemm2 = compile_gemm(
+        "gemm2_expanded", shape2.key(), intermediate_size, hidden_size, top_k, "none", (None, None, None), True,
+        output_scales=1,
+    )
+    routed_factor = torch.full((1,), routed_scaling_factor, dtype=torch.float32, device=out.device)
+    launch_gemm(
+        gemm2, w2, w2_scales, intermediate, permuted_to_pair, tile_expert, scale_down, topk_weights, per_pair,
+        output_scale=routed_factor,
+    )
+    compile_finalize("additive", hidden_size, top_k, out.dtype)(per_pair, pair_to_row, out)
