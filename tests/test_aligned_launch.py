@@ -1,25 +1,39 @@
-"""The sm90 aligned MoE's plan adapter (`aligned_launch.live_plan`, pure torch, no GPU needed) marks
-exactly the rows the reference processes (`fp4moe.reference.aligned_moe`'s module docstring): rows of
-blocks that start below `num_tokens_post_padded` and name a local expert, holding a pair index in
-[0, T*k)."""
+"""The sm90 aligned MoE's host side: its setup kernel (`aligned_launch.aligned_plan`, on a Hopper GPU)
+marks exactly the rows the reference processes (`fp4moe.reference.aligned_moe`'s module docstring):
+rows of blocks that start below `num_tokens_post_padded` and name a local expert, holding a pair index
+in [0, T*k); and the block sizes it takes are those the GEMMs tile (no GPU needed)."""
 
+import pytest
 import torch
 
-from fp4moe.kernels.sm90.aligned_launch import gemms_tile, live_plan
+from fp4moe.kernels.sm90.aligned_launch import aligned_plan, gemms_tile
+from tests.hopper import runs_the_sm90_kernels
 
 
-def test_live_plan_marks_the_rows_the_reference_processes():
-    block_m, experts, num_pairs = 8, 4, 40
-    g = torch.Generator().manual_seed(0)
-    blocks = 9
+@pytest.mark.gpu
+@pytest.mark.skipif(not runs_the_sm90_kernels(), reason="needs a Hopper (sm_90) GPU")
+@pytest.mark.parametrize(
+    ("block_m", "experts", "num_pairs", "blocks", "live_blocks"),
+    [
+        (8, 4, 40, 9, 6),
+        # More rows than the CTA's threads cover in one pass (1024 x 4), more pairs than its threads.
+        (16, 300, 3000, 400, 350),
+    ],
+)
+def test_setup_marks_the_rows_the_reference_processes(block_m, experts, num_pairs, blocks, live_blocks):
+    g = torch.Generator().manual_seed(block_m)
     expert_ids = torch.randint(-2, experts + 2, (blocks,), generator=g, dtype=torch.int32)
     # Distinct pairs, sentinels and garbage (negative, too large) spread over the rows.
     rows = torch.randperm(blocks * block_m, generator=g)
     sorted_ids = torch.where(rows < num_pairs, rows, torch.tensor(num_pairs)).to(torch.int32)
     sorted_ids[3], sorted_ids[20] = -5, 10**6
-    count = torch.tensor([6 * block_m], dtype=torch.int32)
+    count = torch.tensor([live_blocks * block_m], dtype=torch.int32)
+    scale_gate = torch.rand(experts, generator=g) + 0.5
+    scale_up = torch.rand(experts, generator=g) + 0.5
+    factor = 2.5 + 1e-9  # not an FP32 value: the kernel gets its round-to-nearest
 
-    tile_expert, pair_to_row = live_plan(sorted_ids, expert_ids, count, block_m, experts, num_pairs)
+    cuda = [t.cuda() for t in (sorted_ids, expert_ids, count, scale_gate, scale_up)]
+    tile_expert, pair_to_row, gate_up_scales, factors = aligned_plan(*cuda, factor, block_m, num_pairs)
 
     expected_tiles, expected_rows = [], [-1] * num_pairs
     for b in range(blocks):
@@ -34,6 +48,8 @@ def test_live_plan_marks_the_rows_the_reference_processes():
     assert tile_expert.dtype == pair_to_row.dtype == torch.int32
     assert 0 < sum(t >= 0 for t in expected_tiles) < blocks  # the case has live and dead blocks
     assert 0 < sum(r >= 0 for r in expected_rows) < num_pairs  # and processed and unprocessed pairs
+    assert torch.equal(gate_up_scales.cpu(), torch.cat((scale_gate, scale_up)))
+    assert torch.equal(factors.cpu(), torch.tensor([1.0, factor], dtype=torch.float32))
 
 
 def test_the_block_sizes_it_accepts_are_those_the_gemms_take():

@@ -68,6 +68,7 @@ def _fused_moe_variants():
 GEMM_VARIANTS += _fused_moe_variants()
 PLAN_VARIANTS = [(256, 8, 7168), (32, 128, None)]
 DECODE_VARIANTS = [7168, 2048, 272]
+ALIGNED_PLAN_VARIANTS = [(256, 8), (16, 64)]
 FINALIZE_VARIANTS = [("fused", 7168, 8, "bfloat16"), ("deterministic", 2048, 6, "float32"), ("additive", 6144, 8, "bfloat16")]
 
 _COMPILE_SCRIPT = textwrap.dedent(
@@ -75,7 +76,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     import json, sys
     from pathlib import Path
     import torch
-    from fp4moe.kernels.sm90 import moe_launch as launch
+    from fp4moe.kernels.sm90 import aligned_launch, moe_launch as launch
     out = Path(sys.argv[1])
     spec = json.loads(sys.argv[2])
     def save(name, compiled):
@@ -87,6 +88,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
         save(f"plan_{i}", launch.compile_plan(experts, tile_m, hidden))
     for i, k in enumerate(spec["decode"]):
         save(f"decode_{i}", launch.compile_decode(k))
+    for i, (experts, block_m) in enumerate(spec["aligned_plan"]):
+        save(f"aligned_plan_{i}", aligned_launch.compile_aligned_plan(experts, block_m))
     for i, (mode, hidden, top_k, dtype) in enumerate(spec["finalize"]):
         save(f"finalize_{i}", launch.compile_finalize(mode, hidden, top_k, getattr(torch, dtype)))
     """
@@ -96,7 +99,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("sm90_moe_kernels")
-    spec = {"gemm": GEMM_VARIANTS, "plan": PLAN_VARIANTS, "decode": DECODE_VARIANTS, "finalize": FINALIZE_VARIANTS}
+    spec = {"gemm": GEMM_VARIANTS, "plan": PLAN_VARIANTS, "decode": DECODE_VARIANTS, "finalize": FINALIZE_VARIANTS,
+            "aligned_plan": ALIGNED_PLAN_VARIANTS}
     return compile_in_subprocess(_COMPILE_SCRIPT, spec, out)
 
 
@@ -109,6 +113,7 @@ def _names():
         [f"gemm_{i}" for i in range(len(GEMM_VARIANTS))]
         + [f"plan_{i}" for i in range(len(PLAN_VARIANTS))]
         + [f"decode_{i}" for i in range(len(DECODE_VARIANTS))]
+        + [f"aligned_plan_{i}" for i in range(len(ALIGNED_PLAN_VARIANTS))]
         + [f"finalize_{i}" for i in range(len(FINALIZE_VARIANTS))]
     )
 

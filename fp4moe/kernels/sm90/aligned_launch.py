@@ -4,9 +4,10 @@ The aligned plan is already a plan of the grouped GEMMs: `sorted_token_ids` is a
 whose sentinel `M * top_k` is a padding row, `expert_ids` a `tile_expert` of `block_m`-row tiles. One
 call, on the current stream, with no host read of device data:
 
-1. the live tiles (`expert_ids` where the block starts below `num_tokens_post_padded` and names a
-   local expert, else -1: a skipped tile, so the blocks of a truncated plan are inert) and, per pair,
-   the plan row that processes it (-1 for none), in a few torch operations;
+1. the setup kernel (`aligned_plan`): the live tiles (`expert_ids` where the block starts below
+   `num_tokens_post_padded` and names a local expert, else -1: a skipped tile, so the blocks of a
+   truncated plan are inert), per pair the plan row that processes it (-1 for none), and the
+   GEMMs' device scalars;
 2. `hidden` decoded to its exact bf16 values (`nvfp4_decode`);
 3. GEMM1 with SwiGLU, `scale_gate` on the gate half and `scale_up` on the up half (`up_alpha`), the
    intermediate quantized to NVFP4 with a global scale of 1 in the epilogue and written as its codes'
@@ -22,10 +23,16 @@ the baseline a one-kernel aligned MoE is measured against.
 
 from __future__ import annotations
 
+import cutlass
 import torch
+from cutlass.cute.runtime import make_fake_compact_tensor
 
+from fp4moe.kernels.sm90.aligned_plan import AlignedPlanSm90
+from fp4moe.kernels.sm90.compiler import compile_function, compile_kernel
 from fp4moe.kernels.sm90.moe_gemm import EPILOGUE_ROWS
 from fp4moe.kernels.sm90.moe_launch import (
+    _dynamic,
+    _i32,
     _prepared,
     compile_finalize,
     compile_gemm,
@@ -35,7 +42,6 @@ from fp4moe.kernels.sm90.moe_launch import (
     row_granule,
     standard_strides,
 )
-from fp4moe.reference import aligned_moe as aligned_reference
 from fp4moe.weight_layout import LINEAR
 
 MAX_BLOCK_M = 256
@@ -48,19 +54,36 @@ def gemms_tile(block_m: int) -> bool:
     return block_m <= MAX_BLOCK_M and block_m % row_granule(block_m) == 0 and block_m % min(block_m, EPILOGUE_ROWS) == 0
 
 
-def live_plan(sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, num_experts, num_pairs):
-    """(tile_expert, pair_to_row) from the reference's `processed_rows`: `expert_ids` with -1 for every
-    block that is not live (a tile the GEMMs skip); per pair, the processed row that lists it (-1 for
-    none; a well-formed plan lists a pair once)."""
-    pairs, live, listed = aligned_reference.processed_rows(
-        sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, num_experts, num_pairs
+def _f32(*shape):
+    return make_fake_compact_tensor(cutlass.Float32, shape)
+
+
+@compile_function
+def compile_aligned_plan(num_experts: int, block_m: int):
+    return compile_kernel(
+        AlignedPlanSm90(num_experts, block_m),
+        _i32(_dynamic()), _i32(_dynamic()), _i32(1), _f32(num_experts), _f32(num_experts), cutlass.Float32(1.0),
+        _i32(_dynamic()), _i32(_dynamic()), _f32(2 * num_experts), _f32(2),
+        cache_key=("aligned_plan", num_experts, block_m),
     )
-    tile_expert = torch.where(live, expert_ids, -1)
-    slots = torch.where(listed, pairs, num_pairs).reshape(-1)  # slot num_pairs takes the rest
-    rows = torch.arange(listed.numel(), device=expert_ids.device, dtype=torch.int32)
-    pair_to_row = torch.full((num_pairs + 1,), -1, device=expert_ids.device, dtype=torch.int32)
-    pair_to_row.scatter_(0, slots, rows)
-    return tile_expert, pair_to_row[:num_pairs]
+
+
+def aligned_plan(
+    sorted_token_ids, expert_ids, num_tokens_post_padded, scale_gate, scale_up, routed_scaling_factor, block_m, num_pairs,
+):
+    """(tile_expert, pair_to_row, gate_up_scales, factors) of `AlignedPlanSm90`, in one launch."""
+    num_experts = scale_gate.shape[0]
+    tile_expert = expert_ids.new_empty(expert_ids.shape)
+    pair_to_row = expert_ids.new_empty((num_pairs,))
+    gate_up_scales = scale_gate.new_empty((2 * num_experts,))
+    factors = scale_gate.new_empty((2,))
+    rounded_factor = torch.tensor(routed_scaling_factor, dtype=torch.float32).item()  # RN to FP32, on the host
+    compile_aligned_plan(num_experts, block_m)(
+        sorted_token_ids, standard_strides(expert_ids), standard_strides(num_tokens_post_padded),
+        standard_strides(scale_gate), standard_strides(scale_up), rounded_factor,
+        tile_expert, pair_to_row, gate_up_scales, factors,
+    )
+    return tile_expert, pair_to_row, gate_up_scales, factors
 
 
 def aligned_moe_(
@@ -81,8 +104,9 @@ def aligned_moe_(
     w2, w2_scales = _prepared(w2, w2_scales, weight_layout, gated=False)
     num_pairs = num_tokens * top_k
     permuted_to_pair = standard_strides(sorted_token_ids)
-    tile_expert, pair_to_row = live_plan(
-        permuted_to_pair, expert_ids, num_tokens_post_padded, block_m, w1.shape[0], num_pairs
+    tile_expert, pair_to_row, gate_up_scales, factors = aligned_plan(
+        permuted_to_pair, expert_ids, num_tokens_post_padded, scale_gate, scale_up, routed_scaling_factor, block_m,
+        num_pairs,
     )
 
     a = decoded(hidden, hidden_scales)
@@ -93,11 +117,9 @@ def aligned_moe_(
         "gemm1", shape1.key(), a.shape[1], intermediate_size, top_k, "swiglu", (None, None, None), False,
         output_scales=1, up_alpha=True,
     )
-    gate_up_scales = torch.cat((scale_gate, scale_up))
-    unit_global_scale = torch.ones(1, dtype=torch.float32, device=out.device)
     launch_gemm(
         gemm1, w1, w1_scales, a, permuted_to_pair, tile_expert, gate_up_scales, None, intermediate,
-        output_scale=unit_global_scale,
+        output_scale=factors[:1],
     )
 
     per_pair = a.new_empty((num_pairs, hidden_size), dtype=torch.float32)  # rows of unprocessed pairs unwritten
@@ -106,9 +128,8 @@ def aligned_moe_(
         "gemm2_expanded", shape2.key(), intermediate_size, hidden_size, top_k, "none", (None, None, None), True,
         output_scales=1,
     )
-    routed_factor = torch.full((1,), routed_scaling_factor, dtype=torch.float32, device=out.device)
     launch_gemm(
         gemm2, w2, w2_scales, intermediate, permuted_to_pair, tile_expert, scale_down, topk_weights, per_pair,
-        output_scale=routed_factor,
+        output_scale=factors[1:],
     )
     compile_finalize("additive", hidden_size, top_k, out.dtype)(per_pair, pair_to_row, out)
