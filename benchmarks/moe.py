@@ -34,7 +34,7 @@ from benchmarks.moe_implementations import REGISTRY, Implementation
 from benchmarks.moe_report import header, shape_table, write_plot
 from benchmarks.progress import Progress
 from benchmarks.report import environment, output_directory, result_stem, write_json
-from benchmarks.timing import PreparedCall, l2_flush_bytes, time_replays
+from benchmarks.timing import L2_FLUSHES, PreparedCall, l2_flush_bytes, time_replays
 from fp4moe.dispatch import REFERENCE_BACKEND
 
 MODULE = "benchmarks.moe"
@@ -91,6 +91,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="flush the L2 between replays, outside the timing (CUDA only; default on)",
     )
     parser.add_argument(
+        "--l2-flush", choices=L2_FLUSHES, default="write",
+        help="how the cold-L2 flush evicts: write a buffer (dirty lines, whose write-back the next replay "
+        "pays) or read it (clean lines); default write",
+    )
+    parser.add_argument(
         "--out-dir", type=Path,
         help="where the JSON, markdown and plot go (default: a new temporary folder; "
         "benchmarks/results keeps them with the repository)",
@@ -129,7 +134,7 @@ def run_cell(
                 return {**result, "status": "fail"}
             # On the reference backend the eager warm-up and the two checked replays are warm-up enough.
             replays, warmup = (args.reference_replays, 0) if on_reference else (args.replays, args.warmup)
-            timing = time_replays(call, device, replays, warmup, args.cold_l2)
+            timing = time_replays(call, device, replays, warmup, args.cold_l2, args.l2_flush)
     except Exception as error:  # one broken implementation must not end the sweep: its cells say why
         return {**result, "status": "error", "error": f"{type(error).__name__}: {error}"}
     result = {**result, "status": "ok", **dataclasses.asdict(timing)}
@@ -187,6 +192,7 @@ def run(argv: list[str] | None = None) -> dict:
             "cold_l2": args.cold_l2,
             "cold_l2_applied": cold_l2_applied,
             "l2_flush_bytes": l2_flush_bytes(device) if cold_l2_applied else None,
+            "l2_flush": args.l2_flush if cold_l2_applied else None,
             "seed": args.seed,
             "smoke_test_only": not judged,
         },

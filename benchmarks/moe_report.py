@@ -50,7 +50,8 @@ def header(results: dict) -> str:
                 "performance runs need a CUDA GPU.",
             ]
         )
-    cold = "cold L2 (flushed between replays)" if config["cold_l2_applied"] else "warm caches"
+    flush = {"write": "a buffer written", "read": "a buffer read"}.get(config.get("l2_flush", "write"))
+    cold = f"cold L2 (flushed between replays: {flush})" if config["cold_l2_applied"] else "warm caches"
     return "\n".join(
         [
             f"# MoE benchmark: {env['device']} ({env['date']})",

@@ -18,9 +18,14 @@ from dataclasses import dataclass
 import torch
 
 L2_FLUSH_MIN_BYTES = 256 << 20
-"""Smallest buffer written between cold-L2 replays. The buffer is four times the L2 (60 MB on the H200)
+"""Smallest buffer flushed through between cold-L2 replays. The buffer is four times the L2 (60 MB on the H200)
 or this, whichever is larger: the L2 does not evict in strict LRU order, so a write of just its size
 can leave lines of the last replay resident."""
+
+L2_FLUSHES = ("write", "read")
+"""How a cold-L2 replay's buffer evicts the L2. `write` (`zero_`) leaves it full of dirty lines, whose
+write-back the replay then pays while it reads (up to the L2's size: 7-9 us of a 45-50 us decode GEMM on
+the H200, runs log); `read` (a sum) leaves clean lines, as a decode step's earlier kernels mostly do."""
 
 HOST_LEAD_CYCLES_PER_REPLAY = 50_000
 """GPU clock cycles of a spin kernel queued ahead of the timed replays, per replay: about 25 us at the
@@ -107,15 +112,17 @@ def l2_flush_bytes(device: torch.device) -> int:
 
 
 def time_replays(
-    call: Callable[[], object], device: torch.device | str, replays: int, warmup: int = 0, cold_l2: bool = False
+    call: Callable[[], object], device: torch.device | str, replays: int, warmup: int = 0, cold_l2: bool = False,
+    l2_flush: str = "write",
 ) -> Timing:
     """Median (and extremes) over `replays` timed calls of `call` after `warmup` untimed ones.
 
-    `cold_l2` (CUDA only; the CPU times with whatever its caches hold) writes a buffer several times the
-    L2's size before every replay, outside the events, so that each replay reads its inputs from device
-    memory, as a layer of a real model does after the other layers have run.
+    `cold_l2` (CUDA only; the CPU times with whatever its caches hold) writes (`l2_flush="write"`) or
+    reads (`"read"`, `L2_FLUSHES`) a buffer several times the L2's size before every replay, outside the
+    events, so that each replay reads its inputs from device memory, as a layer of a real model does
+    after the other layers have run.
     """
-    return time_interleaved([call], device, replays, warmup, cold_l2)[0]
+    return time_interleaved([call], device, replays, warmup, cold_l2, l2_flush)[0]
 
 
 def time_interleaved(
@@ -124,12 +131,15 @@ def time_interleaved(
     replays: int,
     warmup: int = 0,
     cold_l2: bool = False,
+    l2_flush: str = "write",
 ) -> list[Timing]:
     """`time_replays` for several calls compared with each other: `replays` rounds, each timing every
     call once, round r starting from call r % len(calls). The calls thus meet the same GPU state: under
     sustained load a GPU reaches its power limit and lowers its SM clock (an H200 streaming 65536x7168
     quantizations went from 1980 to 1335-1740 MHz within a second, 2026-11-30), so calls timed one
     after another would be compared at different clocks."""
+    if l2_flush not in L2_FLUSHES:
+        raise ValueError(f"l2_flush must be one of {L2_FLUSHES}, got {l2_flush!r}")
     device = torch.device(device)
     order = [[(first + i) % len(calls) for i in range(len(calls))] for first in range(replays)]
     for _ in range(warmup):
@@ -144,7 +154,10 @@ def time_interleaved(
                 seconds[i].append(time.perf_counter() - start)
         return [Timing.of(s) for s in seconds]
 
-    flush = torch.empty(l2_flush_bytes(device), dtype=torch.uint8, device=device) if cold_l2 else None
+    flush = None
+    if cold_l2:
+        buffer = torch.zeros(l2_flush_bytes(device) // 4, dtype=torch.int32, device=device)
+        flush = buffer.zero_ if l2_flush == "write" else buffer.sum
     events = [
         [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in round_order]
         for round_order in order
@@ -154,7 +167,7 @@ def time_interleaved(
     for round_order, round_events in zip(order, events, strict=True):
         for i, (start, end) in zip(round_order, round_events, strict=True):
             if flush is not None:
-                flush.zero_()
+                flush()
             start.record()
             calls[i]()
             end.record()

@@ -65,6 +65,7 @@ def test_smoke_run_measures_every_implementation(smoke_run):
     assert "--smoke" in env["command"] and env["torch"] == torch.__version__ and env["date"]
     assert env["fp4moe_source_sha256"] == provenance.source_digest()  # names the code without git
     assert results["config"]["cold_l2_applied"] is on_gpu
+    assert results["config"]["l2_flush"] == ("write" if on_gpu else None)  # the default, where it applies
 
     assert [s["shape"]["name"] for s in results["shapes"]] == ["smoke", "smoke_ep"]
     cells = 0
@@ -167,6 +168,11 @@ def test_interleaved_timing_rotates_the_calls_and_times_each_once_per_round():
     assert log == ["a", "b"] * warmup + ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
     assert fast.replays == slow.replays == replays
     assert slow.median_s >= 0.004 > fast.median_s
+
+
+def test_an_unknown_l2_flush_is_refused():
+    with pytest.raises(ValueError, match="l2_flush"):
+        timing.time_interleaved([lambda: None], "cpu", 1, cold_l2=True, l2_flush="evict")
 
 
 def test_quantizer_report_sets_each_shape_beside_the_yardstick_at_its_size():
