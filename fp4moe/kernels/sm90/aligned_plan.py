@@ -1,5 +1,5 @@
 """The sm90 aligned MoE's setup in one launch: the grouped GEMMs' device inputs from `aligned_moe_`'s
-arguments (semantics §5), so that everything before GEMM1 is a single node of a CUDA graph.
+arguments (semantics §5), one node of a CUDA graph where torch operations would take about twenty.
 
 From the route plan (`sorted_token_ids`, `expert_ids`, `num_tokens_post_padded`), as the reference's
 `processed_rows` defines them:
