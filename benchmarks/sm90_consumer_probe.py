@@ -31,7 +31,7 @@ import torch
 from cutlass import Uint32
 
 from benchmarks.moe_cases import random_moe_weights
-from benchmarks.sm90_gemm_sweep import EXPERTS, HIDDEN, INTERMEDIATE, TOP_K, gemm_configurations
+from benchmarks.sm90_gemm_sweep import EXPERTS, HIDDEN, INTERMEDIATE, TOP_K, gemm_configurations, routed_tokens
 from benchmarks.timing import L2_FLUSHES, PreparedCall, time_interleaved
 from fp4moe import weight_layout
 from fp4moe.kernels.sm90 import gemm_device as dev
@@ -108,11 +108,7 @@ def compile_variant(kernel_class, epilogue: str, key: tuple):
 
 def run(tokens: int, weights, flushes, replays: int, g) -> None:
     w1_alpha, w2_alpha = weights.alphas()
-    x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
-    logits = torch.randn(tokens, EXPERTS, generator=g, device="cuda")
-    topk_ids, topk_weights = torch.ops.fp4moe.route_softmax_topk(logits, TOP_K, True)
-    tile_m, configs1, configs2 = gemm_configurations(tokens, moe_launch.sm_count(torch.cuda.current_device()))
-    (permuted_to_pair, _, tile_expert, _, _), _ = moe_launch.plan(topk_ids, EXPERTS, 0, tile_m)
+    x, topk_ids, topk_weights, _, configs1, configs2, permuted_to_pair, tile_expert = routed_tokens(tokens, g)
     inter = torch.empty(permuted_to_pair.shape[0], INTERMEDIATE, dtype=torch.bfloat16, device="cuda")
     intermediate = torch.randn(inter.shape, generator=g, device="cuda").to(torch.bfloat16)
     accumulator = torch.zeros(tokens, HIDDEN, device="cuda")

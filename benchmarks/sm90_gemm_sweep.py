@@ -152,13 +152,20 @@ def compile_only(token_counts, sms: int) -> bool:
     return ok
 
 
-def run(tokens: int, weights, replays: int, g) -> bool:
-    w1_alpha, w2_alpha = weights.alphas()
+def routed_tokens(tokens: int, g):
+    """Random bf16 tokens, their softmax routing and its plan: (x, topk_ids, topk_weights, plan tile,
+    GEMM1 and GEMM2 configurations, permuted_to_pair, tile_expert), on the current GPU."""
     x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
     logits = torch.randn(tokens, EXPERTS, generator=g, device="cuda")
     topk_ids, topk_weights = torch.ops.fp4moe.route_softmax_topk(logits, TOP_K, True)
     tile_m, configs1, configs2 = gemm_configurations(tokens, moe_launch.sm_count(torch.cuda.current_device()))
     (permuted_to_pair, _, tile_expert, _, _), _ = moe_launch.plan(topk_ids, EXPERTS, 0, tile_m)
+    return x, topk_ids, topk_weights, tile_m, configs1, configs2, permuted_to_pair, tile_expert
+
+
+def run(tokens: int, weights, replays: int, g) -> bool:
+    w1_alpha, w2_alpha = weights.alphas()
+    x, _, topk_weights, tile_m, configs1, configs2, permuted_to_pair, tile_expert = routed_tokens(tokens, g)
     used = permuted_to_pair >= 0
     print(f"T={tokens} tile_m={tile_m}", flush=True)
 
