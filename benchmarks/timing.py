@@ -156,7 +156,7 @@ def time_interleaved(
 
     flush = None
     if cold_l2:
-        buffer = torch.zeros(l2_flush_bytes(device) // 4, dtype=torch.int32, device=device)
+        buffer = torch.empty(l2_flush_bytes(device) // 4, dtype=torch.int32, device=device)
         flush = buffer.zero_ if l2_flush == "write" else buffer.sum
     events = [
         [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in round_order]

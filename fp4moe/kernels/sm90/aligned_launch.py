@@ -42,6 +42,7 @@ from fp4moe.kernels.sm90.moe_launch import (
     row_granule,
     standard_strides,
 )
+from fp4moe.validation import fp32
 from fp4moe.weight_layout import LINEAR
 
 MAX_BLOCK_M = 256
@@ -77,10 +78,9 @@ def aligned_plan(
     pair_to_row = expert_ids.new_empty((num_pairs,))
     gate_up_scales = scale_gate.new_empty((2 * num_experts,))
     factors = scale_gate.new_empty((2,))
-    rounded_factor = torch.tensor(routed_scaling_factor, dtype=torch.float32).item()  # RN to FP32, on the host
     compile_aligned_plan(num_experts, block_m)(
         sorted_token_ids, standard_strides(expert_ids), standard_strides(num_tokens_post_padded),
-        standard_strides(scale_gate), standard_strides(scale_up), rounded_factor,
+        standard_strides(scale_gate), standard_strides(scale_up), fp32(routed_scaling_factor),
         tile_expert, pair_to_row, gate_up_scales, factors,
     )
     return tile_expert, pair_to_row, gate_up_scales, factors

@@ -24,9 +24,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from fp4moe.kernels.sm90.moe_plan import PLAN_THREADS as THREADS
 from fp4moe.kernels.sm90.pdl import USE_PDL, wait_for_predecessor_and_release_successor
 
-THREADS = 1024
 ROW_UNROLL = 4
 """Plan rows a thread loads at once, before it writes any of their results."""
 
