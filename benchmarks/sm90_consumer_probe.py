@@ -30,8 +30,14 @@ import cutlass.cute as cute
 import torch
 from cutlass import Uint32
 
-from benchmarks.moe_cases import random_moe_weights
-from benchmarks.sm90_gemm_sweep import EXPERTS, HIDDEN, INTERMEDIATE, TOP_K, gemm_configurations, routed_tokens
+from benchmarks.sm90_gemm_sweep import (
+    HIDDEN,
+    INTERMEDIATE,
+    TOP_K,
+    gemm_configurations,
+    hopper_weights,
+    routed_tokens,
+)
 from benchmarks.timing import L2_FLUSHES, PreparedCall, time_interleaved
 from fp4moe import weight_layout
 from fp4moe.kernels.sm90 import gemm_device as dev
@@ -165,12 +171,10 @@ def main() -> int:
     if args.compile_only:
         compile_only(token_counts, args.sms)
         return 0
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        print("benchmarks.sm90_consumer_probe needs a Hopper GPU (the sm90 kernels)", file=sys.stderr)
+    problem = hopper_weights("sm90_consumer_probe")
+    if problem is None:
         return 2
-    print(torch.cuda.get_device_name(), flush=True)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    weights = random_moe_weights(EXPERTS, HIDDEN, INTERMEDIATE, g, "cuda").prepared()
+    weights, g = problem
     for tokens in token_counts:
         run(tokens, weights, args.l2_flush, args.replays, g)
     return 0

@@ -152,6 +152,17 @@ def compile_only(token_counts, sms: int) -> bool:
     return ok
 
 
+def hopper_weights(tool: str):
+    """(random DeepSeek-V3 experts prepared for the sm90 GEMMs, the seeded generator that made them) on
+    this GPU, or None after saying that `benchmarks.<tool>` needs a Hopper GPU."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print(f"benchmarks.{tool} needs a Hopper GPU (the sm90 kernels)", file=sys.stderr)
+        return None
+    print(torch.cuda.get_device_name(), flush=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return random_moe_weights(EXPERTS, HIDDEN, INTERMEDIATE, g, "cuda").prepared(), g
+
+
 def routed_tokens(tokens: int, g):
     """Random bf16 tokens, their softmax routing and its plan: (x, topk_ids, topk_weights, plan tile,
     GEMM1 and GEMM2 configurations, permuted_to_pair, tile_expert), on the current GPU."""
@@ -213,12 +224,10 @@ def main() -> int:
     token_counts = [int(t) for t in args.tokens.split(",")]
     if args.compile_only:
         return 0 if compile_only(token_counts, args.sms) else 1
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        print("benchmarks.sm90_gemm_sweep needs a Hopper GPU (the sm90 kernels)", file=sys.stderr)
+    problem = hopper_weights("sm90_gemm_sweep")
+    if problem is None:
         return 2
-    print(torch.cuda.get_device_name(), flush=True)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    weights = random_moe_weights(EXPERTS, HIDDEN, INTERMEDIATE, g, "cuda").prepared()
+    weights, g = problem
     ok = True
     for tokens in token_counts:
         ok &= run(tokens, weights, args.replays, g)
