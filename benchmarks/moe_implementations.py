@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 import fp4moe
-from benchmarks.moe_cases import ALIGNED_MOE, QUANT_CONFIGS, W4A4_PER_TOKEN, W4A16, MoECase, QuantConfig
+from benchmarks.moe_cases import ALIGNED_MOE, QUANT_CONFIGS, W4A4_PER_TOKEN, W4A16, MoECase, MoEShape, QuantConfig
 from fp4moe import dispatch, pipeline
 
 FUSED_MOE_TOLERANCE = 1e-3
@@ -157,16 +157,15 @@ ALIGNED_MAX_BLOCK_M = 64
 """The largest block size the column uses (the aligned MoE issue's range: 8 to 64)."""
 
 
-def aligned_block_m(case: MoECase) -> int:
+def aligned_block_m(num_tokens: int, shape: MoEShape) -> int:
     """fused_moe's plan tile for the case, at most `ALIGNED_MAX_BLOCK_M`: the block an engine would pick."""
-    shape = case.problem.shape
-    return min(dispatch.moe_tile_m(case.num_tokens, shape.top_k, shape.local_experts), ALIGNED_MAX_BLOCK_M)
+    return min(dispatch.moe_tile_m(num_tokens, shape.top_k, shape.local_experts), ALIGNED_MAX_BLOCK_M)
 
 
 def build_aligned_moe(case: MoECase) -> Callable[[], torch.Tensor]:
     """The plan and the NVFP4 hidden rows are made here, untimed (an engine has them before the layer);
     the timed call zeroes `out` (the op adds into it) and runs `aligned_moe_`."""
-    arguments = case.aligned_moe_arguments(aligned_block_m(case))
+    arguments = case.aligned_moe_arguments(aligned_block_m(case.num_tokens, case.problem.shape))
     out = torch.empty(case.num_tokens, case.problem.shape.hidden_size, dtype=torch.bfloat16, device=case.x.device)
 
     def run() -> torch.Tensor:
@@ -181,7 +180,7 @@ register(
     Implementation(
         name="aligned_moe",
         build=build_aligned_moe,
-        dispatch=lambda case: {"backend": dispatch.device_backend(case.x.device), "block_m": aligned_block_m(case)},
+        dispatch=lambda case: {"backend": dispatch.device_backend(case.x.device), "block_m": aligned_block_m(case.num_tokens, case.problem.shape)},
         expected=ALIGNED_MOE,
         tolerance=FUSED_MOE_TOLERANCE,
     )
