@@ -9,8 +9,9 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
 - `no_decode` keeps the consumers' shared-memory loads and stores the code words raw (no integer
   decode, no scale multiply).
 - `no_mma` keeps the decode and folds its words into the accumulator instead of the `wgmma`s.
-- `barriers_only` keeps only the consumers' waits and releases. The producer, its bulk copies and
-  gathers are unchanged, so its time is the pipeline's own (memory and producer).
+- `barriers_only` keeps only the consumers' waits and releases (and the `wgmma` group waits, with no
+  group in flight). The producer, its bulk copies and gathers are unchanged, so its time is the
+  pipeline's own (memory and producer).
 
 Each token count times every variant interleaved in CUDA graphs with a cold L2, once per flush of
 `--l2-flush` (`benchmarks.timing.L2_FLUSHES`). A `torch.sum` over as many bytes as the touched
@@ -50,50 +51,44 @@ class NoDecode(MoEGemmSm90):
     """The code words and scales loaded from shared memory, stored into the fragment undecoded."""
 
     @cute.jit
-    def decode(self, fragment, codes_address, scales_address):
-        words = cute.recast_tensor(fragment, Uint32)
+    def decode_words(self, fragment, words):
+        fragment_words = cute.recast_tensor(fragment, Uint32)
         for kk in cutlass.range_constexpr(self.k64_per_tile):
-            codes = dev.load_shared_v4(codes_address + kk * weight_layout.CODE_BYTES)
-            scales = dev.load_shared_v2(scales_address + kk * weight_layout.SCALE_BYTES)
+            codes, scales = words[kk]
             for b in cutlass.range_constexpr(4):
                 kb = kk * 4 + b
-                words[(0, 0, 0), 0, kb] = codes[b] ^ scales[b // 2]
-                words[(0, 1, 0), 0, kb] = codes[b]
-                words[(0, 0, 1), 0, kb] = codes[b] >> 1
-                words[(0, 1, 1), 0, kb] = codes[b] >> 2
+                fragment_words[(0, 0, 0), 0, kb] = codes[b] ^ scales[b // 2]
+                fragment_words[(0, 1, 0), 0, kb] = codes[b]
+                fragment_words[(0, 0, 1), 0, kb] = codes[b] >> 1
+                fragment_words[(0, 1, 1), 0, kb] = codes[b] >> 2
 
 
 class NoMma(MoEGemmSm90):
     """The decode kept alive by folding its words into the accumulator; no `wgmma`."""
 
     @cute.jit
-    def mma_step(self, variant, stage, phase, k, fragment, tCrB, full, empty, codes_smem, scales_smem):
-        cute.arch.mbarrier_wait(full + stage, phase)
-        self.decode(
-            fragment,
-            codes_smem + stage * (self.consumer_groups * self.code_bytes),
-            scales_smem + stage * (self.consumer_groups * self.scale_bytes),
-        )
+    def issue_mmas(self, variant, fragment, tCrB, stage):
         _, acc = variant
         words = cute.recast_tensor(fragment, Uint32)
         folded = Uint32(0)
         for i in cutlass.range_constexpr(cute.size(words)):
             folded = folded ^ words[i]
         acc[0] = acc[0] + folded.to(cutlass.Float32)
-        if k > 0:
-            cute.arch.mbarrier_arrive(empty + self.previous_stage(stage))
-        return self.next_stage(stage, phase)
 
 
 class BarriersOnly(MoEGemmSm90):
     """The consumers wait for each stage and release it: nothing else."""
 
+    def load_words(self, codes_smem, scales_smem, stage):
+        return [((Uint32(0),) * 4, (Uint32(0),) * 2) for _ in range(self.k64_per_tile)]
+
     @cute.jit
-    def mma_step(self, variant, stage, phase, k, fragment, tCrB, full, empty, codes_smem, scales_smem):
-        cute.arch.mbarrier_wait(full + stage, phase)
-        if k > 0:
-            cute.arch.mbarrier_arrive(empty + self.previous_stage(stage))
-        return self.next_stage(stage, phase)
+    def decode_words(self, fragment, words):
+        pass
+
+    @cute.jit
+    def issue_mmas(self, variant, fragment, tCrB, stage):
+        pass
 
 
 VARIANTS = {"default": MoEGemmSm90, "no_decode": NoDecode, "no_mma": NoMma, "barriers_only": BarriersOnly}

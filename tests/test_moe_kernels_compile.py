@@ -142,13 +142,13 @@ def _variant_rows(key) -> list[int]:
 
 
 def _serializes(key) -> bool:
-    """A known limitation: a 16- or 32-row tile of 128 features at two CTAs per SM leaves too few
-    registers (96 per consumer thread) to keep its `wgmma`s in flight. `fused_moe` picks such
-    configurations for DeepSeek-V3 at 65 <= T <= 576 because, measured on the H200, they still beat the
+    """A known limitation: a 32-row tile of 128 features at two CTAs per SM leaves too few registers
+    (104 per consumer thread) to keep its `wgmma`s in flight. `fused_moe` picks such configurations
+    for DeepSeek-V3 at 225 <= T <= 576 because, measured on the H200, they still beat the
     configurations that do not serialize (one CTA per SM, or 64 features; `benchmarks.sm90_gemm_sweep`,
     runs log). The test fails, and should become a plain one, the day they stop serializing."""
     tile_features, tile_rows, ctas_per_sm = key[3], key[4], key[8]
-    return ctas_per_sm == 2 and tile_features == 128 and tile_rows > 8
+    return ctas_per_sm == 2 and tile_features == 128 and tile_rows > 16
 
 
 @pytest.mark.parametrize(
@@ -171,6 +171,19 @@ def test_gemm_mmas_stay_in_flight(compiled, index):
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") <= len(_variant_rows(key)), GEMM_VARIANTS[index]
 
 
+LOCAL_MEMORY = re.compile(r"\b(LDL|STL)\b")
+
+
 def test_no_kernel_spills_to_local_memory(compiled):
+    """No local memory in any kernel, but one store and one load per item outside a GEMM's k loops
+    (between its first and last `HGMMA`): the 16-row tiles of two CTAs per SM, at 104 registers per
+    consumer with the next k tile's words in registers (`moe_gemm.LOADS_AHEAD_TILE_ROWS`), may keep
+    the item loop's step there."""
     for name in _names():
-        assert not re.search(r"\b(LDL|STL)\b", _sass(compiled, name)), name
+        sass = _sass(compiled, name)
+        if name.startswith("gemm_"):
+            first, last = sass.index("HGMMA"), sass.rindex("HGMMA")
+            assert not LOCAL_MEMORY.search(sass[first:last]), name
+            assert len(re.findall(r"\bSTL\b", sass)) <= 1 and len(re.findall(r"\bLDL\b", sass)) <= 1, name
+        else:
+            assert not LOCAL_MEMORY.search(sass), name

@@ -58,6 +58,14 @@ def bulk_copy_to_shared(smem_address, gmem_address, num_bytes, mbarrier_address,
 
 
 @dsl_user_op
+def prefetch_to_l2(gmem_address, num_bytes, *, loc=None, ip=None) -> None:
+    """A bulk prefetch of `num_bytes` (a multiple of 16) into L2: a hint, with no completion to wait for."""
+    _asm(
+        None, "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", (Int64(gmem_address), Int32(num_bytes)), True, loc, ip
+    )
+
+
+@dsl_user_op
 def copy_16_bytes_async(smem_address, gmem_address, source_bytes, *, loc=None, ip=None) -> None:
     """`cp.async` of 16 bytes bypassing L1; `source_bytes` 0 writes 16 zero bytes without reading."""
     _asm(
@@ -78,19 +86,21 @@ def swizzle_128b(byte_offset):
 
 @dsl_user_op
 def load_shared_v4(smem_address, *, loc=None, ip=None):
-    """Four 32-bit words from a 16-byte aligned shared-memory address."""
+    """Four 32-bit words from a 16-byte aligned shared-memory address. The shared-memory loads are
+    side-effecting asm: as pure asm the compiler may move them above the barrier wait that makes their
+    data valid (an asm statement declares no memory it reads)."""
     struct = llvm.StructType.get_literal([T.i32()] * 4)
     result = _asm(
-        struct, "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", (Int32(smem_address),), False, loc, ip
+        struct, "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", (Int32(smem_address),), True, loc, ip
     )
     return tuple(Uint32(llvm.extractvalue(T.i32(), result, [i], loc=loc, ip=ip)) for i in range(4))
 
 
 @dsl_user_op
 def load_shared_v2(smem_address, *, loc=None, ip=None):
-    """Two 32-bit words from an 8-byte aligned shared-memory address."""
+    """Two 32-bit words from an 8-byte aligned shared-memory address (side-effecting, as `load_shared_v4`)."""
     struct = llvm.StructType.get_literal([T.i32()] * 2)
-    result = _asm(struct, "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r", (Int32(smem_address),), False, loc, ip)
+    result = _asm(struct, "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r", (Int32(smem_address),), True, loc, ip)
     return tuple(Uint32(llvm.extractvalue(T.i32(), result, [i], loc=loc, ip=ip)) for i in range(2))
 
 

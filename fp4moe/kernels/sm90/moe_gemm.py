@@ -66,6 +66,16 @@ def staged_row_bytes(tile_rows: int) -> int:
     """Shared memory of the rows a producer stages for the consumers of tiles above
     `EARLY_ROWS_TILE_ROWS`: per row its pair, router weight and activation scale, for two items."""
     return 2 * tile_rows * 12 + 32 if tile_rows > EARLY_ROWS_TILE_ROWS else 0
+
+
+LOADS_AHEAD_TILE_ROWS = 32
+"""Tiles of at most this many rows (decode, bound by the consumers' instruction issue) load the next k
+tile's code words and scales from shared memory before issuing this one's `wgmma`s, so that the next
+decode finds them in registers. Larger tiles, whose `wgmma`s take longer than the decode, gain nothing
+and would hold the extra registers across their wide accumulators."""
+MIN_LOADS_AHEAD_STAGES = 3
+"""A consumer that loads ahead holds three stages at once: the previous k tile's (its `wgmma`s may
+still read the B tile), this one's and the next one's."""
 MIN_WIDE_TILE_ROWS = 64
 """Rows that the MMAs of an item of a larger tile always cover."""
 AUX_AMAX_COLUMNS = 8
@@ -93,16 +103,24 @@ MAX_REGISTERS = 248
 MAX_CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
 """Registers per thread of the producer warpgroup (`setmaxnreg`): addresses and loop counters only."""
+LOADS_AHEAD_PRODUCER_REGISTERS = 32
+"""The producer's registers in tiles that load ahead (`LOADS_AHEAD_TILE_ROWS`): at most two activation
+copies per thread to address, and the consumers' next k tile's words need the registers."""
 
 
-def consumer_registers(tile_features: int, ctas_per_sm: int) -> int:
+def producer_registers(tile_rows: int) -> int:
+    """Registers per producer thread (`setmaxnreg.dec`) for tiles of `tile_rows` rows."""
+    return LOADS_AHEAD_PRODUCER_REGISTERS if tile_rows <= LOADS_AHEAD_TILE_ROWS else PRODUCER_REGISTERS
+
+
+def consumer_registers(tile_features: int, tile_rows: int, ctas_per_sm: int) -> int:
     """Registers per consumer thread (`setmaxnreg.inc`): the CTA's share of the register file is what
     ptxas gives every thread at entry (`65536 / (CTAs x threads)`, down to a multiple of 8), and the
     consumers may take only what the producer warpgroup's decrease returns to it — asking for more
     than the pool holds never completes."""
     threads = WARPGROUP_THREADS * (1 + tile_features // 64)
     entry = min(MAX_REGISTERS, 65536 // (ctas_per_sm * threads) // 8 * 8)
-    pool = threads * entry - WARPGROUP_THREADS * PRODUCER_REGISTERS
+    pool = threads * entry - WARPGROUP_THREADS * producer_registers(tile_rows)
     return min(MAX_CONSUMER_REGISTERS, pool // (threads - WARPGROUP_THREADS) // 8 * 8)
 
 
@@ -199,6 +217,8 @@ class MoEGemmSm90:
         assert self.epilogue_rows % 8 == 0 and tile_rows % self.epilogue_rows == 0
         self.tile_k = tile_k
         self.stages = stages
+        self.loads_ahead = tile_rows <= LOADS_AHEAD_TILE_ROWS
+        assert stages >= (MIN_LOADS_AHEAD_STAGES if self.loads_ahead else 2)
         self.ctas_per_sm = ctas_per_sm
         self.max_ctas = max_ctas
         self.top_k = top_k
@@ -212,6 +232,7 @@ class MoEGemmSm90:
         assert not up_alpha or (epilogue == "gemm1" and activation == "swiglu")
         assert not output_scaled or epilogue != "gemm1"
         self.aux_amax = aux_amax
+        self.prefetches_weights = epilogue != "gemm1"
         self.nvfp4_out = nvfp4_out
         self.up_alpha = up_alpha
         self.output_scaled = output_scaled
@@ -315,21 +336,44 @@ class MoEGemmSm90:
                 cute.arch.mbarrier_init(storage.rows_empty.data_ptr() + b, WARPGROUP_THREADS * self.consumer_groups)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
+        if const_expr(self.prefetches_weights):
+            if tidx == 0:
+                self.prefetch_first_item(mCodes, mScales, mTileExpert)
         wait_for_predecessor_and_release_successor()
         num_pairs = self.pair_count(mAct, mOut)
         if group == 0:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            cute.arch.setmaxregister_decrease(producer_registers(self.tile_rows))
             self.produce(
                 b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
                 (mRouterWeights, mRowScales),
             )
         else:
-            cute.arch.setmaxregister_increase(consumer_registers(self.tile_features, self.ctas_per_sm))
+            cute.arch.setmaxregister_increase(consumer_registers(self.tile_features, self.tile_rows, self.ctas_per_sm))
             self.consume(
                 storage, tiled_mma, b_layout, mAlpha, (mRouterWeights, mRowScales), mPermutedToPair, mTileExpert,
                 (mOut, mAuxAmax, mOutputScale, storage.block_maxima.get_tensor(cute.make_layout(self.exchange_floats))),
                 num_pairs, full, empty, group - 1,
             )
+
+    @cute.jit
+    def prefetch_first_item(self, mCodes, mScales, mTileExpert):
+        """GEMM2, before it waits for its predecessor (GEMM1, whose last wave it may overlap through
+        PDL): the weights of the CTA's first item's first `stages` k tiles into L2, so that the weight
+        stream does not stop between the two GEMMs. The plan was written a launch before GEMM1 and is
+        complete by the time GEMM2 starts; a plan read too early (a caller launching GEMM2 right after
+        the plan) only prefetches other bytes, as the prefetch is a hint and nothing computes with it."""
+        _, feature_block, expert, k_first = self.item_expert(mTileExpert, cute.arch.block_idx()[0])
+        if expert >= 0:
+            k_tiles = min(self.stages, self.k_iterations)
+            for g in cutlass.range_constexpr(self.consumer_groups):
+                block = expert * self.row_blocks + feature_block * self.consumer_groups + g
+                tile_index = Int64(block * self.k_tiles64 + k_first * self.k64_per_tile)
+                dev.prefetch_to_l2(
+                    mCodes.iterator.toint() + tile_index * weight_layout.CODE_BYTES, k_tiles * self.code_bytes
+                )
+                dev.prefetch_to_l2(
+                    mScales.iterator.toint() + tile_index * weight_layout.SCALE_BYTES, k_tiles * self.scale_bytes
+                )
 
     def item_count(self, mTileExpert):
         """Work items: one per (plan tile, feature block, K slice), from the host-static worst-case tile
@@ -606,13 +650,36 @@ class MoEGemmSm90:
     def mainloop(self, variant, iteration, fragments, tCrB, full, empty, codes_smem, scales_smem):
         """The k loop of one item with one `variant` (its `wgmma` and the accumulator prefix it
         computes), to the completion of its last `wgmma`. The variant is static and no `wgmma` is in
-        flight where the variants' branches meet: ptxas serializes every `wgmma` otherwise."""
+        flight where the variants' branches meet: ptxas serializes every `wgmma` otherwise.
+
+        With `loads_ahead` each k step decodes words it already holds and loads the next k tile's
+        before issuing its `wgmma`s (`mma_step`): the first k tile's words are loaded before the loop,
+        and the last k step loads none (a run-time branch where it is the loop's, which keeps one copy
+        of the loop body: a peeled copy makes ptxas spill the accumulators of short K slices)."""
         stage, phase = self.stage_and_phase(iteration)
-        for k2 in cutlass.range(self.k_iterations // 2, unroll=1):
-            stage, phase = self.mma_step(variant, stage, phase, 2 * k2, fragments[0], tCrB, full, empty, codes_smem, scales_smem)
-            stage, phase = self.mma_step(variant, stage, phase, 2 * k2 + 1, fragments[1], tCrB, full, empty, codes_smem, scales_smem)
-        if const_expr(self.k_iterations % 2 == 1):
-            self.mma_step(variant, stage, phase, self.k_iterations - 1, fragments[0], tCrB, full, empty, codes_smem, scales_smem)
+        steps = self.k_iterations
+        if const_expr(self.loads_ahead):
+            cute.arch.mbarrier_wait(full + stage, phase)
+            words = self.load_words(codes_smem, scales_smem, stage)
+            for k2 in cutlass.range(steps // 2, unroll=1):
+                for j in cutlass.range_constexpr(2):
+                    # Every step has a next k tile but the pair's second at the end of an even K.
+                    stage, phase, words = self.mma_step(
+                        variant, stage, phase, 2 * k2 + j, fragments[j], tCrB, full, empty, codes_smem, scales_smem,
+                        words, True if j == 0 or steps % 2 == 1 else 2 * k2 + 2 < steps,
+                    )
+            if const_expr(steps % 2 == 1):
+                self.mma_step(
+                    variant, stage, phase, steps - 1, fragments[0], tCrB, full, empty, codes_smem, scales_smem, words, False
+                )
+        else:
+            for k2 in cutlass.range(steps // 2, unroll=1):
+                for j in cutlass.range_constexpr(2):
+                    stage, phase = self.mma_step(
+                        variant, stage, phase, 2 * k2 + j, fragments[j], tCrB, full, empty, codes_smem, scales_smem
+                    )
+            if const_expr(steps % 2 == 1):
+                self.mma_step(variant, stage, phase, steps - 1, fragments[0], tCrB, full, empty, codes_smem, scales_smem)
         warpgroup.wait_group(0)
 
     @cute.jit
@@ -631,40 +698,76 @@ class MoEGemmSm90:
         return cutlass.select_(stage == 0, Int32(self.stages - 1), stage - 1)
 
     @cute.jit
-    def mma_step(self, variant, stage, phase, k, fragment, tCrB, full, empty, codes_smem, scales_smem):
-        """k tile `k` of an item, in pipeline `stage` (barrier `phase`): wait for it, decode the A
-        fragment, issue the MMAs, release the previous k tile's stage once its MMAs are done (the
-        item's last stage is released after the final wait). The next k tile's (stage, phase)."""
-        cute.arch.mbarrier_wait(full + stage, phase)
-        self.decode(
-            fragment,
-            codes_smem + stage * (self.consumer_groups * self.code_bytes),
-            scales_smem + stage * (self.consumer_groups * self.scale_bytes),
-        )
+    def mma_step(
+        self, variant, stage, phase, k, fragment, tCrB, full, empty, codes_smem, scales_smem, words=None, load_next=False
+    ):
+        """k tile `k` of an item, in pipeline `stage` (barrier `phase`): decode the A fragment, issue
+        the MMAs, release the previous k tile's stage once its MMAs are done (the item's last stage is
+        released after the final wait). Returns the next k tile's (stage, phase).
+
+        `words`: this k tile's code and scale words, loaded by the previous step (`loads_ahead`);
+        without them the step waits for its stage and loads them itself. With `load_next` (True, or a
+        run-time condition) the step waits for the next k tile and loads its words between the decode
+        and the `wgmma`s, where their latency hides behind the MMAs' issue and the wait for the
+        previous k tile's, and returns them as well: (stage, phase, next words)."""
+        next_stage, next_phase = self.next_stage(stage, phase)
+        if const_expr(words is None):
+            cute.arch.mbarrier_wait(full + stage, phase)
+            words = self.load_words(codes_smem, scales_smem, stage)
+        self.decode_words(fragment, words)
+        next_words = None
+        if const_expr(load_next is True):
+            cute.arch.mbarrier_wait(full + next_stage, next_phase)
+            next_words = self.load_words(codes_smem, scales_smem, next_stage)
+        elif const_expr(load_next is not False):  # known at run time only: the loop's last step or not
+            next_words = words
+            if load_next:
+                cute.arch.mbarrier_wait(full + next_stage, next_phase)
+                next_words = self.load_words(codes_smem, scales_smem, next_stage)
+        self.issue_mmas(variant, fragment, tCrB, stage)
+        warpgroup.wait_group(1)
+        if k > 0:
+            cute.arch.mbarrier_arrive(empty + self.previous_stage(stage))
+        if const_expr(self.loads_ahead):
+            return next_stage, next_phase, next_words
+        return next_stage, next_phase
+
+    @cute.jit
+    def issue_mmas(self, variant, fragment, tCrB, stage):
+        """The k tile's `wgmma`s (one per 16 K) against the B tile of `stage`, committed as one group."""
         warpgroup.fence()
         variant_mma, acc = variant
         for b in cutlass.range_constexpr(self.k16_per_tile):
             cute.gemm(variant_mma, acc, fragment[None, None, b], tCrB[None, None, b, stage], acc)
         warpgroup.commit_group()
-        warpgroup.wait_group(1)
-        if k > 0:
-            cute.arch.mbarrier_arrive(empty + self.previous_stage(stage))
-        return self.next_stage(stage, phase)
+
+    def load_words(self, codes_smem, scales_smem, stage):
+        """The thread's code words and scale words of one k tile, from pipeline `stage` in shared
+        memory: per 64 K, four code words (16 bytes) and two scale words. Plain Python, run while the
+        kernel is traced."""
+        codes_address = codes_smem + stage * (self.consumer_groups * self.code_bytes)
+        scales_address = scales_smem + stage * (self.consumer_groups * self.scale_bytes)
+        return [
+            (
+                dev.load_shared_v4(codes_address + kk * weight_layout.CODE_BYTES),
+                dev.load_shared_v2(scales_address + kk * weight_layout.SCALE_BYTES),
+            )
+            for kk in range(self.k64_per_tile)
+        ]
 
     @cute.jit
-    def decode(self, fragment, codes_address, scales_address):
-        """The thread's A fragment of one k tile from the prepared words in shared memory."""
-        words = cute.recast_tensor(fragment, Uint32)
+    def decode_words(self, fragment, words):
+        """The thread's A fragment of one k tile from its code and scale words (`load_words`)."""
+        fragment_words = cute.recast_tensor(fragment, Uint32)
         for kk in cutlass.range_constexpr(self.k64_per_tile):
-            codes = dev.load_shared_v4(codes_address + kk * weight_layout.CODE_BYTES)
-            scales = dev.load_shared_v2(scales_address + kk * weight_layout.SCALE_BYTES)
+            codes, scales = words[kk]
             for b in cutlass.range_constexpr(4):
                 scale = dev.expand_scale_pair(scales[b // 2], b % 2 == 1)
                 kb = kk * 4 + b
-                words[(0, 0, 0), 0, kb] = dev.scale_pair(dev.decode_pair(codes[b], 0), scale, False)
-                words[(0, 1, 0), 0, kb] = dev.scale_pair(dev.decode_pair(codes[b], 1), scale, True)
-                words[(0, 0, 1), 0, kb] = dev.scale_pair(dev.decode_pair(codes[b], 2), scale, False)
-                words[(0, 1, 1), 0, kb] = dev.scale_pair(dev.decode_pair(codes[b], 3), scale, True)
+                fragment_words[(0, 0, 0), 0, kb] = dev.scale_pair(dev.decode_pair(codes[b], 0), scale, False)
+                fragment_words[(0, 1, 0), 0, kb] = dev.scale_pair(dev.decode_pair(codes[b], 1), scale, True)
+                fragment_words[(0, 0, 1), 0, kb] = dev.scale_pair(dev.decode_pair(codes[b], 2), scale, False)
+                fragment_words[(0, 1, 1), 0, kb] = dev.scale_pair(dev.decode_pair(codes[b], 3), scale, True)
 
     # -----------------------------------------------------------------------------------------------
     # Epilogues
