@@ -66,6 +66,18 @@ def _fused_moe_variants():
 
 
 GEMM_VARIANTS += _fused_moe_variants()
+
+
+def test_decode_tiles_take_256_features_where_they_fill_the_sms():
+    """`GemmShape`: decode tiles of DeepSeek-V3 take one CTA of 256 features per SM from T = 1 on (GEMM1:
+    128 items of 132 SMs), while GLM's GEMM1 at T = 1 (32 such items) keeps two CTAs of 64 features."""
+    shape = moe_launch.GemmShape
+    for prepared in ((256, 64, 112, 2048), (256, 112, 32, 2048)):
+        wide = shape(prepared, 8, moe_launch.expected_tiles(8, 256, 8), 132)
+        assert (wide.tile_features, wide.ctas_per_sm, wide.max_ctas) == (256, 1, 132)
+    glm = shape((256, 16, 96, 2048), 8, moe_launch.expected_tiles(8, 256, 8), 132)
+    assert (glm.tile_features, glm.ctas_per_sm) == (64, 2)
+    assert shape((256, 64, 112, 2048), 16, moe_launch.expected_tiles(1024, 256, 16), 132).tile_features == 128
 PLAN_VARIANTS = [(256, 8, 7168), (32, 128, None)]
 DECODE_VARIANTS = [7168, 2048, 272]
 ALIGNED_PLAN_VARIANTS = [(256, 8), (16, 64)]

@@ -245,6 +245,22 @@ def test_split_k_gemm2_matches_the_loop_reference(tokens):
     assert_moe_close(run_prepared(p), loop_reference(p))
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_wide_decode_tiles_match_the_loop_reference(mode, deterministic):
+    # Enough experts and features that both GEMMs take 256 features per CTA (one CTA per SM).
+    from fp4moe.kernels.sm90 import moe_launch
+
+    p = make_problem(tokens=16, hidden=1024, intermediate=512, num_experts=64, top_k=8, mode=mode, device="cuda",
+                     seed=40, deterministic=deterministic)
+    w = p.weights.prepared()
+    tile = dispatch.moe_tile_m(16, 8, 64)
+    expected = moe_launch.expected_tiles(16 * 8, 64, tile)
+    for weights in (w.w1, w.w2):
+        assert moe_launch.GemmShape(weights.shape, tile, expected, moe_launch.sm_count(0)).tile_features == 256
+    assert_moe_close(run_prepared(p), loop_reference(p))
+
+
 def test_skewed_routing_all_tokens_on_one_expert_and_every_expert_once():
     p = make_problem(tokens=300, top_k=2, num_experts=8, hidden=128, intermediate=64, mode="w4a16", device="cuda", seed=7)
     p.topk_ids[:, 0] = 5

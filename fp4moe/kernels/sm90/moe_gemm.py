@@ -53,9 +53,9 @@ EPILOGUE_ROWS = 32
 """Plan rows whose pairs and router weights the epilogue loads at once, by default: each chunk waits
 for its loads (two dependent round trips with router weights) before its stores, and holds one
 register per row and load while it stores. `MoEGemmSm90(epilogue_rows=...)` takes others."""
-EXCHANGE_BARRIER = 3
-"""First named barrier of the SwiGLU NVFP4 epilogue's warp pairs (`3 + 2 * group + pair`): 0 is the
-CTA's, 1 and 2 the consumer groups' `warpgroup_any`."""
+EXCHANGE_BARRIER = 5
+"""First named barrier of the SwiGLU NVFP4 epilogue's warp pairs (`5 + 2 * group + pair`): 0 is the
+CTA's, 1 to 4 the consumer groups' `warpgroup_any`."""
 EARLY_ROWS_TILE_ROWS = 16
 """Tiles of at most this many rows (decode) load their epilogue's plan entries and router weights
 before the MMAs, which hide the loads' latency; larger tiles would hold too many registers. Their rows
@@ -154,7 +154,9 @@ class MoEGemmSm90:
     - warpgroups 1.. — consumers, one 64-row block of features each. Per k tile: wait on `full`, load
       the thread's code words (16 bytes per 64 K) and scales (8 bytes) from shared memory, decode them
       into the A fragment (`gemm_device`), `wgmma` RS against the B tile, commit; wait for the previous
-      k tile's `wgmma` and release its stage (`empty`, one arrival per thread). A fragments alternate
+      k tile's `wgmma` and release its stage (`empty`, one arrival per thread). Tiles of up to
+      `LOADS_AHEAD_TILE_ROWS` rows load the next k tile's words before this one's `wgmma`s instead of
+      after its wait on `full`, so the decode never waits for shared memory. A fragments alternate
       between two register sets (k tiles unrolled by two) so decoding tile k + 1 overlaps the
       tensor-core work of tile k. An item's MMAs cover its rows up to the last `row_granule` rows that
       hold a pair, as one `wgmma` of that many rows per 16 K (`used_row_granules`, `mainloop`): the
@@ -163,6 +165,9 @@ class MoEGemmSm90:
 
     Epilogue (consumers, straight from the accumulators): the FP32 accumulator times
     `alpha[e] * 2^8` (the decode's `2^-8`, `gemm_device`), then per `epilogue`.
+
+    GEMM2's thread 0 prefetches its first item's weights into L2 before waiting for GEMM1
+    (`prefetch_first_item`), so that the weight stream continues across the two launches.
     """
 
     def __init__(
@@ -197,7 +202,7 @@ class MoEGemmSm90:
         output_scaled: bool = False,
     ):
         assert epilogue in EPILOGUES
-        assert tile_features in (64, 128) and prepared_rows % tile_features == 0
+        assert tile_features in (64, 128, 256) and prepared_rows % tile_features == 0
         assert tile_k in (64, 128) and prepared_k % tile_k == 0 and act_k <= prepared_k
         assert tile_rows % 8 == 0 and 8 <= tile_rows <= 256
         assert tile_rows % row_granule == 0 and row_granule % 8 == 0

@@ -56,6 +56,13 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 ZERO_CTAS_PER_SM = 4
+WIDE_DECODE_TILE_ROWS = 8
+"""Decode tiles (at most this many rows) take 256 features per CTA, one CTA per SM, when that keeps
+the SMs busy (`WIDE_DECODE_FILL`): faster than two CTAs of 128 features per SM at T = 1-32 on
+DeepSeek-V3 and at T = 8 on GLM (runs log)."""
+WIDE_DECODE_FILL = 15 / 16
+"""The share of the SMs that 256-feature decode tiles must give an item (DeepSeek-V3's GEMM1 at T = 1:
+128 items on 132 SMs, still faster than 256 items of 128 features at two CTAs per SM)."""
 TWO_CTA_TILE_ROWS = 32
 """Plan tiles of at most this many rows run two CTAs per SM (small accumulators, few registers)."""
 
@@ -139,6 +146,11 @@ class GemmShape:
         self.ctas_per_sm = 2 if tile_rows <= TWO_CTA_TILE_ROWS else 1
         # 128 features per CTA (more bytes per barrier and per activation tile) unless that leaves SMs idle.
         self.tile_features = 128 if (row_blocks // 2) * expected_tiles >= sms else 64
+        wide_items = (row_blocks // 4) * expected_tiles
+        if tile_rows <= WIDE_DECODE_TILE_ROWS and row_blocks % 4 == 0 and wide_items >= sms * WIDE_DECODE_FILL:
+            # One CTA of four consumer groups per SM: half the producers of two CTAs of two, each
+            # activation tile shared by four groups, and 112 registers per consumer instead of 104.
+            self.tile_features, self.ctas_per_sm = 256, 1
         # A 192-row activation tile at 128 K would leave room for four stages only.
         self.tile_k = 64 if tile_rows > 128 else 128
         self.stages = pipeline_stages(self.tile_features, tile_rows, self.tile_k, self.ctas_per_sm)
