@@ -91,9 +91,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="flush the L2 between replays, outside the timing (CUDA only; default on)",
     )
     parser.add_argument(
-        "--l2-flush", choices=L2_FLUSHES, default="write",
-        help="how the cold-L2 flush evicts: write a buffer (dirty lines, whose write-back the next replay "
-        "pays) or read it (clean lines); default write",
+        "--l2-flush", choices=L2_FLUSHES, default="read",
+        help="how the cold-L2 flush evicts: read a buffer (clean lines, as a decode step's earlier kernels "
+        "mostly leave) or write it (dirty lines, whose write-back the next replay pays); default read",
     )
     parser.add_argument(
         "--out-dir", type=Path,

@@ -65,7 +65,7 @@ def test_smoke_run_measures_every_implementation(smoke_run):
     assert "--smoke" in env["command"] and env["torch"] == torch.__version__ and env["date"]
     assert env["fp4moe_source_sha256"] == provenance.source_digest()  # names the code without git
     assert results["config"]["cold_l2_applied"] is on_gpu
-    assert results["config"]["l2_flush"] == ("write" if on_gpu else None)  # the default, where it applies
+    assert results["config"]["l2_flush"] == ("read" if on_gpu else None)  # the default, where it applies
 
     assert [s["shape"]["name"] for s in results["shapes"]] == ["smoke", "smoke_ep"]
     cells = 0
