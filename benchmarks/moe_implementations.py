@@ -180,7 +180,10 @@ register(
     Implementation(
         name="aligned_moe",
         build=build_aligned_moe,
-        dispatch=lambda case: {"backend": dispatch.device_backend(case.x.device), "block_m": aligned_block_m(case.num_tokens, case.problem.shape)},
+        dispatch=lambda case: {
+            "backend": dispatch.device_backend(case.x.device),
+            "block_m": aligned_block_m(case.num_tokens, case.problem.shape),
+        },
         expected=ALIGNED_MOE,
         tolerance=FUSED_MOE_TOLERANCE,
     )

@@ -103,15 +103,16 @@ def main(argv=None) -> int:
         for name in args.shapes:
             for tokens in args.tokens:
                 for implementation in args.impls:
+                    cell = f"{name} T={tokens} {implementation}"
                     start, before = time.perf_counter(), compiler.compilations
                     try:
                         compile_cell(SHAPES[name], tokens, implementation)
                     except Exception as error:  # one cell that does not compile must not stop the rest
                         failed += 1
-                        print(f"{name} T={tokens} {implementation}: FAILED ({type(error).__name__}: {error})", flush=True)
+                        print(f"{cell}: FAILED ({type(error).__name__}: {error})", flush=True)
                         continue
-                    compiled = compiler.compilations - before
-                    print(f"{name} T={tokens} {implementation}: {compiled} compiled ({time.perf_counter() - start:.1f} s)", flush=True)
+                    seconds = time.perf_counter() - start
+                    print(f"{cell}: {compiler.compilations - before} compiled ({seconds:.1f} s)", flush=True)
     return 1 if failed else 0
 
 

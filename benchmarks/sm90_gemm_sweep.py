@@ -44,18 +44,29 @@ def ctas_per_sm_choices(tile_rows: int) -> tuple[int, ...]:
     return (1, 2) if tile_rows <= moe_launch.TWO_CTA_TILE_ROWS else (1,)
 
 
+def features_choices(default: moe_launch.GemmShape) -> tuple[int, ...]:
+    """Features per CTA to try: 64 and 128, and for decode tiles (`moe_launch.WIDE_DECODE_TILE_ROWS`)
+    of weights whose rows divide into them, 256 (one CTA of four consumer groups per SM)."""
+    wide = default.tile_rows <= moe_launch.WIDE_DECODE_TILE_ROWS and default.prepared_rows % 256 == 0
+    return (64, 128, 256) if wide else (64, 128)
+
+
 def configurations(default: moe_launch.GemmShape, default_k_splits: int | None = None) -> list[tuple]:
-    """(shape key, K slices, epilogue rows): `default`'s, then those around it: features per CTA, CTAs
-    per SM (`ctas_per_sm_choices`), K per k tile, row granule (the default's, 32, 64 or the whole
-    tile); stages: as many as fit. Then the default key with the epilogue's other row chunks (64 or
-    the whole tile) and, with `default_k_splits` (the fused GEMM2, which can split K), at every other
-    slice count that divides its k tiles; else K is never split."""
+    """(shape key, K slices, epilogue rows): `default`'s, then those around it: features per CTA
+    (`features_choices`), CTAs per SM (`ctas_per_sm_choices`), K per k tile, row granule (the
+    default's, 32, 64 or the whole tile); stages: as many as fit. Then the default key with the
+    epilogue's other row chunks (64 or the whole tile) and, with `default_k_splits` (the fused GEMM2,
+    which can split K), at every other slice count that divides its k tiles; else K is never split."""
     rows = default.tile_rows
     granules = sorted({g for g in (default.row_granule, 32, 64, rows) if g <= rows and rows % g == 0})
     epilogue_rows = min(rows, EPILOGUE_ROWS)
     first = (default.key(), default_k_splits or 1, epilogue_rows)
     configs = []
-    for features, ctas, tile_k, granule in itertools.product((64, 128), ctas_per_sm_choices(rows), (64, 128), granules):
+    for features, ctas, tile_k, granule in itertools.product(
+        features_choices(default), ctas_per_sm_choices(rows), (64, 128), granules
+    ):
+        if features == 256 and ctas > 1:  # four consumer groups take one CTA's share of an SM
+            continue
         stages = pipeline_stages(features, rows, tile_k, ctas)
         k_splits = first[1] if (default.prepared_k // tile_k) % first[1] == 0 else 1
         configs.append(((
