@@ -50,17 +50,8 @@ from fp4moe.kernels.sm90.moe_gemm import MoEGemmSm90
 class NoDecode(MoEGemmSm90):
     """The code words and scales loaded from shared memory, stored into the fragment undecoded."""
 
-    @cute.jit
-    def decode_words(self, fragment, words):
-        fragment_words = cute.recast_tensor(fragment, Uint32)
-        for kk in cutlass.range_constexpr(self.k64_per_tile):
-            codes, scales = words[kk]
-            for b in cutlass.range_constexpr(4):
-                kb = kk * 4 + b
-                fragment_words[(0, 0, 0), 0, kb] = codes[b] ^ scales[b // 2]
-                fragment_words[(0, 1, 0), 0, kb] = codes[b]
-                fragment_words[(0, 0, 1), 0, kb] = codes[b] >> 1
-                fragment_words[(0, 1, 1), 0, kb] = codes[b] >> 2
+    def word_pairs(self, code, scales, b):
+        return [code ^ scales[b // 2], code, code >> 1, code >> 2]
 
 
 class NoMma(MoEGemmSm90):

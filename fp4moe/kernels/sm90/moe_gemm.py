@@ -762,17 +762,21 @@ class MoEGemmSm90:
 
     @cute.jit
     def decode_words(self, fragment, words):
-        """The thread's A fragment of one k tile from its code and scale words (`load_words`)."""
+        """The thread's A fragment of one k tile from its code and scale words (`load_words`): code word
+        `b` of each 64 K gives the four bf16 pairs of k16 step `b` (`word_pairs`)."""
         fragment_words = cute.recast_tensor(fragment, Uint32)
         for kk in cutlass.range_constexpr(self.k64_per_tile):
             codes, scales = words[kk]
             for b in cutlass.range_constexpr(4):
-                scale = dev.expand_scale_pair(scales[b // 2], b % 2 == 1)
-                kb = kk * 4 + b
-                fragment_words[(0, 0, 0), 0, kb] = dev.scale_pair(dev.decode_pair(codes[b], 0), scale, False)
-                fragment_words[(0, 1, 0), 0, kb] = dev.scale_pair(dev.decode_pair(codes[b], 1), scale, True)
-                fragment_words[(0, 0, 1), 0, kb] = dev.scale_pair(dev.decode_pair(codes[b], 2), scale, False)
-                fragment_words[(0, 1, 1), 0, kb] = dev.scale_pair(dev.decode_pair(codes[b], 3), scale, True)
+                for p, pair in enumerate(self.word_pairs(codes[b], scales, b)):
+                    fragment_words[(0, p % 2, p // 2), 0, kk * 4 + b] = pair
+
+    def word_pairs(self, code, scales, b):
+        """The four bf16 pairs of code word `b` of a 64 K slice, exactly decoded and scaled: pairs 0 and 2
+        take row g's scale, 1 and 3 row g + 8's (the low and high lanes of `expand_scale_pair`). Plain
+        Python, run while the kernel is traced."""
+        scale = dev.expand_scale_pair(scales[b // 2], b % 2 == 1)
+        return [dev.scale_pair(dev.decode_pair(code, p), scale, p % 2 == 1) for p in range(4)]
 
     # -----------------------------------------------------------------------------------------------
     # Epilogues
