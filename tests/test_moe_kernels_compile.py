@@ -58,9 +58,12 @@ def _fused_moe_variants():
         tile = dispatch.moe_tile_m(tokens, 8, 256)
         expected = moe_launch.expected_tiles(tokens * 8, 256, tile)
         gemm1 = moe_launch.GemmShape((256, 64, 112, 2048), tile, expected, 132).key()
-        gemm2 = moe_launch.GemmShape((256, 112, 32, 2048), tile, expected, 132).key()
+        gemm2 = moe_launch.GemmShape((256, 112, 32, 2048), tile, expected, 132)
+        splits = moe_launch.fused_gemm2_k_splits(gemm2)
         variants.append(("gemm1", gemm1, 7168, 2048, 8, "swiglu", (None, None, None), False))
-        variants.append(("gemm2_fused", gemm2, 2048, 7168, 8, "none", (None, None, None), True))
+        variants.append(
+            ("gemm2_fused", gemm2.key(), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, splits)
+        )
     assert sorted({key[4] for _, key, *_ in variants}) == list(dispatch.MOE_TILE_M_CHOICES)
     return variants
 
@@ -78,6 +81,26 @@ def test_decode_tiles_take_256_features_where_they_fill_the_sms():
     glm = shape((256, 16, 96, 2048), 8, moe_launch.expected_tiles(8, 256, 8), 132)
     assert (glm.tile_features, glm.ctas_per_sm) == (64, 2)
     assert shape((256, 64, 112, 2048), 16, moe_launch.expected_tiles(1024, 256, 16), 132).tile_features == 128
+
+
+def test_fused_gemm2_splits_k_until_its_waves_are_balanced():
+    """`fused_gemm2_k_splits`: DeepSeek-V3's GEMM2 at T = 1 (224 items of 256 features on 132 SMs: two
+    waves, the second 70% full) takes four slices of K (seven waves, the last 79% full), at T = 2 two;
+    from T = 4 its items are balanced whole; every choice divides the k tiles."""
+    def splits(prepared, tokens, top_k=8, experts=256, sms=132):
+        tile = dispatch.moe_tile_m(tokens, top_k, experts)
+        shape = moe_launch.GemmShape(prepared, tile, moe_launch.expected_tiles(tokens * top_k, experts, tile), sms)
+        chosen = moe_launch.fused_gemm2_k_splits(shape)
+        assert (shape.prepared_k // shape.tile_k) % chosen == 0
+        return chosen
+
+    deepseek = (256, 112, 32, 2048)
+    assert [splits(deepseek, t) for t in (1, 2, 4, 8, 64, 4096)] == [4, 2, 1, 1, 1, 1]
+    assert moe_launch.wave_efficiency(224 * 4, 132) >= moe_launch.WAVE_BALANCE > moe_launch.wave_efficiency(224, 132)
+    # GLM (H = 6144, I = 512): 192 items at T = 1, two slices.
+    assert splits((256, 96, 8, 2048), 1) == 2
+
+
 PLAN_VARIANTS = [(256, 8, 7168), (32, 128, None)]
 DECODE_VARIANTS = [7168, 2048, 272]
 ALIGNED_PLAN_VARIANTS = [(256, 8), (16, 64)]

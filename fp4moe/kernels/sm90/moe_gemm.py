@@ -167,7 +167,7 @@ class MoEGemmSm90:
     `alpha[e] * 2^8` (the decode's `2^-8`, `gemm_device`), then per `epilogue`.
 
     GEMM2's thread 0 prefetches its first item's weights into L2 before waiting for GEMM1
-    (`prefetch_first_item`), so that the weight stream continues across the two launches.
+    (`prefetch_first_items`), so that the weight stream continues across the two launches.
     """
 
     def __init__(
@@ -343,7 +343,7 @@ class MoEGemmSm90:
         cute.arch.sync_threads()
         if const_expr(self.prefetches_weights):
             if tidx == 0:
-                self.prefetch_first_item(mCodes, mScales, mTileExpert)
+                self.prefetch_first_items(mTileExpert, mCodes, mScales)
         wait_for_predecessor_and_release_successor()
         num_pairs = self.pair_count(mAct, mOut)
         if group == 0:
@@ -361,24 +361,30 @@ class MoEGemmSm90:
             )
 
     @cute.jit
-    def prefetch_first_item(self, mCodes, mScales, mTileExpert):
+    def prefetch_first_items(self, mTileExpert, mCodes, mScales):
         """GEMM2, before it waits for its predecessor (GEMM1, whose last wave it may overlap through
-        PDL): the weights of the CTA's first item's first `stages` k tiles into L2, so that the weight
-        stream does not stop between the two GEMMs. The plan was written a launch before GEMM1 and is
-        complete by the time GEMM2 starts; a plan read too early (a caller launching GEMM2 right after
-        the plan) only prefetches other bytes, as the prefetch is a hint and nothing computes with it."""
-        _, feature_block, expert, k_first = self.item_expert(mTileExpert, cute.arch.block_idx()[0])
-        if expert >= 0:
-            k_tiles = min(self.stages, self.k_iterations)
-            for g in cutlass.range_constexpr(self.consumer_groups):
-                block = expert * self.row_blocks + feature_block * self.consumer_groups + g
-                tile_index = Int64(block * self.k_tiles64 + k_first * self.k64_per_tile)
-                dev.prefetch_to_l2(
-                    mCodes.iterator.toint() + tile_index * weight_layout.CODE_BYTES, k_tiles * self.code_bytes
-                )
-                dev.prefetch_to_l2(
-                    mScales.iterator.toint() + tile_index * weight_layout.SCALE_BYTES, k_tiles * self.scale_bytes
-                )
+        PDL): the weights of the CTA's first `stages` k tiles (its first item's, and the next items'
+        where items are shorter: split K) into L2, so that the weight stream does not stop between the
+        two GEMMs. The plan was written a launch before GEMM1 and is complete by the time GEMM2 starts;
+        a plan read too early (a caller launching GEMM2 right after the plan) only prefetches other
+        bytes, as the prefetch is a hint and nothing computes with it."""
+        first, end, step = self.item_bounds(mTileExpert)
+        for i in cutlass.range_constexpr(-(-self.stages // self.k_iterations)):
+            item = first + i * step
+            k_tiles = min(self.k_iterations, self.stages - i * self.k_iterations)
+            if item < end:
+                _, feature_block, expert, k_first = self.item_expert(mTileExpert, item)
+                if expert >= 0:
+                    for g in cutlass.range_constexpr(self.consumer_groups):
+                        block = expert * self.row_blocks + feature_block * self.consumer_groups + g
+                        tile_index = Int64(block * self.k_tiles64 + k_first * self.k64_per_tile)
+                        dev.prefetch_to_l2(
+                            mCodes.iterator.toint() + tile_index * weight_layout.CODE_BYTES, k_tiles * self.code_bytes
+                        )
+                        dev.prefetch_to_l2(
+                            mScales.iterator.toint() + tile_index * weight_layout.SCALE_BYTES,
+                            k_tiles * self.scale_bytes,
+                        )
 
     def item_count(self, mTileExpert):
         """Work items: one per (plan tile, feature block, K slice), from the host-static worst-case tile

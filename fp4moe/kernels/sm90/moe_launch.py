@@ -218,21 +218,30 @@ def compile_gemm(
 
 
 MAX_K_SPLITS = 8
+WAVE_BALANCE = 0.9
+"""The fused GEMM2 splits K further while its items leave more than a tenth of its last wave's CTA
+slots idle: the items are alike, so a call takes as long as its fullest wave count (DeepSeek-V3 at
+T = 1: 224 items on 132 SMs run two waves of which the second is 70% full; four slices make 896 items,
+seven waves of which the last is 79% full)."""
+
+
+def wave_efficiency(items: int, slots: int) -> float:
+    """The busy share of `slots` CTA slots over the waves that `items` equal work items take."""
+    return items / (-(-items // slots) * slots)
 
 
 def fused_gemm2_k_splits(shape: GemmShape) -> int:
-    """Slices of K for the fused GEMM2 (split-K): 1 when the expected items fill the CTA slots, else
-    the fewest that do (a divisor of the k tiles, at most `MAX_K_SPLITS`; the most when none does).
-    Each slice adds its partial sums into the FP32 accumulator, as whole items do."""
+    """Slices of K for the fused GEMM2 (split-K): the fewest (a divisor of the k tiles, at most
+    `MAX_K_SPLITS`) whose expected items fill the CTA slots with a wave efficiency of at least
+    `WAVE_BALANCE`; else the fewest that fill them; the most when none does. Each slice adds its
+    partial sums into the FP32 accumulator, as whole items do, so a slice costs a second reduction
+    of the item's rows: at decode, where this applies, that is a few rows."""
     items = shape.expected_tiles * (shape.prepared_rows // shape.tile_features)
     k_tiles = shape.prepared_k // shape.tile_k
-    splits = 1
-    for s in range(1, MAX_K_SPLITS + 1):
-        if k_tiles % s == 0:
-            splits = s
-            if items * s >= shape.max_ctas:
-                break
-    return splits
+    divisors = [s for s in range(1, MAX_K_SPLITS + 1) if k_tiles % s == 0]
+    filling = [s for s in divisors if items * s >= shape.max_ctas]
+    balanced = [s for s in filling if wave_efficiency(items * s, shape.max_ctas) >= WAVE_BALANCE]
+    return (balanced or filling or divisors[-1:])[0]
 
 
 def expected_tiles(num_pairs: int, num_local_experts: int, tile_rows: int) -> int:
