@@ -19,6 +19,7 @@ and the ops launch from Python.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import sys
@@ -60,8 +61,12 @@ def contract() -> dict:
 
 
 def build_directory() -> Path:
+    """Where the extension is built: one folder per launcher source, torch version and Python ABI, so that
+    checkouts with different sources (a worktree beside the main one) neither rebuild each other's
+    extension nor load one whose functions do not match their Python side."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-    return root / f"{NAME}-torch{torch.__version__}-{sysconfig.get_config_var('SOABI')}"
+    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    return root / f"{NAME}-{source}-torch{torch.__version__}-{sysconfig.get_config_var('SOABI')}"
 
 
 @functools.cache
