@@ -1,33 +1,84 @@
 """Output allocation of the functional ops, shared by the real implementations and the fakes.
 
 One allocator per op, so that a fake can never drift from what the op really returns.
+
+The quantization ops' outputs are defined as rules (`OutputRule`: a dtype, and per dimension a fixed
+size or a multiple of the input's row count, `RowGroups`), the one definition of their shapes and
+dtypes: `allocate` applies them for the Python implementations and the fakes, and the sm90 launch layer
+hands them to the C++ host launcher with every kernel it registers, whose fast path allocates by them
+(`fp4moe.kernels.host_launcher`).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from fp4moe.nvfp4 import BLOCK_SIZE, ceil_div, swizzled_shape
+from fp4moe.nvfp4 import BLOCK_SIZE, SWIZZLE_COLS, SWIZZLE_ROWS, ceil_div, round_up
 from fp4moe.validation import AUX_AMAX_ROW_GROUP, moe_plan_sizes, route_plan_capacity
 
 
-def block_scales_shape(rows: int, k: int, sf_layout: str) -> tuple[int, int]:
+class RowGroups(NamedTuple):
+    """A dimension of `size` entries per started group of `group` rows of the op's input:
+    ceil(rows / group) * size."""
+
+    group: int
+    size: int
+
+
+ROWS = RowGroups(1, 1)
+"""A dimension of one entry per input row."""
+
+
+class OutputRule(NamedTuple):
+    """How an op allocates one output from its [rows, ...] input: the dtype and, per dimension, a fixed
+    size or `RowGroups` of the input's rows."""
+
+    dtype: torch.dtype
+    shape: tuple[int | RowGroups, ...]
+
+
+def dimension(size: int | RowGroups, rows):
+    """One dimension of an `OutputRule` for an input of `rows` rows (an int or a SymInt)."""
+    return ceil_div(rows, size.group) * size.size if isinstance(size, RowGroups) else size
+
+
+def allocate(rules: tuple[OutputRule, ...], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The outputs `rules` describe for the input `like` (its rows, device; uninitialised)."""
+    rows = like.shape[0]
+    return tuple(like.new_empty([dimension(size, rows) for size in rule.shape], dtype=rule.dtype) for rule in rules)
+
+
+def quantize_rules(k: int, sf_layout: str) -> tuple[OutputRule, OutputRule]:
+    """codes uint8 [M, K/2] and block scales float8_e4m3fn in `sf_layout`: linear [M, K/16], or swizzled
+    in 128x4 tiles, [round_up(M, 128), round_up(K/16, 4)] (`nvfp4.swizzled_shape`)."""
     scale_cols = k // BLOCK_SIZE
-    return swizzled_shape(rows, scale_cols) if sf_layout == "swizzled" else (rows, scale_cols)
+    if sf_layout == "swizzled":
+        scales = (RowGroups(SWIZZLE_ROWS, SWIZZLE_ROWS), round_up(scale_cols, SWIZZLE_COLS))
+    else:
+        scales = (ROWS, scale_cols)
+    return OutputRule(torch.uint8, (ROWS, k // 2)), OutputRule(torch.float8_e4m3fn, scales)
+
+
+def quantize_per_token_rules(k: int, sf_layout: str) -> tuple[OutputRule, OutputRule, OutputRule]:
+    """`quantize_rules` plus the FP32 per-token (decode) scale [M]."""
+    return *quantize_rules(k, sf_layout), OutputRule(torch.float32, (ROWS,))
+
+
+def tile_amax_rules(dtype: torch.dtype, n: int, tile_n: int) -> tuple[OutputRule]:
+    """[ceil(M/8), ceil(N/tile_n), 8] in x's dtype (the blocked-8 aux-amax layout, semantics §2.4)."""
+    return (OutputRule(dtype, (RowGroups(AUX_AMAX_ROW_GROUP, 1), ceil_div(n, tile_n), AUX_AMAX_ROW_GROUP)),)
 
 
 def quantize_outputs(x: torch.Tensor, sf_layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """codes uint8 [M, K/2] and block scales float8_e4m3fn in `sf_layout`."""
-    rows, k = x.shape
-    codes = x.new_empty((rows, k // 2), dtype=torch.uint8)
-    block_scales = x.new_empty(block_scales_shape(rows, k, sf_layout), dtype=torch.float8_e4m3fn)
-    return codes, block_scales
+    """`quantize_rules` applied to x."""
+    return allocate(quantize_rules(x.shape[1], sf_layout), x)
 
 
 def quantize_per_token_outputs(x: torch.Tensor, sf_layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`quantize_outputs` plus the FP32 per-token (decode) scale [M]."""
-    codes, block_scales = quantize_outputs(x, sf_layout)
-    return codes, block_scales, x.new_empty((x.shape[0],), dtype=torch.float32)
+    """`quantize_per_token_rules` applied to x."""
+    return allocate(quantize_per_token_rules(x.shape[1], sf_layout), x)
 
 
 def dequantize_output(codes: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -35,9 +86,9 @@ def dequantize_output(codes: torch.Tensor, out_dtype: torch.dtype) -> torch.Tens
 
 
 def tile_amax_output(x: torch.Tensor, tile_n: int) -> torch.Tensor:
-    """[ceil(M/8), ceil(N/tile_n), 8] in x's dtype (the blocked-8 aux-amax layout, semantics §2.4)."""
-    rows, cols = x.shape
-    return x.new_empty((ceil_div(rows, AUX_AMAX_ROW_GROUP), ceil_div(cols, tile_n), AUX_AMAX_ROW_GROUP))
+    """`tile_amax_rules` applied to x."""
+    (out,) = allocate(tile_amax_rules(x.dtype, x.shape[1], tile_n), x)
+    return out
 
 
 def routing_outputs(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
