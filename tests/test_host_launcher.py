@@ -1,24 +1,38 @@
 """The C++ host launcher (`fp4moe.kernels.host_launcher`): it builds, takes over the CUDA kernels of the
-quantization ops, serves repeat configurations without entering Python, and hands everything else to
-the Python kernels, with results bitwise equal to the reference either way."""
+quantization ops, allocates outputs by the rules Python hands it, files kernels under the keys of the
+calls that awaited them, serves repeat configurations without entering Python, and hands everything
+else to the Python kernels, with results bitwise equal to the reference either way."""
 
 import pytest
 import torch
+import tvm_ffi
 
 from fp4moe import nvfp4
 from fp4moe.kernels import host_launcher
 from fp4moe.kernels.sm90.quantize import MANY_ELEMENTS
 from fp4moe.nvfp4 import ceil_div
 from fp4moe.op_outputs import (
+    OutputRule,
+    RowGroups,
     quantize_outputs,
     quantize_per_token_outputs,
+    quantize_per_token_rules,
+    quantize_rules,
     tile_amax_output,
+    tile_amax_rules,
 )
 from fp4moe.reference import quantize as reference
 from tests.compare import assert_bitwise_equal
 from tests.hopper import activations, poisoned, runs_the_sm90_kernels
 
 ops = torch.ops.fp4moe
+
+
+@pytest.fixture
+def launcher():
+    if not host_launcher.install():
+        pytest.skip("the C++ host launcher is not in use")
+    return host_launcher.module()
 
 
 def test_the_launcher_builds_and_owns_the_cuda_kernels():
@@ -33,18 +47,14 @@ def test_the_launcher_builds_and_owns_the_cuda_kernels():
     assert "host_launcher.cpp" not in torch._C._dispatch_dump("fp4moe::dequantize")
 
 
-def test_the_launcher_takes_the_contract_numbers_from_python():
+def test_the_launcher_takes_the_contract_numbers_from_python(launcher):
     """The C++ side restates none of the numbers its fast paths need: `install` hands them over."""
-    if not host_launcher.install():
-        pytest.skip("the C++ host launcher is not in use")
-    assert host_launcher.module().contract() == host_launcher.contract()
+    assert launcher.contract() == host_launcher.contract()
     assert host_launcher.contract()["many_elements"] == MANY_ELEMENTS
 
 
-def test_the_native_autograd_kernels_refuse_grad_and_pass_the_rest_down():
+def test_the_native_autograd_kernels_refuse_grad_and_pass_the_rest_down(launcher):
     """Runs on the CPU: the launcher's Autograd kernels serve every device."""
-    if not host_launcher.install():
-        pytest.skip("the C++ host launcher is not in use")
     x = torch.randn(24, 64, dtype=torch.bfloat16)
     amax = ops.tile_amax(x, 32)
     slow = host_launcher.slow_path_calls()
@@ -64,11 +74,120 @@ def test_the_native_autograd_kernels_refuse_grad_and_pass_the_rest_down():
         assert_bitwise_equal(got, want, "CPU outputs through the native Autograd kernel")
 
 
-def test_kernel_keys_spell_every_static_parameter():
-    key = host_launcher.kernel_key(
-        "quantize_per_token", torch.float16, 7168, "swizzled", "mse", "aux", True, False, 56, 3
-    )
-    assert key == "quantize_per_token|float16|7168|swizzled|mse|aux|1|0|56|3"
+def shapes_and_dtypes(tensors):
+    return [(tuple(t.shape), t.dtype) for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_fast_path_allocates_what_python_allocates(launcher, dtype):
+    """The C++ side reads the rules of `op_outputs` and allocates by them exactly what the Python
+    implementations and the fakes allocate, for every row count up to 1000 and every option."""
+    for rows in range(1001):
+        for k in (16, 272, 2048, 7168):
+            x = torch.empty(rows, k, dtype=dtype, device="meta")
+            for sf_layout in nvfp4.SF_LAYOUTS:
+                got = launcher.allocate("quantize", quantize_rules(k, sf_layout), x)
+                assert shapes_and_dtypes(got) == shapes_and_dtypes(quantize_outputs(x, sf_layout)), (rows, k, sf_layout)
+                got = launcher.allocate("quantize_per_token", quantize_per_token_rules(k, sf_layout), x)
+                want = quantize_per_token_outputs(x, sf_layout)
+                assert shapes_and_dtypes(got) == shapes_and_dtypes(want), (rows, k, sf_layout)
+            for tile_n in (8, 128, 200, k):
+                got = launcher.allocate("tile_amax", tile_amax_rules(dtype, k, tile_n), x)
+                assert shapes_and_dtypes(got) == shapes_and_dtypes([tile_amax_output(x, tile_n)]), (rows, k, tile_n)
+    assert got[0].device.type == "meta", "outputs on the input's device"
+
+
+def test_rules_that_do_not_fit_the_op_are_refused(launcher):
+    x = torch.empty(4, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="quantize returns 2 tensors, got rules for 3"):
+        launcher.allocate("quantize", quantize_per_token_rules(32, "linear"), x)
+    with pytest.raises(RuntimeError, match="no DLPack dtype"):
+        launcher.allocate("tile_amax", (OutputRule(torch.float64, (1,)),), x)
+    with pytest.raises(RuntimeError, match="at least one row"):
+        launcher.allocate("tile_amax", (OutputRule(torch.float32, (RowGroups(0, 1),)),), x)
+    with pytest.raises(RuntimeError, match="negative size"):
+        launcher.allocate("tile_amax", (OutputRule(torch.float32, (-1,)),), x)
+    with pytest.raises(RuntimeError, match="serves no op dequantize"):
+        launcher.allocate("dequantize", (), x)
+
+
+def test_calls_the_fast_path_cannot_serve_go_to_python_awaiting_no_key(launcher, monkeypatch):
+    """The C++ CUDA kernels, reached here with CPU tensors (which no kernel takes), hand the call to the
+    op's Python kernel unchanged and await no key meanwhile."""
+    from fp4moe.reference import quantize as reference_backend
+
+    awaited = []
+
+    def recording(function, op):
+        def call(*args):
+            awaited.append(launcher.awaits(op))
+            return function(*args)
+
+        return call
+
+    monkeypatch.setattr(reference_backend, "tile_amax", recording(reference_backend.tile_amax, "tile_amax"))
+    monkeypatch.setattr(reference_backend, "quantize", recording(reference_backend.quantize, "quantize"))
+    cuda_kernel = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+    x = torch.randn(24, 64, dtype=torch.bfloat16)
+    slow = host_launcher.slow_path_calls()
+    amax = ops.tile_amax.default.redispatch(cuda_kernel, x, 32)
+    codes, scales = ops.quantize.default.redispatch(cuda_kernel, x, torch.ones(1), "linear", "off")
+    assert host_launcher.slow_path_calls() == slow + 2
+    assert awaited == [False, False]
+    assert_bitwise_equal(amax, reference.tile_amax(x, 32), "tile maxima from the Python kernel")
+    for got, want in zip((codes, scales), reference.quantize(x, torch.ones(1), "linear", "off"), strict=True):
+        assert_bitwise_equal(got, want, "quantize outputs from the Python kernel")
+
+
+def compiled_function():
+    """A TVM-FFI function standing in for a compiled kernel (the registry only holds it)."""
+    return tvm_ffi.convert(lambda *args: None)
+
+
+def test_a_kernel_is_filed_under_the_key_its_call_awaits_once(launcher):
+    """The fast path, finding no kernel for a call, runs the op's Python kernel with the call's key awaited
+    (`call_awaiting` does the same around any function); the launch layer's `register` files the kernel
+    it launched under that key, once, and only for that op. Keys here are never spelled by a real call."""
+    rules = quantize_rules(2048, "swizzled")
+    before = set(launcher.registered_keys())
+    assert not launcher.awaits("quantize")
+    host_launcher.register(compiled_function(), "quantize", rules)  # a launch outside any op call
+    assert set(launcher.registered_keys()) == before
+
+    def launch_twice():
+        assert launcher.awaits("quantize") and not launcher.awaits("tile_amax")
+        host_launcher.register(compiled_function(), "tile_amax", tile_amax_rules(torch.bfloat16, 64, 32))
+        host_launcher.register(compiled_function(), "quantize", rules)
+        assert not launcher.awaits("quantize"), "the key is taken by the first registration"
+        host_launcher.register(compiled_function(), "quantize", rules)
+        return "result"
+
+    assert launcher.call_awaiting("quantize", "test|filed", launch_twice) == "result"
+    assert set(launcher.registered_keys()) == before | {"test|filed"}
+    assert not launcher.awaits("quantize")
+    with pytest.raises(RuntimeError, match="no quantize call awaits a kernel"):
+        launcher.register_kernel("quantize", compiled_function().__chandle__(), rules)
+
+
+def test_a_nested_trip_awaits_its_own_key_and_a_failed_one_files_nothing(launcher):
+    rules = quantize_per_token_rules(272, "linear")
+    before = set(launcher.registered_keys())
+
+    def nested_call_without_a_key():
+        assert not launcher.awaits("quantize_per_token")
+        host_launcher.register(compiled_function(), "quantize_per_token", rules)
+
+    def outer():
+        launcher.call_awaiting("quantize_per_token", "", nested_call_without_a_key)
+        assert launcher.awaits("quantize_per_token"), "the outer key is awaited again"
+        with pytest.raises(RuntimeError, match="returns 3 tensors"):
+            host_launcher.register(compiled_function(), "quantize_per_token", rules[:2])
+        raise ValueError("the op rejected its arguments")
+
+    with pytest.raises(ValueError, match="rejected"):
+        launcher.call_awaiting("quantize_per_token", "test|failed", outer)
+    assert not launcher.awaits("quantize_per_token")
+    assert set(launcher.registered_keys()) == before
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -254,3 +373,62 @@ def test_cuda_graphs_capture_the_fast_path(hopper):
         expected = reference.quantize_per_token(x, nvfp4.DEFAULT_GLOBAL_SCALE_INV, "swizzled", "off", None, None)
         for got, want in zip(captured, expected, strict=True):
             assert_bitwise_equal(got, want, "replayed per-token outputs")
+
+
+def outputs_match(got, want, what):
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_bitwise_equal(g, w, f"{what} output {i}")
+
+
+@pytest.mark.gpu
+def test_configurations_differing_in_one_static_parameter_get_kernels_of_their_own(hopper):
+    """Keys are spelled in C++ only, so a static parameter missing from them would let a configuration
+    run another's kernel. Each configuration here differs from its op's first in one parameter the
+    launch layer compiles on (widths no other test uses, so none is filed yet): its first call goes to
+    Python and files one more key, its repeat stays in C++, and both match the reference."""
+    k, rows, many_rows = 1040, 40, ceil_div(MANY_ELEMENTS, 1040)
+    configurations = {
+        "per-token": (per_token_call("swizzled", "off", 0, False), torch.bfloat16, k, rows),
+        "per-token fp16": (per_token_call("swizzled", "off", 0, False), torch.float16, k, rows),
+        "per-token K": (per_token_call("swizzled", "off", 0, False), torch.bfloat16, k + 16, rows),
+        "per-token linear": (per_token_call("linear", "off", 0, False), torch.bfloat16, k, rows),
+        "per-token mae": (per_token_call("swizzled", "mae", 0, False), torch.bfloat16, k, rows),
+        "per-token many rows": (per_token_call("swizzled", "off", 0, False), torch.bfloat16, k, many_rows),
+        "per-token aux": (per_token_call("swizzled", "off", 80, False), torch.bfloat16, k, rows),
+        "per-token aux, other tiles": (per_token_call("swizzled", "off", 208, False), torch.bfloat16, k, rows),
+        "per-token aux + valid rows": (per_token_call("swizzled", "off", 80, True), torch.bfloat16, k, rows),
+        "quantize": (quantize_call("swizzled"), torch.bfloat16, k, rows),
+        "quantize linear": (quantize_call("linear"), torch.bfloat16, k, rows),
+        "quantize fp32": (quantize_call("swizzled"), torch.float32, k, rows),
+        "tile_amax": (tile_amax_call(80), torch.bfloat16, k, rows),
+        "tile_amax, other tiles": (tile_amax_call(208), torch.bfloat16, k, rows),
+        "tile_amax fp16": (tile_amax_call(80), torch.float16, k, rows),
+    }
+    for name, ((call, expected, _), dtype, width, count) in configurations.items():
+        keys, slow = set(host_launcher.module().registered_keys()), host_launcher.slow_path_calls()
+        x = activations(count, width, dtype, seed=len(keys))
+        outputs_match(call(x), expected(x), f"{name}, first call")
+        assert host_launcher.slow_path_calls() == slow + 1, f"{name}: its first call was served by another's kernel"
+        assert len(set(host_launcher.module().registered_keys()) - keys) == 1, name
+        x = activations(count + 8, width, dtype, seed=len(keys) + 1)  # the same class of kernels
+        outputs_match(call(x), expected(x), f"{name}, repeat")
+        assert host_launcher.slow_path_calls() == slow + 1, f"{name}: its repeat went to Python"
+
+
+@pytest.mark.gpu
+def test_a_configuration_launched_outside_the_op_is_filed_by_its_first_op_call(hopper):
+    """The launch layer's stage functions (what `fused_moe` calls) launch without an op call awaiting a
+    key, so they file nothing: the configuration's first op call goes to Python once (no compile) and
+    files it."""
+    from fp4moe.kernels.sm90 import quantize_launch
+
+    x = activations(64, 1072, torch.bfloat16, seed=12)
+    want = reference.quantize_per_token(x, nvfp4.DEFAULT_GLOBAL_SCALE_INV, "linear", "off", None, None)
+    keys = set(host_launcher.module().registered_keys())
+    outputs_match(quantize_launch.quantize_per_token(x, nvfp4.DEFAULT_GLOBAL_SCALE_INV, "linear", "off", None, None), want, "stage")
+    assert set(host_launcher.module().registered_keys()) == keys
+    slow = host_launcher.slow_path_calls()
+    for _ in range(2):
+        outputs_match(ops.quantize_per_token(x, sf_layout="linear"), want, "op")
+        assert host_launcher.slow_path_calls() == slow + 1
+    assert len(set(host_launcher.module().registered_keys()) - keys) == 1

@@ -2,15 +2,23 @@
 // tile_amax} on devices served by the CuTe DSL kernels (fp4moe/kernels/host_launcher.py builds and
 // installs it).
 //
-// A call whose configuration the Python launch layer has already launched once takes the fast path,
-// all in C++: read the static configuration off the arguments, look up the compiled TVM-FFI function
-// the Python layer registered for it, allocate the outputs with at::empty and call the function with
-// DLTensor views, on the current stream. Everything else -- first calls (which compile), inputs that
-// need a copy, empty inputs, inputs the op rejects -- goes to the op's Python implementation, which
-// validates, raises, copies and compiles exactly as without this launcher. So the fast path accepts
-// only arguments that the Python implementation has already accepted in the same static
-// configuration, and checks here the per-call facts that configuration does not fix (devices, the
-// shapes tying input_amax and the row count to x, alignment, sizes).
+// A call whose configuration has gone through the op's Python kernel once takes the fast path, all in
+// C++: read the static configuration off the arguments and spell its key, look up the compiled TVM-FFI
+// function filed under that key, allocate the outputs with at::empty by the rules filed with it and call
+// the function with DLTensor views, on the current stream. Everything else -- first calls (which
+// compile), inputs that need a copy, empty inputs, inputs the op rejects -- goes to the op's Python
+// implementation, which validates, raises, copies and compiles exactly as without this launcher. So the
+// fast path accepts only arguments that the Python implementation has already accepted in the same
+// static configuration, and checks here the per-call facts that configuration does not fix (devices,
+// the shapes tying input_amax and the row count to x, alignment, sizes).
+//
+// What it knows of the ops' contract comes from Python: the numbers its checks need at `install`
+// (host_launcher.contract()), and with each kernel the rules of the op's outputs (fp4moe.op_outputs).
+// Keys are spelled here only. A call that finds no kernel under its key awaits that key while it runs
+// the op's Python kernel; the Python launch layer, having launched the kernel of that call, files it
+// under the awaited key (`register_kernel`). So a key needs no counterpart in Python, but must tell apart
+// every configuration the launch layer compiles apart: a parameter missing from it would let two
+// configurations share one kernel.
 //
 // It also takes over the ops' Autograd kernels (the inference-only guard), so that a call in grad
 // mode does not enter Python either. The Python kernels are reached through the callables given to
@@ -23,11 +31,13 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 #include <tvm/ffi/c_api.h>
 #include <tvm/ffi/extra/c_env_api.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
@@ -36,19 +46,17 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include <string_view>
 #include <tuple>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 namespace fp4moe {
 namespace {
 
-// The numbers of the ops' contract the fast paths need. Python defines each of them once and hands
-// them over at `install` (host_launcher.contract() names where each comes from); none is restated here.
+// The numbers of the ops' contract the fast paths' checks need. Python defines each of them once and
+// hands them over at `install` (host_launcher.contract() names where each comes from); none is restated here.
 struct Contract {
-  int64_t block_size = 0;      // NVFP4 block
-  int64_t swizzle_rows = 0;    // swizzled scale layout: rows and columns are padded to these
-  int64_t swizzle_cols = 0;
   int64_t amax_row_group = 0;  // rows per entry group of the blocked aux-amax layout
   int64_t vector_bytes = 0;    // activation rows are read this many bytes at a time
   int64_t max_elements = 0;    // the kernels index with 32-bit integers
@@ -61,58 +69,191 @@ struct Contract {
 Contract contract;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
 // ---------------------------------------------------------------------------------------------
-// Registry of compiled functions, keyed like `host_launcher.kernel_key` in Python.
+// The ops, in the order of host_launcher.OPS (the order `install` takes their Python kernels in).
 
-std::mutex registry_mutex;
-std::unordered_map<std::string, TVMFFIObjectHandle> registry;
+enum Op { kQuantize, kQuantizePerToken, kTileAmax, kNumOps };
+constexpr const char* kOpNames[kNumOps] = {"quantize", "quantize_per_token", "tile_amax"};
+
+Op op_named(const std::string& name) {
+  for (int op = 0; op < kNumOps; ++op) {
+    if (name == kOpNames[op]) return static_cast<Op>(op);
+  }
+  TORCH_CHECK(false, "fp4moe host launcher: it serves no op ", name);
+}
+
+std::string qualified_name(Op op) { return std::string("fp4moe::") + kOpNames[op]; }
+
+// How many tensors the op returns, read off its schema.
+size_t output_count(Op op) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(qualified_name(op).c_str(), "").schema().returns().size();
+}
+
+DLDataType dl_dtype(c10::ScalarType type) {
+  switch (type) {
+    case c10::ScalarType::BFloat16: return {kDLBfloat, 16, 1};
+    case c10::ScalarType::Half: return {kDLFloat, 16, 1};
+    case c10::ScalarType::Float: return {kDLFloat, 32, 1};
+    case c10::ScalarType::Byte: return {kDLUInt, 8, 1};
+    case c10::ScalarType::Int: return {kDLInt, 32, 1};
+    case c10::ScalarType::Float8_e4m3fn: return {kDLFloat8_e4m3fn, 8, 1};
+    default: TORCH_CHECK(false, "fp4moe host launcher: no DLPack dtype for ", type);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Output rules (op_outputs.OutputRule): how the fast path allocates an op's outputs from its input.
+
+// One dimension: `size` entries per started group of `group` input rows (op_outputs.RowGroups), or
+// `size` itself where `group` is 0 (a fixed size).
+struct Dimension {
+  int64_t group;
+  int64_t size;
+};
+
+struct OutputRule {
+  c10::ScalarType dtype;
+  c10::SmallVector<Dimension, 3> shape;
+};
+
+using OutputRules = std::vector<OutputRule>;
+
+// The rules of `op`'s outputs from their Python form: a sequence of (dtype, shape) with each dimension
+// an int or a (group, size) pair. Checks them against the op: one rule per returned tensor, dtypes the
+// kernels take, sizes that cannot be negative.
+OutputRules output_rules(Op op, const py::sequence& rules) {
+  const size_t count = output_count(op);
+  TORCH_CHECK(rules.size() == count, "fp4moe host launcher: ", kOpNames[op], " returns ", count,
+              " tensors, got rules for ", rules.size());
+  OutputRules result;
+  for (const py::handle item : rules) {
+    const auto rule = item.cast<py::tuple>();
+    TORCH_CHECK(rule.size() == 2 && THPDtype_Check(rule[0].ptr()),
+                "fp4moe host launcher: an output rule is (dtype, shape), got ", py::str(item).cast<std::string>());
+    OutputRule output{reinterpret_cast<THPDtype*>(rule[0].ptr())->scalar_type, {}};
+    dl_dtype(output.dtype);  // throws for a dtype the kernels do not take
+    for (const py::handle dimension : rule[1].cast<py::tuple>()) {
+      Dimension d{0, 0};
+      if (py::isinstance<py::int_>(dimension)) {
+        d.size = dimension.cast<int64_t>();
+      } else {
+        std::tie(d.group, d.size) = dimension.cast<std::pair<int64_t, int64_t>>();
+        TORCH_CHECK(d.group > 0, "fp4moe host launcher: row groups must hold at least one row");
+      }
+      TORCH_CHECK(d.size >= 0, "fp4moe host launcher: negative size in an output rule");
+      output.shape.push_back(d);
+    }
+    result.push_back(std::move(output));
+  }
+  return result;
+}
+
+at::Tensor allocate(const OutputRule& rule, const at::Tensor& x) {
+  c10::SmallVector<int64_t, 3> shape;
+  for (const Dimension& d : rule.shape) shape.push_back(d.group == 0 ? d.size : ceil_div(x.size(0), d.group) * d.size);
+  return at::empty(shape, x.options().dtype(rule.dtype));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Registry of compiled functions, keyed by the calls' static configurations (spelled by `join_key`).
+
+// A compiled function and the rules of its op's outputs. It holds one reference to the function, and is
+// shared by the registry and the calls using it, so a re-registration never releases a function a call
+// is still calling.
+class Kernel {
+ public:
+  Kernel(TVMFFIObjectHandle function, OutputRules outputs) : function_(function), outputs_(std::move(outputs)) {
+    TVMFFIObjectIncRef(function_);
+  }
+  Kernel(const Kernel&) = delete;
+  Kernel& operator=(const Kernel&) = delete;
+  ~Kernel() { TVMFFIObjectDecRef(function_); }
+
+  TVMFFIObjectHandle function() const { return function_; }
+
+  // The op's N outputs for the input x (registration checked that there are N rules).
+  template <size_t N>
+  std::array<at::Tensor, N> outputs(const at::Tensor& x) const {
+    std::array<at::Tensor, N> result;
+    for (size_t i = 0; i < N; ++i) result[i] = allocate(outputs_[i], x);
+    return result;
+  }
+
+ private:
+  TVMFFIObjectHandle function_;
+  OutputRules outputs_;
+};
+
+// Never destroyed: at exit, releasing its functions could run TVM-FFI code after it is torn down.
+struct Registry {
+  std::mutex mutex;
+  std::unordered_map<std::string, std::shared_ptr<const Kernel>> kernels;
+};
+Registry& registry = *new Registry;
+
 std::atomic<int64_t> slow_path_calls{0};
+
+// The kernel filed under `key`, or null.
+std::shared_ptr<const Kernel> find_kernel(const std::string& key) {
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  auto it = registry.kernels.find(key);
+  return it == registry.kernels.end() ? nullptr : it->second;
+}
+
+// The key a call that found no kernel awaits while the op's Python kernel runs it (`call_python`): the
+// launch layer files the kernel it launched for that call under it (`register_kernel`). It belongs to
+// that one trip into Python on this thread (a nested trip awaits its own key, or none, and restores the
+// outer one after) and is taken by the first registration for its op.
+class AwaitedKey {
+ public:
+  AwaitedKey(Op op, std::string key) : op_(op), key_(std::move(key)), outer_(current_) { current_ = this; }
+  AwaitedKey(const AwaitedKey&) = delete;
+  AwaitedKey& operator=(const AwaitedKey&) = delete;
+  ~AwaitedKey() { current_ = outer_; }
+
+  // The awaited key of the trip this thread is in, if it awaits one for `op`.
+  static AwaitedKey* of(Op op) {
+    return current_ != nullptr && current_->op_ == op && !current_->key_.empty() ? current_ : nullptr;
+  }
+
+  std::string take() { return std::exchange(key_, std::string()); }
+
+ private:
+  Op op_;
+  std::string key_;
+  AwaitedKey* outer_;
+  static inline thread_local AwaitedKey* current_ = nullptr;
+};
+
+bool awaits(const std::string& op) { return AwaitedKey::of(op_named(op)) != nullptr; }
+
+// Files the compiled function `handle` of `op`, with the rules of its outputs, under the key this
+// thread's trip into Python awaits for `op` (Python checks `awaits` first).
+void register_kernel(const std::string& op_name, int64_t handle, const py::sequence& rules) {
+  const Op op = op_named(op_name);
+  AwaitedKey* awaited = AwaitedKey::of(op);
+  TORCH_CHECK(awaited != nullptr, "fp4moe host launcher: no ", op_name, " call awaits a kernel on this thread");
+  auto function = reinterpret_cast<TVMFFIObjectHandle>(handle);
+  TORCH_CHECK(function != nullptr, "fp4moe host launcher: null function handle for ", op_name);
+  auto kernel = std::make_shared<const Kernel>(function, output_rules(op, rules));
+  std::string key = awaited->take();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  registry.kernels[key] = std::move(kernel);  // replaces the kernel of a call that missed it on another thread
+}
+
+// The keys kernels are filed under, sorted: the configurations the fast path serves.
+std::vector<std::string> registered_keys() {
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  std::vector<std::string> keys;
+  for (const auto& entry : registry.kernels) keys.push_back(entry.first);
+  std::sort(keys.begin(), keys.end());
+  return keys;
+}
 
 // The quantizers have one class of kernels for launches of fewer elements (M * K) than
 // `contract.many_elements` and one for the rest; the key spells which.
 const char* rows_class(const at::Tensor& x) { return x.size(0) * x.size(1) >= contract.many_elements ? "1" : "0"; }
-
-// A registered function, with a reference held for one call (a re-registration may drop the
-// registry's reference meanwhile).
-class Kernel {
- public:
-  explicit Kernel(TVMFFIObjectHandle handle) : handle_(handle) {}
-  Kernel(const Kernel&) = delete;
-  Kernel& operator=(const Kernel&) = delete;
-  ~Kernel() {
-    if (handle_ != nullptr) TVMFFIObjectDecRef(handle_);
-  }
-  explicit operator bool() const { return handle_ != nullptr; }
-  TVMFFIObjectHandle handle() const { return handle_; }
-
- private:
-  TVMFFIObjectHandle handle_;
-};
-
-// The function registered under `key`, or an empty Kernel.
-Kernel find_kernel(const std::string& key) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  auto it = registry.find(key);
-  if (it == registry.end()) return Kernel(nullptr);
-  TVMFFIObjectIncRef(it->second);
-  return Kernel(it->second);
-}
-
-void register_kernel(const std::string& key, int64_t handle) {
-  auto function = reinterpret_cast<TVMFFIObjectHandle>(handle);
-  TORCH_CHECK(function != nullptr, "fp4moe host launcher: null function handle for ", key);
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  auto [it, inserted] = registry.emplace(key, function);
-  if (inserted) {
-    TVMFFIObjectIncRef(function);
-  } else if (it->second != function) {  // a recompiled function replaces the old one
-    TVMFFIObjectIncRef(function);
-    TVMFFIObjectDecRef(it->second);
-    it->second = function;
-  }
-}
 
 const char* dtype_name(c10::ScalarType type) {
   switch (type) {
@@ -134,18 +275,6 @@ std::string join_key(std::initializer_list<std::string> parts) {
 
 // ---------------------------------------------------------------------------------------------
 // Calling a compiled function.
-
-DLDataType dl_dtype(c10::ScalarType type) {
-  switch (type) {
-    case c10::ScalarType::BFloat16: return {kDLBfloat, 16, 1};
-    case c10::ScalarType::Half: return {kDLFloat, 16, 1};
-    case c10::ScalarType::Float: return {kDLFloat, 32, 1};
-    case c10::ScalarType::Byte: return {kDLUInt, 8, 1};
-    case c10::ScalarType::Int: return {kDLInt, 32, 1};
-    case c10::ScalarType::Float8_e4m3fn: return {kDLFloat8_e4m3fn, 8, 1};
-    default: TORCH_CHECK(false, "fp4moe host launcher: no DLPack dtype for ", type);
-  }
-}
 
 // The argument list of one call: DLTensor views of torch tensors (shape and strides point into the
 // tensors' own metadata), None and FP32 scalars.
@@ -249,60 +378,47 @@ bool vector_rows(const at::Tensor& x) {
          reinterpret_cast<uintptr_t>(x.data_ptr()) % contract.vector_bytes == 0;
 }
 
-at::Tensor new_empty(const at::Tensor& like, c10::IntArrayRef shape, c10::ScalarType dtype) {
-  return at::empty(shape, like.options().dtype(dtype));
-}
-
-// op_outputs.quantize_outputs
-std::tuple<at::Tensor, at::Tensor> quantize_outputs(const at::Tensor& x, std::string_view sf_layout) {
-  const int64_t rows = x.size(0), k = x.size(1), scale_cols = k / contract.block_size;
-  auto codes = new_empty(x, {rows, k / 2}, c10::ScalarType::Byte);
-  auto block_scales =
-      sf_layout == "swizzled"
-          ? new_empty(x, {round_up(rows, contract.swizzle_rows), round_up(scale_cols, contract.swizzle_cols)},
-                      c10::ScalarType::Float8_e4m3fn)
-          : new_empty(x, {rows, scale_cols}, c10::ScalarType::Float8_e4m3fn);
-  return {codes, block_scales};
-}
-
 // ---------------------------------------------------------------------------------------------
 // Slow paths: the ops' Python kernels (set by `install`; never destroyed).
 
-enum Op { kQuantize, kQuantizePerToken, kTileAmax, kNumOps };
 enum Role { kCuda, kAutograd, kNumRoles };
 py::object* python_kernels[kNumOps][kNumRoles] = {};
 
+// Runs the Python kernel of `op` in `role`, with `awaited_key` (empty: none) awaited meanwhile.
 template <typename Result, typename... Args>
-Result call_python(Op op, Role role, const Args&... args) {
+Result call_python(Op op, Role role, std::string awaited_key, const Args&... args) {
   slow_path_calls.fetch_add(1, std::memory_order_relaxed);
   py::gil_scoped_acquire gil;
+  AwaitedKey awaited(op, std::move(awaited_key));
   return (*python_kernels[op][role])(args...).template cast<Result>();
 }
 
 // ---------------------------------------------------------------------------------------------
-// The ops.
+// The ops. Each spells the key of a call that the fast path can serve, and calls the kernel filed
+// under it; a call without a key or without a kernel goes to Python, awaiting the key if it has one.
 
 std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, const at::Tensor& global_scale,
                                             c10::string_view sf_layout, c10::string_view four_over_six) {
+  std::string key;
   if (launchable_activation(x) && vector_rows(x) && global_scale.scalar_type() == c10::ScalarType::Float &&
       global_scale.numel() == 1 && same_cuda_device(global_scale, x)) {
-    const std::string key = join_key({"quantize", dtype_name(x.scalar_type()), std::to_string(x.size(1)),
-                                      std::string(sf_layout), std::string(four_over_six), rows_class(x),
-                                      std::to_string(x.get_device())});
-    if (Kernel kernel = find_kernel(key)) {
-      auto [codes, block_scales] = quantize_outputs(x, sf_layout);
+    key = join_key({kOpNames[kQuantize], dtype_name(x.scalar_type()), std::to_string(x.size(1)),
+                    std::string(sf_layout), std::string(four_over_six), rows_class(x),
+                    std::to_string(x.get_device())});
+    if (const auto kernel = find_kernel(key)) {
+      auto [codes, block_scales] = kernel->outputs<2>(x);
       Arguments args;
       args.tensor(x);
       args.one_element(global_scale);
       args.tensor(codes);
       args.tensor(block_scales);
       for (int i = 0; i < 4; ++i) args.none();
-      args.call(kernel.handle(), x.device());
-      return {codes, block_scales};
+      args.call(kernel->function(), x.device());
+      return {std::move(codes), std::move(block_scales)};
     }
   }
-  return call_python<std::tuple<at::Tensor, at::Tensor>>(kQuantize, kCuda, x, global_scale, std::string(sf_layout),
-                                                          std::string(four_over_six));
+  return call_python<std::tuple<at::Tensor, at::Tensor>>(kQuantize, kCuda, std::move(key), x, global_scale,
+                                                          std::string(sf_layout), std::string(four_over_six));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_per_token(
@@ -323,16 +439,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_per_token(
     fast = input_amax.has_value() && count.scalar_type() == c10::ScalarType::Int && count.dim() == 1 &&
            count.size(0) == 1 && same_cuda_device(count, x);
   }
+  std::string key;
   if (fast) {
-    const std::string key = join_key({"quantize_per_token", dtype_name(x.scalar_type()), std::to_string(x.size(1)),
-                                      std::string(sf_layout), std::string(four_over_six),
-                                      input_amax.has_value() ? "aux" : "rescan",
-                                      input_amax_valid_rows.has_value() ? "1" : "0", rows_class(x),
-                                      std::to_string(amax_tiles),
-                                      std::to_string(x.get_device())});
-    if (Kernel kernel = find_kernel(key)) {
-      auto [codes, block_scales] = quantize_outputs(x, sf_layout);
-      auto per_token_scale = new_empty(x, {x.size(0)}, c10::ScalarType::Float);
+    key = join_key({kOpNames[kQuantizePerToken], dtype_name(x.scalar_type()), std::to_string(x.size(1)),
+                    std::string(sf_layout), std::string(four_over_six), input_amax.has_value() ? "aux" : "rescan",
+                    input_amax_valid_rows.has_value() ? "1" : "0", rows_class(x), std::to_string(amax_tiles),
+                    std::to_string(x.get_device())});
+    if (const auto kernel = find_kernel(key)) {
+      auto [codes, block_scales, per_token_scale] = kernel->outputs<3>(x);
       Arguments args;
       args.tensor(x);
       args.none();
@@ -343,39 +457,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_per_token(
       args.float32(1.0f / static_cast<float>(global_scale_inv));
       args.optional_tensor(input_amax);
       args.optional_tensor(input_amax_valid_rows);
-      args.call(kernel.handle(), x.device());
-      return {codes, block_scales, per_token_scale};
+      args.call(kernel->function(), x.device());
+      return {std::move(codes), std::move(block_scales), std::move(per_token_scale)};
     }
   }
   return call_python<std::tuple<at::Tensor, at::Tensor, at::Tensor>>(
-      kQuantizePerToken, kCuda, x, global_scale_inv, std::string(sf_layout), std::string(four_over_six), input_amax,
-      input_amax_valid_rows);
+      kQuantizePerToken, kCuda, std::move(key), x, global_scale_inv, std::string(sf_layout),
+      std::string(four_over_six), input_amax, input_amax_valid_rows);
 }
 
 at::Tensor tile_amax(const at::Tensor& x, int64_t tile_n) {
   // Only the widest loads (16 bytes) are launched here; narrower ones go through Python.
+  std::string key;
   if (launchable_activation(x) && tile_n >= 1) {
     const int64_t vector = contract.vector_bytes / x.element_size();
     const bool aligned = x.stride(1) == 1 && x.size(1) % vector == 0 && tile_n % vector == 0 &&
                          x.stride(0) % vector == 0 &&
                          reinterpret_cast<uintptr_t>(x.data_ptr()) % contract.vector_bytes == 0;
     if (aligned) {
-      const std::string key = join_key({"tile_amax", dtype_name(x.scalar_type()), std::to_string(x.size(1)),
-                                        std::to_string(tile_n), std::to_string(vector),
-                                        std::to_string(x.get_device())});
-      if (Kernel kernel = find_kernel(key)) {
-        auto out = new_empty(
-            x, {ceil_div(x.size(0), contract.amax_row_group), ceil_div(x.size(1), tile_n), contract.amax_row_group},
-            x.scalar_type());
+      key = join_key({kOpNames[kTileAmax], dtype_name(x.scalar_type()), std::to_string(x.size(1)),
+                      std::to_string(tile_n), std::to_string(vector), std::to_string(x.get_device())});
+      if (const auto kernel = find_kernel(key)) {
+        auto [out] = kernel->outputs<1>(x);
         Arguments args;
         args.tensor(x);
         args.tensor(out);
-        args.call(kernel.handle(), x.device());
-        return out;
+        args.call(kernel->function(), x.device());
+        return std::move(out);
       }
     }
   }
-  return call_python<at::Tensor>(kTileAmax, kCuda, x, tile_n);
+  return call_python<at::Tensor>(kTileAmax, kCuda, std::move(key), x, tile_n);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -387,17 +499,17 @@ bool requires_grad(const at::Tensor& t) { return t.requires_grad(); }
 bool requires_grad(const std::optional<at::Tensor>& t) { return t.has_value() && t->requires_grad(); }
 
 template <typename Signature>
-c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+c10::TypedOperatorHandle<Signature> op_handle(Op op) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(qualified_name(op).c_str(), "").typed<Signature>();
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_autograd(const at::Tensor& x, const at::Tensor& global_scale,
                                                      c10::string_view sf_layout, c10::string_view four_over_six) {
   if (at::GradMode::is_enabled() && (requires_grad(x) || requires_grad(global_scale))) {
-    return call_python<std::tuple<at::Tensor, at::Tensor>>(kQuantize, kAutograd, x, global_scale,
+    return call_python<std::tuple<at::Tensor, at::Tensor>>(kQuantize, kAutograd, {}, x, global_scale,
                                                             std::string(sf_layout), std::string(four_over_six));
   }
-  static const auto op = op_handle<decltype(quantize)>("fp4moe::quantize");
+  static const auto op = op_handle<decltype(quantize)>(kQuantize);
   at::AutoDispatchBelowAutograd below_autograd;
   return op.call(x, global_scale, sf_layout, four_over_six);
 }
@@ -408,19 +520,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_per_token_autograd(
   if (at::GradMode::is_enabled() &&
       (requires_grad(x) || requires_grad(input_amax) || requires_grad(input_amax_valid_rows))) {
     return call_python<std::tuple<at::Tensor, at::Tensor, at::Tensor>>(
-        kQuantizePerToken, kAutograd, x, global_scale_inv, std::string(sf_layout), std::string(four_over_six),
+        kQuantizePerToken, kAutograd, {}, x, global_scale_inv, std::string(sf_layout), std::string(four_over_six),
         input_amax, input_amax_valid_rows);
   }
-  static const auto op = op_handle<decltype(quantize_per_token)>("fp4moe::quantize_per_token");
+  static const auto op = op_handle<decltype(quantize_per_token)>(kQuantizePerToken);
   at::AutoDispatchBelowAutograd below_autograd;
   return op.call(x, global_scale_inv, sf_layout, four_over_six, input_amax, input_amax_valid_rows);
 }
 
 at::Tensor tile_amax_autograd(const at::Tensor& x, int64_t tile_n) {
   if (at::GradMode::is_enabled() && requires_grad(x)) {
-    return call_python<at::Tensor>(kTileAmax, kAutograd, x, tile_n);
+    return call_python<at::Tensor>(kTileAmax, kAutograd, {}, x, tile_n);
   }
-  static const auto op = op_handle<decltype(tile_amax)>("fp4moe::tile_amax");
+  static const auto op = op_handle<decltype(tile_amax)>(kTileAmax);
   at::AutoDispatchBelowAutograd below_autograd;
   return op.call(x, tile_n);
 }
@@ -429,8 +541,8 @@ std::unique_ptr<torch::Library> cuda_library, autograd_library;
 
 // Every field of the contract, by name, in the order of `Contract`.
 #define FP4MOE_CONTRACT_FIELDS(X)                                                                      \
-  X(block_size) X(swizzle_rows) X(swizzle_cols) X(amax_row_group) X(vector_bytes) X(max_elements)       \
-      X(many_elements) X(min_global_scale_inv) X(max_global_scale_inv)
+  X(amax_row_group) X(vector_bytes) X(max_elements) X(many_elements) X(min_global_scale_inv)             \
+      X(max_global_scale_inv)
 
 #define FP4MOE_COUNT_FIELD(name) +1
 constexpr size_t kContractFields = 0 FP4MOE_CONTRACT_FIELDS(FP4MOE_COUNT_FIELD);
@@ -472,14 +584,27 @@ void install(const py::dict& values, py::object quantize_cuda, py::object quanti
   }
   cuda_library = std::make_unique<torch::Library>(torch::Library::IMPL, "fp4moe", c10::DispatchKey::CUDA, __FILE__,
                                                   __LINE__);
-  cuda_library->impl("quantize", TORCH_FN(quantize));
-  cuda_library->impl("quantize_per_token", TORCH_FN(quantize_per_token));
-  cuda_library->impl("tile_amax", TORCH_FN(tile_amax));
+  cuda_library->impl(kOpNames[kQuantize], TORCH_FN(quantize));
+  cuda_library->impl(kOpNames[kQuantizePerToken], TORCH_FN(quantize_per_token));
+  cuda_library->impl(kOpNames[kTileAmax], TORCH_FN(tile_amax));
   autograd_library = std::make_unique<torch::Library>(torch::Library::IMPL, "fp4moe", c10::DispatchKey::Autograd,
                                                       __FILE__, __LINE__);
-  autograd_library->impl("quantize", TORCH_FN(quantize_autograd));
-  autograd_library->impl("quantize_per_token", TORCH_FN(quantize_per_token_autograd));
-  autograd_library->impl("tile_amax", TORCH_FN(tile_amax_autograd));
+  autograd_library->impl(kOpNames[kQuantize], TORCH_FN(quantize_autograd));
+  autograd_library->impl(kOpNames[kQuantizePerToken], TORCH_FN(quantize_per_token_autograd));
+  autograd_library->impl(kOpNames[kTileAmax], TORCH_FN(tile_amax_autograd));
+}
+
+// What the fast path allocates for the input `like` from a kernel of `op` filed with `rules`.
+std::vector<at::Tensor> allocate_by_rules(const std::string& op, const py::sequence& rules, const at::Tensor& like) {
+  std::vector<at::Tensor> outputs;
+  for (const OutputRule& rule : output_rules(op_named(op), rules)) outputs.push_back(allocate(rule, like));
+  return outputs;
+}
+
+// Calls `function` as a call of `op` that found no kernel runs the op's Python kernel: awaiting `key`.
+py::object call_awaiting(const std::string& op, std::string key, const py::function& function) {
+  AwaitedKey awaited(op_named(op), std::move(key));
+  return function();
 }
 
 }  // namespace
@@ -489,7 +614,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fp4moe's C++ host launcher for the CuTe DSL kernels (see fp4moe/kernels/host_launcher.py)";
   m.def("install", &fp4moe::install,
         "Register the C++ CUDA and Autograd kernels of quantize, quantize_per_token, tile_amax");
-  m.def("register_kernel", &fp4moe::register_kernel, "Register a compiled TVM-FFI function under its key");
+  m.def("awaits", &fp4moe::awaits, "Whether a call of the op on this thread awaits a kernel (see register_kernel)");
+  m.def("register_kernel", &fp4moe::register_kernel,
+        "File a compiled TVM-FFI function of the op, with its outputs' rules, under the key a call awaits");
+  m.def("registered_keys", &fp4moe::registered_keys, "The keys of the configurations the fast path serves");
+  m.def("allocate", &fp4moe::allocate_by_rules,
+        "The outputs the fast path allocates for an input from a kernel of the op filed with these rules");
+  m.def("call_awaiting", &fp4moe::call_awaiting,
+        "Call a function as the fast path calls an op's Python kernel for a call without a kernel: awaiting its key");
   m.def("contract", &fp4moe::contract_values, "The contract's numbers given to install (zeros before)");
   m.def("slow_path_calls", [] { return fp4moe::slow_path_calls.load(); },
         "How many calls have gone to the Python implementations");

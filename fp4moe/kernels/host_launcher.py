@@ -4,11 +4,20 @@ Through Python, an eager call of a quantization op spends most of its host time 
 the dispatcher's trip into a Python kernel, three Python-level allocations and the TVM-FFI call's
 conversion of torch tensors. The launcher takes over the CUDA kernels of `quantize`,
 `quantize_per_token` and `tile_amax`, and their Autograd kernels (the inference-only guard, so that
-grad mode costs no trip into Python either): a call whose static configuration the Python launch layer
-(`quantize_launch`) has launched before is served in C++ (outputs from `at::empty`, the compiled
-TVM-FFI function called with DLTensor views on the current stream); any other call — the first one of
-a configuration, which compiles, inputs that need a copy, invalid inputs — runs the op's Python
-kernel unchanged. Both paths launch the same compiled kernels, so results are identical.
+grad mode costs no trip into Python either): a call whose static configuration has gone through the op
+once is served in C++ (outputs from `at::empty`, the compiled TVM-FFI function called with DLTensor
+views on the current stream); any other call — the first one of a configuration, which compiles,
+inputs that need a copy, invalid inputs — runs the op's Python kernel unchanged. Both paths launch the
+same compiled kernels, so results are identical.
+
+The op contract has one source, in Python. `install` hands the C++ side the numbers its checks need
+(`contract`). The outputs' shapes and dtypes are the rules of `fp4moe.op_outputs`, which the launch
+layer (`quantize_launch`) passes to `register` with each kernel it launches, and by which the fast
+path allocates. Registry keys are spelled in C++ only: a call that finds no kernel under its key
+awaits that key while its Python kernel runs, and `register` files the kernel launched for it under
+that key (only then: a launch outside an op call, such as a pipeline stage calling `quantize_launch`
+directly, files nothing, so the first op call of a configuration launched only that way goes through
+Python once more, without compiling).
 
 The launcher is built with `torch.utils.cpp_extension` (a C++ compiler and ninja; no CUDA toolkit) on
 first use and cached under `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`). Set
@@ -29,9 +38,10 @@ from pathlib import Path
 
 import torch
 
-from fp4moe import nvfp4, validation
+from fp4moe import validation
 from fp4moe.kernels.sm90.arguments import VECTOR_BYTES
 from fp4moe.kernels.sm90.quantize import MANY_ELEMENTS
+from fp4moe.op_outputs import OutputRule
 from fp4moe.ops.library import hand_over_to_native
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "host_launcher.cpp"
@@ -43,14 +53,12 @@ MODES = ("cpp", "python")
 
 
 def contract() -> dict:
-    """The numbers of the ops' contract the launcher's fast paths need, from where Python defines
-    them; `install` hands them to the C++ side, which restates none."""
+    """The numbers of the ops' contract the launcher's fast-path checks need, from where Python defines
+    them; `install` hands them to the C++ side, which restates none. (The outputs' shapes and dtypes come
+    with each kernel: `register`.)"""
     from fp4moe.kernels.sm90.quantize_launch import MAX_ELEMENTS  # it imports this module
 
     return {
-        "block_size": nvfp4.BLOCK_SIZE,
-        "swizzle_rows": nvfp4.SWIZZLE_ROWS,
-        "swizzle_cols": nvfp4.SWIZZLE_COLS,
         "amax_row_group": validation.AUX_AMAX_ROW_GROUP,
         "vector_bytes": VECTOR_BYTES,
         "max_elements": MAX_ELEMENTS,
@@ -130,30 +138,15 @@ def install() -> bool:
     return True
 
 
-def kernel_key(op: str, *parts) -> str:
-    """The registry key of a compiled kernel, spelled as the C++ side spells it for a call."""
-    spelled = [op]
-    for part in parts:
-        if isinstance(part, torch.dtype):
-            spelled.append(str(part).removeprefix("torch."))
-        elif isinstance(part, bool):
-            spelled.append(str(int(part)))
-        else:
-            spelled.append(str(part))
-    return "|".join(spelled)
-
-
-def register(compiled, op: str, *parts) -> None:
-    """Let the launcher call `compiled` (a CuTe DSL TVM-FFI function) for calls keyed by (op, *parts)."""
-    if install():
-        _register_once(compiled, op, *parts)
-
-
-@functools.cache
-def _register_once(compiled, op: str, *parts) -> None:
-    """The Python launch layer calls `register` on every launch; the launcher needs each pair once."""
-    function = compiled.__tvm_ffi_object__() if hasattr(compiled, "__tvm_ffi_object__") else compiled  # fresh / from disk
-    module().register_kernel(kernel_key(op, *parts), function.__chandle__())
+def register(compiled, op: str, outputs: tuple[OutputRule, ...]) -> None:
+    """Called by the launch layer after each launch of `compiled` (a CuTe DSL TVM-FFI function) for the
+    op `op`, with the rules of the op's outputs for that launch (`fp4moe.op_outputs`). If the launch
+    serves an op call that the C++ fast path found no kernel for (its Python kernel runs on this thread
+    meanwhile), the launcher files `compiled` and `outputs` under that call's key and serves the
+    configuration from then on; otherwise (launches outside the op, or no launcher) this does nothing."""
+    if install() and module().awaits(op):
+        function = compiled.__tvm_ffi_object__() if hasattr(compiled, "__tvm_ffi_object__") else compiled  # fresh / from disk
+        module().register_kernel(op, function.__chandle__(), outputs)
 
 
 def slow_path_calls() -> int:

@@ -12,8 +12,10 @@ It exposes the functions of `fp4moe.reference.quantize` with the same signatures
   (`compile_quantize.cache_info()` shows the cache);
 - launches through TVM-FFI: torch tensors go straight to the compiled function, which takes the
   *current* torch stream of the tensors' device at every call (CUDA-graph capture included);
-- registers every kernel it launches with the C++ host launcher (`fp4moe.kernels.host_launcher`),
-  which serves later calls of the same configuration without entering Python;
+- after each launch, hands the kernel and the rules of its outputs to the C++ host launcher
+  (`fp4moe.kernels.host_launcher.register`): when the launch serves an op call the launcher found no
+  kernel for, it files them under that call's key and serves later calls of the configuration without
+  entering Python (the launcher's key must tell apart every static parameter compiled on here);
 - never reads device data on the host (no synchronisation): `global_scale` and
   `input_amax_valid_rows` are read by the kernels.
 
@@ -36,7 +38,14 @@ from fp4moe.kernels.sm90.arguments import VECTOR_BYTES, compact_copy, vector_row
 from fp4moe.kernels.sm90.compiler import ARCH, compile_function, compile_kernel
 from fp4moe.kernels.sm90.quantize import MANY_ELEMENTS, QuantizeSm90
 from fp4moe.kernels.sm90.tile_amax import TileAmaxSm90
-from fp4moe.op_outputs import quantize_outputs, quantize_per_token_outputs, tile_amax_output
+from fp4moe.op_outputs import (
+    quantize_outputs,
+    quantize_per_token_outputs,
+    quantize_per_token_rules,
+    quantize_rules,
+    tile_amax_output,
+    tile_amax_rules,
+)
 from fp4moe.reference import quantize as reference
 from fp4moe.validation import AUX_AMAX_ROW_GROUP
 
@@ -138,11 +147,9 @@ def quantize_into(x, global_scale, sf_layout, four_over_six, codes, block_scales
     if x.shape[0] == 0:
         return
     _check_size("x", x)
-    device, many_rows = x.get_device(), _many_rows(x)
-    static = (x.dtype, x.shape[1], sf_layout, four_over_six)
-    kernel = compile_quantize(*static, "tensor", False, many_rows, ARCH)
-    host_launcher.register(kernel, "quantize", *static, many_rows, device)
+    kernel = compile_quantize(x.dtype, x.shape[1], sf_layout, four_over_six, "tensor", False, _many_rows(x), ARCH)
     kernel(vector_rows(x), global_scale.reshape(1), codes, block_scales, None, None, None, None)
+    host_launcher.register(kernel, "quantize", quantize_rules(x.shape[1], sf_layout))
 
 
 def quantize_per_token(
@@ -179,10 +186,10 @@ def quantize_per_token_into(
         return
     _check_size("x", x)
     scale_source, amax_tiles, input_amax = _per_token_source(input_amax)
-    device, has_valid_rows = x.get_device(), input_amax_valid_rows is not None
-    static = (x.dtype, x.shape[1], sf_layout, four_over_six, scale_source, has_valid_rows, _many_rows(x))
-    kernel = compile_quantize(*static, ARCH, amax_tiles)
-    host_launcher.register(kernel, "quantize_per_token", *static, amax_tiles, device)
+    kernel = compile_quantize(
+        x.dtype, x.shape[1], sf_layout, four_over_six, scale_source, input_amax_valid_rows is not None, _many_rows(x),
+        ARCH, amax_tiles,
+    )
     kernel(
         vector_rows(x),
         None,
@@ -193,6 +200,7 @@ def quantize_per_token_into(
         input_amax,
         input_amax_valid_rows,
     )
+    host_launcher.register(kernel, "quantize_per_token", quantize_per_token_rules(x.shape[1], sf_layout))
 
 
 def quantize_decoded(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
@@ -257,7 +265,6 @@ def tile_amax_into(x: torch.Tensor, tile_n: int, out: torch.Tensor) -> None:
     _check_size("x", x)
     if x.stride(1) != 1:
         x = compact_copy(x)
-    device, vector = x.get_device(), _tile_vector(x, tile_n)
-    kernel = compile_tile_amax(x.dtype, x.shape[1], tile_n, vector, ARCH)
-    host_launcher.register(kernel, "tile_amax", x.dtype, x.shape[1], tile_n, vector, device)
+    kernel = compile_tile_amax(x.dtype, x.shape[1], tile_n, _tile_vector(x, tile_n), ARCH)
     kernel(x, out)
+    host_launcher.register(kernel, "tile_amax", tile_amax_rules(x.dtype, x.shape[1], tile_n))
