@@ -3,6 +3,14 @@ quantization ops, allocates outputs by the rules Python hands it, files kernels 
 calls that awaited them, serves repeat configurations without entering Python, and hands everything
 else to the Python kernels, with results bitwise equal to the reference either way."""
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 import tvm_ffi
@@ -26,6 +34,7 @@ from tests.compare import assert_bitwise_equal
 from tests.hopper import activations, poisoned, runs_the_sm90_kernels
 
 ops = torch.ops.fp4moe
+REPOSITORY = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -188,6 +197,75 @@ def test_a_nested_trip_awaits_its_own_key_and_a_failed_one_files_nothing(launche
         launcher.call_awaiting("quantize_per_token", "test|failed", outer)
     assert not launcher.awaits("quantize_per_token")
     assert set(launcher.registered_keys()) == before
+
+
+_INSTALL_SCRIPT = textwrap.dedent(
+    """
+    import json, warnings
+    import torch
+    from fp4moe.kernels import host_launcher
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        installed = [host_launcher.install(), host_launcher.install()]
+        host_launcher.register(None, "quantize", ())  # what the launch layer does after each launch
+    dump = torch._C._dispatch_dump("fp4moe::quantize").splitlines()
+    print(json.dumps({
+        "installed": installed,
+        "warnings": [str(w.message) for w in caught],
+        "cuda_kernel": next(line for line in dump if line.startswith("CUDA")),
+        "tile_amax": torch.ops.fp4moe.tile_amax(torch.ones(16, 32), 16).tolist(),
+    }))
+    """
+)
+
+
+def install_in_a_fresh_process(extensions: Path, **environment) -> dict:
+    """What `install` does in a new process with `environment` and the empty build root `extensions`."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), **environment}
+    result = subprocess.run(
+        [sys.executable, "-c", _INSTALL_SCRIPT], env=env, cwd=REPOSITORY, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return {**json.loads(result.stdout.strip().splitlines()[-1]), "stderr": result.stderr}
+
+
+def assert_the_python_kernels_serve(outcome):
+    assert outcome["installed"] == [False, False]
+    assert "host_launcher.cpp" not in outcome["cuda_kernel"], outcome["cuda_kernel"]
+    assert outcome["tile_amax"] == [[[1.0] * 8] * 2] * 2
+
+
+def test_without_a_compiler_the_ops_launch_from_python_after_a_one_line_notice(tmp_path):
+    outcome = install_in_a_fresh_process(tmp_path / "extensions", FP4MOE_HOST_LAUNCHER="cpp", CXX=str(tmp_path / "c++"))
+    assert_the_python_kernels_serve(outcome)
+    [notice] = outcome["warnings"]
+    assert "\n" not in notice and "no C++ compiler" in notice and "FP4MOE_HOST_LAUNCHER=python" in notice, notice
+    assert not (tmp_path / "extensions").exists() and "building" not in outcome["stderr"], "no build was tried"
+
+
+def test_a_failed_build_leaves_a_one_line_notice_and_its_output_in_a_log(tmp_path):
+    compiler = shutil.which("c++")
+    if compiler is None:
+        pytest.skip("needs a C++ compiler to wrap")
+    failing = tmp_path / "failing-c++"  # the real compiler, except that compiling a source fails
+    failing.write_text(
+        f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -c ] && {{ echo "error: simulated failure" >&2; exit 1; }}; done\n'
+        f'exec {compiler} "$@"\n'
+    )
+    failing.chmod(0o755)
+    outcome = install_in_a_fresh_process(tmp_path / "extensions", FP4MOE_HOST_LAUNCHER="cpp", CXX=str(failing))
+    assert_the_python_kernels_serve(outcome)
+    [notice] = outcome["warnings"]
+    assert "\n" not in notice and "the build failed" in notice, notice
+    [log] = (tmp_path / "extensions").glob(f"*/{host_launcher.BUILD_LOG}")
+    assert str(log) in notice and "error: simulated failure" in log.read_text()
+
+
+def test_the_python_mode_keeps_the_python_kernels_without_a_notice(tmp_path):
+    outcome = install_in_a_fresh_process(tmp_path / "extensions", FP4MOE_HOST_LAUNCHER="python")
+    assert_the_python_kernels_serve(outcome)
+    assert outcome["warnings"] == [] and not (tmp_path / "extensions").exists()
 
 
 # ---------------------------------------------------------------------------------------------------

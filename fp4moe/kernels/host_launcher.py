@@ -21,8 +21,9 @@ Python once more, without compiling).
 
 The launcher is built with `torch.utils.cpp_extension` (a C++ compiler and ninja; no CUDA toolkit) on
 first use and cached under `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`). Set
-`FP4MOE_HOST_LAUNCHER=python` to keep the Python launch path. If the build fails, a warning says why
-and the ops launch from Python.
+`FP4MOE_HOST_LAUNCHER=python` to keep the Python launch path. Without a C++ compiler, or if the build
+fails, a one-line warning says why (a failed build's output is kept in the build folder) and the ops
+launch from Python.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ OPS = ("quantize", "quantize_per_token", "tile_amax")
 """The ops whose CUDA and Autograd kernels the launcher takes over (the argument order of its `install`)."""
 MODE_VARIABLE = "FP4MOE_HOST_LAUNCHER"
 MODES = ("cpp", "python")
+BUILD_LOG = "build_error.log"
+"""The file in the build folder that keeps the output of a failed build."""
 
 
 def contract() -> dict:
@@ -79,25 +82,41 @@ def build_directory() -> Path:
 
 @functools.cache
 def module():
-    """The compiled extension (built here on first use; ninja rebuilds it when the source changes)."""
+    """The compiled extension (built here on first use; ninja rebuilds it when the source changes).
+    Without a C++ compiler or ninja it raises before building; a failed build's output goes to
+    `BUILD_LOG` in the build folder, and the error raised says so. Each error's message is one line."""
     import tvm_ffi.libinfo
     from torch.utils import cpp_extension
 
+    compiler = cpp_extension.get_cxx_compiler()
+    if shutil.which(compiler) is None:
+        raise FileNotFoundError(f"no C++ compiler ({compiler!r} not found; CXX names another)")
     _put_ninja_on_path()
+    cpp_extension.verify_ninja_availability()
     directory = build_directory()
     if not (directory / f"{NAME}.so").exists():
         print(f"fp4moe: building the C++ host launcher in {directory} (first use; 10-30 s)", file=sys.stderr)
     directory.mkdir(parents=True, exist_ok=True)
     library_dir = str(Path(tvm_ffi.libinfo.find_libtvm_ffi()).parent)
-    return cpp_extension.load(
-        name=NAME,
-        sources=[str(SOURCE)],
-        extra_include_paths=tvm_ffi.libinfo.include_paths(),
-        extra_cflags=["-O2"],
-        extra_ldflags=[f"-L{library_dir}", "-ltvm_ffi", f"-Wl,-rpath,{library_dir}"],
-        build_directory=str(directory),
-        verbose=False,
-    )
+    try:
+        return cpp_extension.load(
+            name=NAME,
+            sources=[str(SOURCE)],
+            extra_include_paths=tvm_ffi.libinfo.include_paths(),
+            extra_cflags=["-O2"],
+            extra_ldflags=[f"-L{library_dir}", "-ltvm_ffi", f"-Wl,-rpath,{library_dir}"],
+            build_directory=str(directory),
+            verbose=False,
+        )
+    except Exception as error:
+        log = directory / BUILD_LOG
+        log.write_text(f"{type(error).__name__}: {error}\n")
+        raise RuntimeError(f"the build failed; its output is in {log}") from error
+
+
+def _first_line(error: Exception) -> str:
+    """The first line of `error`'s message: the notice stays one line whatever failed."""
+    return next(iter(str(error).splitlines()), "")
 
 
 def _put_ninja_on_path() -> None:
@@ -125,11 +144,11 @@ def install() -> bool:
         return False
     try:
         launcher = module()
-    except Exception as error:  # a missing compiler or ninja, a failed build
-        warnings.warn(
-            f"fp4moe: the C++ host launcher is unavailable ({type(error).__name__}: {error}); the CUDA "
-            f"quantization ops launch from Python, with more host time per call (set {MODE_VARIABLE}=python "
-            "to choose this and silence the warning)",
+    except Exception as error:  # no C++ compiler or ninja, a failed build
+        warnings.warn(  # one line, whatever the error
+            f"fp4moe: the C++ host launcher is unavailable ({type(error).__name__}: {_first_line(error)}); the "
+            f"CUDA quantization ops launch from Python, with more host time per call (set {MODE_VARIABLE}=python "
+            "to choose this and silence this notice)",
             RuntimeWarning,
             stacklevel=2,
         )
