@@ -461,7 +461,7 @@ def outputs_match(got, want, what):
 @pytest.mark.gpu
 def test_configurations_differing_in_one_static_parameter_get_kernels_of_their_own(hopper):
     """Keys are spelled in C++ only, so a static parameter missing from them would let a configuration
-    run another's kernel. Each configuration here differs from its op's first in one parameter the
+    run another's kernel. Each configuration here differs from one before it in one parameter the
     launch layer compiles on (widths no other test uses, so none is filed yet): its first call goes to
     Python and files one more key, its repeat stays in C++, and both match the reference."""
     k, rows, many_rows = 1040, 40, ceil_div(MANY_ELEMENTS, 1040)
@@ -474,7 +474,9 @@ def test_configurations_differing_in_one_static_parameter_get_kernels_of_their_o
         "per-token many rows": (per_token_call("swizzled", "off", 0, False), torch.bfloat16, k, many_rows),
         "per-token aux": (per_token_call("swizzled", "off", 80, False), torch.bfloat16, k, rows),
         "per-token aux, other tiles": (per_token_call("swizzled", "off", 208, False), torch.bfloat16, k, rows),
-        "per-token aux + valid rows": (per_token_call("swizzled", "off", 80, True), torch.bfloat16, k, rows),
+        "per-token aux linear": (per_token_call("linear", "off", 80, False), torch.bfloat16, k, rows),
+        # all rows valid (a multiple of 8), linear scales: every output element is written
+        "per-token aux linear + valid rows": (per_token_call("linear", "off", 80, True), torch.bfloat16, k, rows),
         "quantize": (quantize_call("swizzled"), torch.bfloat16, k, rows),
         "quantize linear": (quantize_call("linear"), torch.bfloat16, k, rows),
         "quantize fp32": (quantize_call("swizzled"), torch.float32, k, rows),

@@ -119,10 +119,10 @@ struct OutputRule {
 
 using OutputRules = std::vector<OutputRule>;
 
-// The rules of `op`'s outputs from their Python form: a sequence of (dtype, shape) with each dimension
-// an int or a (group, size) pair. Checks them against the op: one rule per returned tensor, dtypes the
+// The rules of `op`'s outputs from their Python form: a tuple of (dtype, shape) with each dimension an
+// int or a (group, size) pair. Checks them against the op: one rule per returned tensor, dtypes the
 // kernels take, sizes that cannot be negative.
-OutputRules output_rules(Op op, const py::sequence& rules) {
+OutputRules output_rules(Op op, const py::tuple& rules) {
   const size_t count = output_count(op);
   TORCH_CHECK(rules.size() == count, "fp4moe host launcher: ", kOpNames[op], " returns ", count,
               " tensors, got rules for ", rules.size());
@@ -230,7 +230,7 @@ bool awaits(const std::string& op) { return AwaitedKey::of(op_named(op)) != null
 
 // Files the compiled function `handle` of `op`, with the rules of its outputs, under the key this
 // thread's trip into Python awaits for `op` (Python checks `awaits` first).
-void register_kernel(const std::string& op_name, int64_t handle, const py::sequence& rules) {
+void register_kernel(const std::string& op_name, int64_t handle, const py::tuple& rules) {
   const Op op = op_named(op_name);
   AwaitedKey* awaited = AwaitedKey::of(op);
   TORCH_CHECK(awaited != nullptr, "fp4moe host launcher: no ", op_name, " call awaits a kernel on this thread");
@@ -595,7 +595,7 @@ void install(const py::dict& values, py::object quantize_cuda, py::object quanti
 }
 
 // What the fast path allocates for the input `like` from a kernel of `op` filed with `rules`.
-std::vector<at::Tensor> allocate_by_rules(const std::string& op, const py::sequence& rules, const at::Tensor& like) {
+std::vector<at::Tensor> allocate_by_rules(const std::string& op, const py::tuple& rules, const at::Tensor& like) {
   std::vector<at::Tensor> outputs;
   for (const OutputRule& rule : output_rules(op_named(op), rules)) outputs.push_back(allocate(rule, like));
   return outputs;

@@ -10,7 +10,7 @@ views on the current stream); any other call — the first one of a configuratio
 inputs that need a copy, invalid inputs — runs the op's Python kernel unchanged. Both paths launch the
 same compiled kernels, so results are identical.
 
-The op contract has one source, in Python. `install` hands the C++ side the numbers its checks need
+Each piece of the ops' contract has one source. `install` hands the C++ side the numbers its checks need
 (`contract`). The outputs' shapes and dtypes are the rules of `fp4moe.op_outputs`, which the launch
 layer (`quantize_launch`) passes to `register` with each kernel it launches, and by which the fast
 path allocates. Registry keys are spelled in C++ only: a call that finds no kernel under its key
