@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from fp4moe import dispatch
-from fp4moe.kernels.sm90 import moe_launch
+from fp4moe.kernels.sm90 import moe_gemm, moe_launch
 from fp4moe.kernels.sm90.moe_gemm import variant_rows
 from tests.sm90_compile import compile_in_subprocess, sass
 
@@ -169,6 +169,21 @@ def test_gemms_feed_register_sourced_wgmma_from_bulk_copies_and_gathers(compiled
         assert "USETMAXREG" in sass, GEMM_VARIANTS[i]
         # one mul.rn.bf16x2 per decoded pair: 4 per k16 step and thread
         assert sass.count("HMUL2.BF16_V2") >= 4 * key[6] // 16, GEMM_VARIANTS[i]
+
+
+def test_decode_wgmmas_advance_one_64_bit_descriptor(compiled):
+    """Decode tiles (`moe_gemm.INLINE_WGMMA_TILE_ROWS`) issue their k loop's `wgmma`s as inline PTX whose
+    descriptors are one 64-bit base per k tile plus an immediate: ptxas adds each with one `UIADD3.64`
+    rather than rebuilding both descriptor words per `HGMMA`; larger tiles keep `cute.gemm`'s."""
+    for i, (_epilogue, key, *_rest) in enumerate(GEMM_VARIANTS):
+        sass = _sass(compiled, f"gemm_{i}")
+        inline = key[4] <= moe_gemm.INLINE_WGMMA_TILE_ROWS
+        assert ("UIADD3.64" in sass) == inline, GEMM_VARIANTS[i]
+        if inline:
+            # Every HGMMA but the first of its k tile (which takes the base) follows a 64-bit add.
+            k16_steps = key[6] // 16
+            adds, mmas = sass.count("UIADD3.64"), sass.count("HGMMA")
+            assert adds >= mmas * (k16_steps - 1) // k16_steps, (adds, mmas, GEMM_VARIANTS[i])
 
 
 def _variant_rows(key) -> list[int]:

@@ -176,3 +176,44 @@ def scale_pair(pair, scales, high_lane: bool, *, loc=None, ip=None) -> Uint32:
         f"mov.b32 s, {{{lane}, {lane}}}; mul.rn.bf16x2 $0, $1, s; }}"
     )
     return Uint32(_asm(T.i32(), ptx, "=r,r,r", (Uint32(pair), Uint32(scales)), False, loc, ip))
+
+
+# ---------------------------------------------------------------------------------------------------
+# wgmma with a 64-bit descriptor operand
+# ---------------------------------------------------------------------------------------------------
+SW128_K_MAJOR_DESCRIPTOR = (1 << 62) | ((1024 >> 4) << 32) | (1 << 16)
+"""The constant fields of a `wgmma` shared-memory descriptor of a K-major bf16 tile with the 128-byte
+swizzle: layout type SW128 (bits 62-63), stride byte offset 1024 B (8 rows of 128 B, bits 32-45), leading
+byte offset 16 B (bits 16-29, unused by swizzled K-major layouts). The start address (bits 0-13) is
+the byte address >> 4."""
+
+
+@dsl_user_op
+def pack_descriptor(low, high, *, loc=None, ip=None) -> Int64:
+    """The 64-bit descriptor `{low, high}` as one value that LLVM cannot see through, so that the
+    per-`wgmma` offsets stay 64-bit adds of one base (ptxas: one `UIADD3.64` per `HGMMA`), not 32-bit
+    adds re-packed into a fresh register pair for every `HGMMA`."""
+    return Int64(_asm(T.i64(), "mov.b64 $0, {$1, $2};", "=l,r,r", (Uint32(low), Uint32(high)), False, loc, ip))
+
+
+@dsl_user_op
+def wgmma_rs_bf16(acc_values, a_words, descriptor, rows, *, loc=None, ip=None):
+    """One `wgmma.mma_async` m64n{rows}k16 bf16 x bf16 -> FP32, A (four bf16 pairs) from registers, B
+    from the shared-memory descriptor `descriptor` (Int64), accumulating into `acc_values` (rows / 2
+    FP32 values in the accumulator fragment's order). Returns the new accumulator values."""
+    count = len(acc_values)
+    assert count == rows // 2 and len(a_words) == 4
+    d = ", ".join(f"${i}" for i in range(count))
+    a = ", ".join(f"${2 * count + i}" for i in range(4))
+    ptx = (
+        "{ .reg .pred p; setp.ne.b32 p, $%d, 0; "
+        "wgmma.mma_async.sync.aligned.m64n%dk16.f32.bf16.bf16 {%s}, {%s}, $%d, p, 1, 1, 0; }"
+        % (2 * count + 5, rows, d, a, 2 * count + 4)
+    )
+    constraints = ",".join(["=f"] * count + [str(i) for i in range(count)] + ["r"] * 4 + ["l", "n"])
+    struct = llvm.StructType.get_literal([T.f32()] * count)
+    operands = [Float32(v).ir_value(loc=loc, ip=ip) for v in acc_values]
+    operands += [Uint32(w).ir_value(loc=loc, ip=ip) for w in a_words]
+    operands += [Int64(descriptor).ir_value(loc=loc, ip=ip), Int32(1).ir_value(loc=loc, ip=ip)]
+    result = llvm.inline_asm(struct, operands, ptx, constraints, has_side_effects=True, loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), result, [i], loc=loc, ip=ip)) for i in range(count)]

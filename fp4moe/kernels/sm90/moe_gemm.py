@@ -49,6 +49,13 @@ SHARED_MEMORY_BYTES = 227 * 1024
 SM_SHARED_MEMORY_BYTES = 228 * 1024
 """Shared memory of one SM on sm_90, of which every resident CTA also takes 1 KB for the system."""
 MAX_STAGES = 16
+INLINE_WGMMA_TILE_ROWS = 8
+"""Tiles of at most this many rows (decode, bound by the consumers' instruction issue) issue the k
+loop's `wgmma`s as inline PTX (`gemm_device.wgmma_rs_bf16`) whose descriptors are one 64-bit base per
+k tile plus an immediate: ptxas then spends one uniform `UIADD3.64` per `HGMMA`, where `cute.gemm`'s
+descriptors cost it three (both words rebuilt). They also carry the stage each k step releases
+instead of recomputing it. Larger tiles keep `cute.gemm`: at 16 rows and two CTAs per SM (104
+registers per consumer) the inline form makes ptxas spill loop-invariant values. 0 turns it off."""
 EPILOGUE_ROWS = 32
 """Plan rows whose pairs and router weights the epilogue loads at once, by default: each chunk waits
 for its loads (two dependent round trips with router weights) before its stores, and holds one
@@ -161,7 +168,8 @@ class MoEGemmSm90:
       tensor-core work of tile k. An item's MMAs cover its rows up to the last `row_granule` rows that
       hold a pair, as one `wgmma` of that many rows per 16 K (`used_row_granules`, `mainloop`): the
       rows of one accumulator, of which a partly filled tile computes a prefix. One wide `wgmma` keeps
-      the tensor core busier than several narrow ones over the same rows.
+      the tensor core busier than several narrow ones over the same rows. Decode tiles issue their
+      `wgmma`s as inline PTX with 64-bit descriptors (`INLINE_WGMMA_TILE_ROWS`).
 
     Epilogue (consumers, straight from the accumulators): the FP32 accumulator times
     `alpha[e] * 2^8` (the decode's `2^-8`, `gemm_device`), then per `epilogue`.
@@ -223,6 +231,7 @@ class MoEGemmSm90:
         self.tile_k = tile_k
         self.stages = stages
         self.loads_ahead = tile_rows <= LOADS_AHEAD_TILE_ROWS
+        self.inline_wgmma = tile_rows <= INLINE_WGMMA_TILE_ROWS
         assert stages >= (MIN_LOADS_AHEAD_STAGES if self.loads_ahead else 2)
         self.ctas_per_sm = ctas_per_sm
         self.max_ctas = max_ctas
@@ -583,6 +592,8 @@ class MoEGemmSm90:
         # The B descriptors of the whole tile serve every variant: a `wgmma` of fewer rows reads the
         # same 8-row core matrices from the tile's start, only fewer of them.
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(act_smem))
+        if const_expr(self.inline_wgmma):
+            tCrB = self.b_descriptors(storage, b_layout)
         fragment_shape = tiled_mma.partition_shape_A((weight_layout.ROW_BLOCK, self.tile_k))
         fragments = [tiled_mma.make_fragment_A(fragment_shape) for _ in range(2)]
         acc = thr_mma.make_fragment_C(thr_mma.partition_shape_C((weight_layout.ROW_BLOCK, self.tile_rows)))
@@ -668,6 +679,8 @@ class MoEGemmSm90:
         and the last k step loads none (a run-time branch where it is the loop's, which keeps one copy
         of the loop body: a peeled copy makes ptxas spill the accumulators of short K slices)."""
         stage, phase = self.stage_and_phase(iteration)
+        # The stage each step releases (the one before it), carried along; used with `inline_wgmma`.
+        previous = self.previous_stage(stage)
         steps = self.k_iterations
         if const_expr(self.loads_ahead):
             cute.arch.mbarrier_wait(full + stage, phase)
@@ -675,22 +688,27 @@ class MoEGemmSm90:
             for k2 in cutlass.range(steps // 2, unroll=1):
                 for j in cutlass.range_constexpr(2):
                     # Every step has a next k tile but the pair's second at the end of an even K.
-                    stage, phase, words = self.mma_step(
+                    previous, stage, phase, words = self.mma_step(
                         variant, stage, phase, 2 * k2 + j, fragments[j], tCrB, full, empty, codes_smem, scales_smem,
-                        words, True if j == 0 or steps % 2 == 1 else 2 * k2 + 2 < steps,
+                        words, True if j == 0 or steps % 2 == 1 else 2 * k2 + 2 < steps, previous,
                     )
             if const_expr(steps % 2 == 1):
                 self.mma_step(
-                    variant, stage, phase, steps - 1, fragments[0], tCrB, full, empty, codes_smem, scales_smem, words, False
+                    variant, stage, phase, steps - 1, fragments[0], tCrB, full, empty, codes_smem, scales_smem, words, False,
+                    previous,
                 )
         else:
             for k2 in cutlass.range(steps // 2, unroll=1):
                 for j in cutlass.range_constexpr(2):
-                    stage, phase = self.mma_step(
-                        variant, stage, phase, 2 * k2 + j, fragments[j], tCrB, full, empty, codes_smem, scales_smem
+                    previous, stage, phase = self.mma_step(
+                        variant, stage, phase, 2 * k2 + j, fragments[j], tCrB, full, empty, codes_smem, scales_smem,
+                        None, False, previous,
                     )
             if const_expr(steps % 2 == 1):
-                self.mma_step(variant, stage, phase, steps - 1, fragments[0], tCrB, full, empty, codes_smem, scales_smem)
+                self.mma_step(
+                    variant, stage, phase, steps - 1, fragments[0], tCrB, full, empty, codes_smem, scales_smem, None, False,
+                    previous,
+                )
         warpgroup.wait_group(0)
 
     @cute.jit
@@ -710,7 +728,8 @@ class MoEGemmSm90:
 
     @cute.jit
     def mma_step(
-        self, variant, stage, phase, k, fragment, tCrB, full, empty, codes_smem, scales_smem, words=None, load_next=False
+        self, variant, stage, phase, k, fragment, tCrB, full, empty, codes_smem, scales_smem, words=None, load_next=False,
+        previous=None,
     ):
         """k tile `k` of an item, in pipeline `stage` (barrier `phase`): decode the A fragment, issue
         the MMAs, release the previous k tile's stage once its MMAs are done (the item's last stage is
@@ -738,18 +757,53 @@ class MoEGemmSm90:
         self.issue_mmas(variant, fragment, tCrB, stage)
         warpgroup.wait_group(1)
         if k > 0:
-            cute.arch.mbarrier_arrive(empty + self.previous_stage(stage))
+            if const_expr(self.inline_wgmma):
+                cute.arch.mbarrier_arrive(empty + previous)
+            else:
+                cute.arch.mbarrier_arrive(empty + self.previous_stage(stage))
         if const_expr(self.loads_ahead):
-            return next_stage, next_phase, next_words
-        return next_stage, next_phase
+            return stage, next_stage, next_phase, next_words
+        return stage, next_stage, next_phase
+
+    def b_descriptors(self, storage, b_layout):
+        """(the B tile's descriptor low word at stage 0 and k 0, its high word, the descriptor units of
+        one stage, of each k16 step): `issue_mmas`' operands with `inline_wgmma`. The tile is K-major bf16
+        with the 128-byte swizzle (`sm90_utils.make_smem_layout_b` of a 128 K tile); offsets are the
+        unswizzled layout's, in 16-byte units. Plain Python, run while the kernel is traced."""
+        assert self.tile_k * 2 >= 128
+        address = storage.act.data_ptr().toint()
+        low = ((address >> 4) & 0x3FFF) | (dev.SW128_K_MAJOR_DESCRIPTOR & 0xFFFFFFFF)
+        high = Uint32(dev.SW128_K_MAJOR_DESCRIPTOR >> 32)
+        stage_units = cute.crd2idx((0, 0, 1), b_layout.outer) * 2 // 16
+        k_units = [cute.crd2idx((0, b * 16, 0), b_layout.outer) * 2 // 16 for b in range(self.k16_per_tile)]
+        return Uint32(low), high, stage_units, k_units
 
     @cute.jit
     def issue_mmas(self, variant, fragment, tCrB, stage):
-        """The k tile's `wgmma`s (one per 16 K) against the B tile of `stage`, committed as one group."""
+        """The k tile's `wgmma`s (one per 16 K) against the B tile of `stage`, committed as one group.
+        With `inline_wgmma`, inline PTX whose descriptors are one 64-bit base per k tile plus an
+        immediate per `wgmma`."""
         warpgroup.fence()
         variant_mma, acc = variant
-        for b in cutlass.range_constexpr(self.k16_per_tile):
-            cute.gemm(variant_mma, acc, fragment[None, None, b], tCrB[None, None, b, stage], acc)
+        if const_expr(self.inline_wgmma):
+            low, high, stage_units, k_units = tCrB
+            stage_descriptor = dev.pack_descriptor(low + Uint32(stage) * Uint32(stage_units), high)
+            fragment_words = cute.recast_tensor(fragment, Uint32)
+            rows = cute.size(acc) * 2
+            for b in cutlass.range_constexpr(self.k16_per_tile):
+                descriptor = stage_descriptor
+                if const_expr(k_units[b] != 0):
+                    descriptor = stage_descriptor + Int64(k_units[b])
+                values = dev.wgmma_rs_bf16(
+                    [acc[i] for i in range(cute.size(acc))],
+                    [fragment_words[(0, p % 2, p // 2), 0, b] for p in range(4)],
+                    descriptor, rows,
+                )
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    acc[i] = values[i]
+        else:
+            for b in cutlass.range_constexpr(self.k16_per_tile):
+                cute.gemm(variant_mma, acc, fragment[None, None, b], tCrB[None, None, b, stage], acc)
         warpgroup.commit_group()
 
     def load_words(self, codes_smem, scales_smem, stage):
