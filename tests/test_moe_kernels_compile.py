@@ -83,10 +83,11 @@ def test_decode_tiles_take_256_features_where_they_fill_the_sms():
     assert shape((256, 64, 112, 2048), 16, moe_launch.expected_tiles(1024, 256, 16), 132).tile_features == 128
 
 
-def test_fused_gemm2_splits_k_until_its_waves_are_balanced():
-    """`fused_gemm2_k_splits`: DeepSeek-V3's GEMM2 at T = 1 (224 items of 256 features on 132 SMs: two
-    waves, the second 70% full) takes four slices of K (seven waves, the last 79% full), at T = 2 two;
-    from T = 4 its items are balanced whole; every choice divides the k tiles."""
+def test_fused_gemm2_splits_k_to_balance_its_waves():
+    """`fused_gemm2_k_splits`: GLM's GEMM2 at T = 1 (192 items of 256 features on 132 SMs: two waves, the
+    second 45% full) and DeepSeek-V3's at T = 2 take two slices of K; DeepSeek-V3's at T = 1 would need
+    four (more than `MAX_BALANCE_FACTOR` times one) and takes one; items that fill the SMs whole take
+    one; every choice divides the k tiles."""
     def splits(prepared, tokens, top_k=8, experts=256, sms=132):
         tile = dispatch.moe_tile_m(tokens, top_k, experts)
         shape = moe_launch.GemmShape(prepared, tile, moe_launch.expected_tiles(tokens * top_k, experts, tile), sms)
@@ -94,11 +95,11 @@ def test_fused_gemm2_splits_k_until_its_waves_are_balanced():
         assert (shape.prepared_k // shape.tile_k) % chosen == 0
         return chosen
 
-    deepseek = (256, 112, 32, 2048)
-    assert [splits(deepseek, t) for t in (1, 2, 4, 8, 64, 4096)] == [4, 2, 1, 1, 1, 1]
-    assert moe_launch.wave_efficiency(224 * 4, 132) >= moe_launch.WAVE_BALANCE > moe_launch.wave_efficiency(224, 132)
-    # GLM (H = 6144, I = 512): 192 items at T = 1, two slices.
+    assert [splits((256, 112, 32, 2048), t) for t in (1, 2, 4, 8, 64, 4096)] == [1, 2, 1, 1, 1, 1]
+    assert moe_launch.wave_efficiency(448 * 2, 132) >= moe_launch.WAVE_BALANCE > moe_launch.wave_efficiency(448, 132)
     assert splits((256, 96, 8, 2048), 1) == 2
+    # Items that do not fill the slots: the fewest slices that do (one pair on an expert-parallel shard of 32 experts).
+    assert splits((32, 112, 32, 2048), 1, top_k=1, experts=32) == 4
 
 
 PLAN_VARIANTS = [(256, 8, 7168), (32, 128, None)]

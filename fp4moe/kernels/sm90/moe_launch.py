@@ -219,10 +219,13 @@ def compile_gemm(
 
 MAX_K_SPLITS = 8
 WAVE_BALANCE = 0.9
-"""The fused GEMM2 splits K further while its items leave more than a tenth of its last wave's CTA
-slots idle: the items are alike, so a call takes as long as its fullest wave count (DeepSeek-V3 at
-T = 1: 224 items on 132 SMs run two waves of which the second is 70% full; four slices make 896 items,
-seven waves of which the last is 79% full)."""
+"""The fused GEMM2 takes more slices of K where its items would leave more than a tenth of their last
+wave's CTA slots idle (`fused_gemm2_k_splits`): the items are alike, so a call takes as long as its
+wave count. GLM at T = 1: 192 items of 256 features on 132 SMs run two waves, the second 45% full."""
+MAX_BALANCE_FACTOR = 2
+"""Balancing takes at most this many times the fewest slices that fill the CTA slots: DeepSeek-V3's
+GEMM2 at T = 2 (two slices instead of one) and GLM's at T = 1 run faster balanced, while DeepSeek-V3's
+at T = 1, balanced only by four slices, runs slower with them (runs log)."""
 
 
 def wave_efficiency(items: int, slots: int) -> float:
@@ -232,16 +235,20 @@ def wave_efficiency(items: int, slots: int) -> float:
 
 def fused_gemm2_k_splits(shape: GemmShape) -> int:
     """Slices of K for the fused GEMM2 (split-K): the fewest (a divisor of the k tiles, at most
-    `MAX_K_SPLITS`) whose expected items fill the CTA slots with a wave efficiency of at least
-    `WAVE_BALANCE`; else the fewest that fill them; the most when none does. Each slice adds its
-    partial sums into the FP32 accumulator, as whole items do, so a slice costs a second reduction
-    of the item's rows: at decode, where this applies, that is a few rows."""
+    `MAX_K_SPLITS`) whose expected items fill the CTA slots; more, up to `MAX_BALANCE_FACTOR` times
+    those, where that balances the waves (`WAVE_BALANCE`); the most when none fills them. Each slice
+    adds its partial sums into the FP32 accumulator, as whole items do."""
     items = shape.expected_tiles * (shape.prepared_rows // shape.tile_features)
     k_tiles = shape.prepared_k // shape.tile_k
     divisors = [s for s in range(1, MAX_K_SPLITS + 1) if k_tiles % s == 0]
     filling = [s for s in divisors if items * s >= shape.max_ctas]
-    balanced = [s for s in filling if wave_efficiency(items * s, shape.max_ctas) >= WAVE_BALANCE]
-    return (balanced or filling or divisors[-1:])[0]
+    if not filling:
+        return divisors[-1]
+    balanced = [
+        s for s in filling
+        if s <= MAX_BALANCE_FACTOR * filling[0] and wave_efficiency(items * s, shape.max_ctas) >= WAVE_BALANCE
+    ]
+    return (balanced or filling)[0]
 
 
 def expected_tiles(num_pairs: int, num_local_experts: int, tile_rows: int) -> int:
