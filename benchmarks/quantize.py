@@ -174,8 +174,14 @@ def bench_shape(rows: int, k: int, replays: int, read_bytes_per_s: float) -> tup
 
 
 def host_overhead_us() -> dict:
-    """Host time per eager call (M=1, K=2048): GPU work is ~2 us, so the host is the bound."""
+    """Host time per eager call (M=1, K=2048): GPU work is ~2 us, so the host is the bound.
+
+    Besides the ops (through the dispatcher: the C++ host launcher where it is installed), the ops'
+    Python implementations called directly ("dispatcher bypassed": validation, backend, output
+    allocation and launch layer, what an eager bypass of the dispatcher would run) and the launch layer
+    alone."""
     from fp4moe.kernels.sm90 import quantize_launch as launch  # the CuTe DSL: imported only where it runs
+    from fp4moe.ops import quantize as python_ops
 
     x = torch.randn(1, 2048, device="cuda").to(DTYPE)
     amax = torch.ops.fp4moe.tile_amax(x, AUX_TILE_N)
@@ -187,6 +193,10 @@ def host_overhead_us() -> dict:
             x, sf_layout=SF_LAYOUT, input_amax=amax
         ),
         "op quantize": lambda: torch.ops.fp4moe.quantize(x, gs, sf_layout=SF_LAYOUT),
+        "dispatcher bypassed quantize_per_token (rescan)": lambda: python_ops.quantize_per_token(
+            x, nvfp4.DEFAULT_GLOBAL_SCALE_INV, SF_LAYOUT, "off", None, None
+        ),
+        "dispatcher bypassed quantize": lambda: python_ops.quantize(x, gs, SF_LAYOUT, "off"),
         "launch layer only (quantize_per_token_into)": lambda: launch.quantize_per_token_into(
             x, nvfp4.DEFAULT_GLOBAL_SCALE_INV, SF_LAYOUT, "off", None, None, *outputs
         ),
