@@ -733,13 +733,15 @@ class MoEGemmSm90:
     ):
         """k tile `k` of an item, in pipeline `stage` (barrier `phase`): decode the A fragment, issue
         the MMAs, release the previous k tile's stage once its MMAs are done (the item's last stage is
-        released after the final wait). Returns the next k tile's (stage, phase).
+        released after the final wait). Returns (this k tile's stage, which the next step releases,
+        the next k tile's stage, its phase); with `inline_wgmma` the released stage is `previous`,
+        carried from the step before, else it is recomputed.
 
         `words`: this k tile's code and scale words, loaded by the previous step (`loads_ahead`);
         without them the step waits for its stage and loads them itself. With `load_next` (True, or a
         run-time condition) the step waits for the next k tile and loads its words between the decode
         and the `wgmma`s, where their latency hides behind the MMAs' issue and the wait for the
-        previous k tile's, and returns them as well: (stage, phase, next words)."""
+        previous k tile's, and returns them as well, last."""
         next_stage, next_phase = self.next_stage(stage, phase)
         if const_expr(words is None):
             cute.arch.mbarrier_wait(full + stage, phase)
