@@ -682,34 +682,31 @@ class MoEGemmSm90:
         # The stage each step releases (the one before it), carried along; used with `inline_wgmma`.
         previous = self.previous_stage(stage)
         steps = self.k_iterations
+        words = None
         if const_expr(self.loads_ahead):
             cute.arch.mbarrier_wait(full + stage, phase)
             words = self.load_words(codes_smem, scales_smem, stage)
-            for k2 in cutlass.range(steps // 2, unroll=1):
-                for j in cutlass.range_constexpr(2):
-                    # Every step has a next k tile but the pair's second at the end of an even K.
-                    previous, stage, phase, words = self.mma_step(
-                        variant, stage, phase, 2 * k2 + j, fragments[j], tCrB, full, empty, codes_smem, scales_smem,
-                        words, True if j == 0 or steps % 2 == 1 else 2 * k2 + 2 < steps, previous,
-                    )
-            if const_expr(steps % 2 == 1):
-                self.mma_step(
-                    variant, stage, phase, steps - 1, fragments[0], tCrB, full, empty, codes_smem, scales_smem, words, False,
-                    previous,
+        for k2 in cutlass.range(steps // 2, unroll=1):
+            for j in cutlass.range_constexpr(2):
+                previous, stage, phase, words = self.mma_step(
+                    variant, stage, phase, 2 * k2 + j, fragments[j], tCrB, full, empty, codes_smem, scales_smem,
+                    words, self.loads_next(j, 2 * k2 + 2 < steps), previous,
                 )
-        else:
-            for k2 in cutlass.range(steps // 2, unroll=1):
-                for j in cutlass.range_constexpr(2):
-                    previous, stage, phase = self.mma_step(
-                        variant, stage, phase, 2 * k2 + j, fragments[j], tCrB, full, empty, codes_smem, scales_smem,
-                        None, False, previous,
-                    )
-            if const_expr(steps % 2 == 1):
-                self.mma_step(
-                    variant, stage, phase, steps - 1, fragments[0], tCrB, full, empty, codes_smem, scales_smem, None, False,
-                    previous,
-                )
+        if const_expr(steps % 2 == 1):
+            self.mma_step(
+                variant, stage, phase, steps - 1, fragments[0], tCrB, full, empty, codes_smem, scales_smem, words, False,
+                previous,
+            )
         warpgroup.wait_group(0)
+
+    def loads_next(self, j, pair_has_next):
+        """Whether step `j` (0 or 1) of a pair of k steps loads the next k tile's words (`mma_step`'s
+        `load_next`): never without `loads_ahead`; always for the pair's first step and where K has an
+        odd number of k tiles (a last step follows the pairs); for the second, `pair_has_next`, a
+        run-time condition: whether another pair follows. Plain Python, run while the kernel is traced."""
+        if not self.loads_ahead:
+            return False
+        return True if j == 0 or self.k_iterations % 2 == 1 else pair_has_next
 
     @cute.jit
     def stage_and_phase(self, iteration):
@@ -741,7 +738,7 @@ class MoEGemmSm90:
         without them the step waits for its stage and loads them itself. With `load_next` (True, or a
         run-time condition) the step waits for the next k tile and loads its words between the decode
         and the `wgmma`s, where their latency hides behind the MMAs' issue and the wait for the
-        previous k tile's, and returns them as well, last."""
+        previous k tile's, and returns them as well, last (None without `load_next`)."""
         next_stage, next_phase = self.next_stage(stage, phase)
         if const_expr(words is None):
             cute.arch.mbarrier_wait(full + stage, phase)
@@ -763,9 +760,7 @@ class MoEGemmSm90:
                 cute.arch.mbarrier_arrive(empty + previous)
             else:
                 cute.arch.mbarrier_arrive(empty + self.previous_stage(stage))
-        if const_expr(self.loads_ahead):
-            return stage, next_stage, next_phase, next_words
-        return stage, next_stage, next_phase
+        return stage, next_stage, next_phase, next_words
 
     def b_descriptors(self, storage, b_layout):
         """(the B tile's descriptor low word at stage 0 and k 0, its high word, the descriptor units of
