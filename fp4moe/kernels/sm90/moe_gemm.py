@@ -385,8 +385,7 @@ class MoEGemmSm90:
                 _, feature_block, expert, k_first = self.item_expert(mTileExpert, item)
                 if expert >= 0:
                     for g in cutlass.range_constexpr(self.consumer_groups):
-                        block = expert * self.row_blocks + feature_block * self.consumer_groups + g
-                        tile_index = Int64(block * self.k_tiles64 + k_first * self.k64_per_tile)
+                        tile_index = self.weight_tile(self.weight_block(expert, feature_block) + g, k_first)
                         dev.prefetch_to_l2(
                             mCodes.iterator.toint() + tile_index * weight_layout.CODE_BYTES, k_tiles * self.code_bytes
                         )
@@ -394,6 +393,18 @@ class MoEGemmSm90:
                             mScales.iterator.toint() + tile_index * weight_layout.SCALE_BYTES,
                             k_tiles * self.scale_bytes,
                         )
+
+    def weight_block(self, expert, feature_block):
+        """The prepared weights' 64-row block (counted over all experts) of the first consumer group of
+        `feature_block` of `expert`; group `g`'s is `g` further. Plain Python, run while the kernel is
+        traced."""
+        return expert * self.row_blocks + feature_block * self.consumer_groups
+
+    def weight_tile(self, block, k_tile):
+        """The index of the prepared weights' 64 K tile that starts k tile `k_tile` of 64-row block
+        `block` (`weight_block`): the unit of `weight_layout.CODE_BYTES` and `SCALE_BYTES` in which the
+        codes and scales are laid out. Plain Python, run while the kernel is traced."""
+        return Int64(block * self.k_tiles64 + k_tile * self.k64_per_tile)
 
     def item_count(self, mTileExpert):
         """Work items: one per (plan tile, feature block, K slice), from the host-static worst-case tile
@@ -528,7 +539,7 @@ class MoEGemmSm90:
 
         codes_smem = storage.codes.data_ptr().toint()
         scales_smem = storage.scales.data_ptr().toint()
-        first_block = expert * self.row_blocks + feature_block * self.consumer_groups
+        first_block = self.weight_block(expert, feature_block)
         codes_gmem = mCodes.iterator.toint()
         scales_gmem = mScales.iterator.toint()
         act_gmem = mAct.iterator.toint()
@@ -541,7 +552,7 @@ class MoEGemmSm90:
                     full + stage, self.consumer_groups * (self.code_bytes + self.scale_bytes)
                 )
                 for g in cutlass.range_constexpr(self.consumer_groups):
-                    tile_index = Int64((first_block + g) * self.k_tiles64 + (k_first + k) * self.k64_per_tile)
+                    tile_index = self.weight_tile(first_block + g, k_first + k)
                     smem_slot = stage * self.consumer_groups + g
                     dev.bulk_copy_to_shared(
                         codes_smem + smem_slot * self.code_bytes,
@@ -738,7 +749,7 @@ class MoEGemmSm90:
         without them the step waits for its stage and loads them itself. With `load_next` (True, or a
         run-time condition) the step waits for the next k tile and loads its words between the decode
         and the `wgmma`s, where their latency hides behind the MMAs' issue and the wait for the
-        previous k tile's, and returns them as well, last (None without `load_next`)."""
+        previous k tile's, and returns them as well, last (None where `load_next` is False)."""
         next_stage, next_phase = self.next_stage(stage, phase)
         if const_expr(words is None):
             cute.arch.mbarrier_wait(full + stage, phase)
