@@ -382,7 +382,8 @@ class MoEGemmSm90:
             item = first + i * step
             k_tiles = min(self.k_iterations, self.stages - i * self.k_iterations)
             if item < end:
-                _, feature_block, expert, k_first = self.item_expert(mTileExpert, item)
+                tile, feature_block, k_first = self.item_place(item)
+                expert = self.tile_expert(mTileExpert, tile)
                 if expert >= 0:
                     for g in cutlass.range_constexpr(self.consumer_groups):
                         tile_index = self.weight_tile(self.weight_block(expert, feature_block) + g, k_first)
@@ -417,16 +418,38 @@ class MoEGemmSm90:
         the same ones (the range itself must be written in the `for`, which the DSL rewrites)."""
         return cute.arch.block_idx()[0], self.item_count(mTileExpert), cute.arch.grid_dim()[0]
 
-    @cute.jit
-    def item_expert(self, mTileExpert, item):
-        """The plan tile, feature block, expert and first k tile of a work item (K slices fastest);
-        expert -1 when the tile is unused (entries outside [0, E) are unused tiles: the plan contract)."""
+    def item_place(self, item):
+        """The plan tile, feature block and first k tile of a work item (K slices fastest). Plain
+        Python, run while the kernel is traced."""
         block_item = item // self.k_splits
-        tile = block_item // self.feature_blocks
+        return block_item // self.feature_blocks, block_item % self.feature_blocks, (item % self.k_splits) * self.k_iterations
+
+    @cute.jit
+    def tile_expert(self, mTileExpert, tile):
+        """The expert of a plan tile; -1 when the tile is unused (entries outside [0, E) are unused
+        tiles: the plan contract)."""
         expert = mTileExpert[tile]
         if (expert < 0) | (expert >= self.num_experts):
             expert = Int32(-1)
-        return tile, block_item % self.feature_blocks, expert, (item % self.k_splits) * self.k_iterations
+        return expert
+
+    @cute.jit
+    def upcoming_expert(self, mTileExpert, item, end, step):
+        """The expert of the item after `item` (of the last item when none follows). Tiles without staged
+        rows load it at the top of an item, so that its latency hides behind the item's k loop instead
+        of stalling the next item's start (decode items are short where K is split): the item loops
+        carry it to the next iteration. A CTA's first item exists (the grid holds at most one CTA per
+        item), so its expert is loaded before the loop the same way. Larger tiles, whose long items
+        hold the registers for their wide accumulators, load each item's expert at its start."""
+        tile, _, _ = self.item_place(cutlass.min(item + step, end - 1))
+        return self.tile_expert(mTileExpert, tile)
+
+    def item_expert(self, mTileExpert, item, carried):
+        """The expert of `item`: `carried` (`upcoming_expert`'s, from the previous iteration) for tiles
+        without staged rows, else loaded now. Plain Python, run while the kernel is traced."""
+        if self.staged_rows:
+            return self.tile_expert(mTileExpert, self.item_place(item)[0])
+        return carried
 
     # -----------------------------------------------------------------------------------------------
     # Producer
@@ -447,8 +470,12 @@ class MoEGemmSm90:
     ):
         iteration = Int32(0)  # k tiles this CTA has loaded so far: the pipeline's stage and phase
         first, end, step = self.item_bounds(mTileExpert)
+        upcoming = None if const_expr(self.staged_rows) else self.upcoming_expert(mTileExpert, first - step, end, step)
         for item in cutlass.range(first, end, step, unroll=1):
-            tile, feature_block, expert, k_first = self.item_expert(mTileExpert, item)
+            tile, feature_block, k_first = self.item_place(item)
+            expert = self.item_expert(mTileExpert, item, upcoming)
+            if const_expr(not self.staged_rows):
+                upcoming = self.upcoming_expert(mTileExpert, item, end, step)
             if expert >= 0:
                 if const_expr(self.staged_rows):
                     self.stage_rows(storage, row_factors, mPermutedToPair, num_pairs, tile, iteration // self.k_iterations)
@@ -622,10 +649,17 @@ class MoEGemmSm90:
 
         iteration = Int32(0)  # k tiles this CTA has consumed so far (the producer's count)
         first, end, step = self.item_bounds(mTileExpert)
+        upcoming = None if const_expr(self.staged_rows) else self.upcoming_expert(mTileExpert, first - step, end, step)
         for item in cutlass.range(first, end, step, unroll=1):
-            tile, feature_block, expert, _ = self.item_expert(mTileExpert, item)
+            tile, feature_block, _ = self.item_place(item)
+            expert = self.item_expert(mTileExpert, item, upcoming)
+            if const_expr(not self.staged_rows):
+                upcoming = self.upcoming_expert(mTileExpert, item, end, step)
             if expert >= 0:
                 early_rows = None
+                # Decode tiles load their epilogue's alpha (and rows) before the k loop, which hides the
+                # loads' latency; larger tiles load it after, to free the registers for their accumulators.
+                alpha = None if const_expr(self.staged_rows) else self.item_alpha(mAlpha, expert)
                 item_factors = row_factors
                 item_number = iteration // self.k_iterations
                 if const_expr(self.staged_rows):
@@ -645,8 +679,10 @@ class MoEGemmSm90:
                             self.mainloop(variants[v], iteration, fragments, tCrB, full, empty, codes_smem, scales_smem)
                 iteration += self.k_iterations
                 cute.arch.mbarrier_arrive(empty + (iteration - 1) % self.stages)
+                if const_expr(self.staged_rows):
+                    alpha = self.item_alpha(mAlpha, expert)
                 self.finish(
-                    acc, coordinates, mAlpha, item_factors, mPermutedToPair, num_pairs, outputs, tile, feature_block,
+                    acc, coordinates, alpha, item_factors, mPermutedToPair, num_pairs, outputs, tile, feature_block,
                     expert, group, early_rows,
                 )
                 if const_expr(self.staged_rows):
@@ -849,21 +885,27 @@ class MoEGemmSm90:
     # -----------------------------------------------------------------------------------------------
     # Epilogues
     # -----------------------------------------------------------------------------------------------
+    def item_alpha(self, mAlpha, expert):
+        """The item's `alpha[e] * 2^8` (the decode's `2^-8`, `gemm_device`); for GEMM1 the pair (gate or
+        ReLU2 input's, up half's), the up half taking its own with `up_alpha`. Plain Python, run while
+        the kernel is traced."""
+        alpha = mAlpha[expert] * Float32(2.0**dev.WEIGHT_DECODE_EXPONENT)
+        if self.epilogue != "gemm1":
+            return alpha
+        up_alpha = alpha
+        if self.up_alpha:
+            up_alpha = mAlpha[self.num_experts + expert] * Float32(2.0**dev.WEIGHT_DECODE_EXPONENT)
+        return alpha, up_alpha
+
     @cute.jit
     def finish(
-        self, acc, coordinates, mAlpha, row_factors, mPermutedToPair, num_pairs, outputs, tile, feature_block, expert,
+        self, acc, coordinates, alpha, row_factors, mPermutedToPair, num_pairs, outputs, tile, feature_block, expert,
         group, early_rows,
     ):
-        """The epilogue of one item; `early_rows`: its rows (`chunk_rows`), when they were loaded before the MMAs."""
-        alpha = mAlpha[expert] * Float32(2.0**dev.WEIGHT_DECODE_EXPONENT)
+        """The epilogue of one item; `alpha`: `item_alpha`'s; `early_rows`: its rows (`chunk_rows`),
+        when they were loaded before the MMAs."""
         block = feature_block * self.consumer_groups + group
         first_row = tile * self.tile_rows
-        if const_expr(self.epilogue == "gemm1"):
-            # (gate or ReLU2 input, up): SwiGLU's up half has its own alpha with `up_alpha`.
-            up_alpha = alpha
-            if const_expr(self.up_alpha):
-                up_alpha = mAlpha[self.num_experts + expert] * Float32(2.0**dev.WEIGHT_DECODE_EXPONENT)
-            alpha = (alpha, up_alpha)
         if const_expr(self.epilogue == "gemm1" and self.nvfp4_out):
             self.finish_gemm1_nvfp4(
                 acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, outputs, early_rows,
