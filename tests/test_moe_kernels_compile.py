@@ -58,8 +58,7 @@ def _fused_moe_variants():
         tile = dispatch.moe_tile_m(tokens, 8, 256)
         expected = moe_launch.expected_tiles(tokens * 8, 256, tile)
         gemm1 = moe_launch.GemmShape((256, 64, 112, 2048), tile, expected, 132).key()
-        gemm2 = moe_launch.GemmShape((256, 112, 32, 2048), tile, expected, 132)
-        splits = moe_launch.fused_gemm2_k_splits(gemm2)
+        gemm2, splits = moe_launch.fused_gemm2_tiling(moe_launch.GemmShape((256, 112, 32, 2048), tile, expected, 132))
         variants.append(("gemm1", gemm1, 7168, 2048, 8, "swiglu", (None, None, None), False))
         variants.append(
             ("gemm2_fused", gemm2.key(), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, splits)
@@ -100,6 +99,24 @@ def test_fused_gemm2_splits_k_to_balance_its_waves():
     assert splits((256, 96, 8, 2048), 1) == 2
     # Items that do not fill the slots: the fewest slices that do (one pair on an expert-parallel shard of 32 experts).
     assert splits((32, 112, 32, 2048), 1, top_k=1, experts=32) == 4
+
+
+def test_fused_gemm2_takes_seven_groups_where_they_remove_a_partial_wave():
+    """`fused_gemm2_tiling`: DeepSeek-V3's GEMM2 at T = 1 (224 items of 256 features, unbalanced unless
+    split in four) takes CTAs of seven consumer groups (448 features, 64 K per k tile) in two slices of K;
+    at T = 2 two slices balance 256-feature items, which it keeps, as every larger T does; GLM's rows
+    (80 blocks) do not come in sevens."""
+    def tiling(prepared, tokens):
+        tile = dispatch.moe_tile_m(tokens, 8, 256)
+        shape = moe_launch.GemmShape(prepared, tile, moe_launch.expected_tiles(tokens * 8, 256, tile), 132)
+        chosen, splits = moe_launch.fused_gemm2_tiling(shape)
+        return chosen.tile_features, chosen.tile_k, chosen.ctas_per_sm, splits
+
+    deepseek = (256, 112, 32, 2048)
+    assert tiling(deepseek, 1) == (moe_launch.SEVEN_GROUP_FEATURES, 64, 1, 2)
+    assert tiling(deepseek, 2) == (256, 128, 1, 2)
+    assert all(tiling(deepseek, t)[0] != moe_launch.SEVEN_GROUP_FEATURES for t in (4, 8, 64, 4096))
+    assert tiling((256, 80, 24, 2048), 1)[0] != moe_launch.SEVEN_GROUP_FEATURES
 
 
 PLAN_VARIANTS = [(256, 8, 7168), (32, 128, None)]

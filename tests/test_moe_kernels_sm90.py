@@ -261,6 +261,21 @@ def test_wide_decode_tiles_match_the_loop_reference(mode, deterministic):
     assert_moe_close(run_prepared(p), loop_reference(p))
 
 
+def test_seven_group_decode_tiles_match_the_loop_reference():
+    # 28 row blocks of 64 and 32 expected tiles: 256-feature GEMM2 items leave a partial wave that
+    # splitting K does not balance, so the fused GEMM2 takes CTAs of seven consumer groups.
+    from fp4moe.kernels.sm90 import moe_launch
+
+    p = make_problem(tokens=4, hidden=1792, intermediate=256, num_experts=64, top_k=8, mode="w4a16", device="cuda",
+                     seed=50)
+    w2 = p.weights.prepared().w2
+    tile = dispatch.moe_tile_m(4, 8, 64)
+    shape = moe_launch.GemmShape(w2.shape, tile, moe_launch.expected_tiles(32, 64, tile), moe_launch.sm_count(0))
+    chosen, _ = moe_launch.fused_gemm2_tiling(shape)
+    assert chosen.tile_features == moe_launch.SEVEN_GROUP_FEATURES
+    assert_moe_close(run_prepared(p), loop_reference(p))
+
+
 def test_skewed_routing_all_tokens_on_one_expert_and_every_expert_once():
     p = make_problem(tokens=300, top_k=2, num_experts=8, hidden=128, intermediate=64, mode="w4a16", device="cuda", seed=7)
     p.topk_ids[:, 0] = 5

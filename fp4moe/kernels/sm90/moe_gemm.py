@@ -210,7 +210,8 @@ class MoEGemmSm90:
         output_scaled: bool = False,
     ):
         assert epilogue in EPILOGUES
-        assert tile_features in (64, 128, 256) and prepared_rows % tile_features == 0
+        assert tile_features in (64, 128, 256, 448) and prepared_rows % tile_features == 0
+        assert tile_features <= 256 or not nvfp4_out  # named barriers: `EXCHANGE_BARRIER`
         assert tile_k in (64, 128) and prepared_k % tile_k == 0 and act_k <= prepared_k
         assert tile_rows % 8 == 0 and 8 <= tile_rows <= 256
         assert tile_rows % row_granule == 0 and row_granule % 8 == 0

@@ -63,6 +63,12 @@ DeepSeek-V3 and at T = 8 on GLM (runs log)."""
 WIDE_DECODE_FILL = 15 / 16
 """The share of the SMs that 256-feature decode tiles must give an item (DeepSeek-V3's GEMM1 at T = 1:
 128 items on 132 SMs, still faster than 256 items of 128 features at two CTAs per SM)."""
+SEVEN_GROUP_FEATURES = 7 * weight_layout.ROW_BLOCK
+"""Features of a CTA of seven consumer groups (1,024 threads, one CTA per SM), for a fused GEMM2 whose
+decode items of 256 features leave a wave unbalanced where splitting K does not balance it
+(`fused_gemm2_tiling`): DeepSeek-V3's H = 7168 is 16 such blocks, so its GEMM2 at T = 1 runs 128
+items (256 in two slices of K: two waves 97% full) instead of 224 (two waves 85% full). At 64 registers
+per consumer thread its k tiles are 64 K: with 128 K ptxas serializes the `wgmma`s."""
 TWO_CTA_TILE_ROWS = 32
 """Plan tiles of at most this many rows run two CTAs per SM (small accumulators, few registers)."""
 
@@ -134,8 +140,10 @@ def moe_plan(topk_ids, num_local_experts, local_expert_offset, tile_m):
 class GemmShape:
     """The static configuration of one grouped GEMM launch, chosen from host-static sizes."""
 
-    def __init__(self, prepared_shape: tuple, tile_rows: int, expected_tiles: int, sms: int):
-        """`prepared_shape`: the prepared codes' [E, J, K/64, 2048]; `sms`: the GPU's multiprocessors."""
+    def __init__(self, prepared_shape: tuple, tile_rows: int, expected_tiles: int, sms: int, seven_groups: bool = False):
+        """`prepared_shape`: the prepared codes' [E, J, K/64, 2048]; `sms`: the GPU's multiprocessors;
+        `seven_groups`: `SEVEN_GROUP_FEATURES` per CTA (`seven_group_shape`)."""
+        self.arguments = (prepared_shape, tile_rows, expected_tiles, sms)
         experts, row_blocks, k_tiles, _ = prepared_shape
         self.num_experts = experts
         self.prepared_rows = row_blocks * weight_layout.ROW_BLOCK
@@ -153,8 +161,22 @@ class GemmShape:
             self.tile_features, self.ctas_per_sm = 256, 1
         # A 192-row activation tile at 128 K would leave room for four stages only.
         self.tile_k = 64 if tile_rows > 128 else 128
+        if seven_groups:
+            self.tile_features, self.ctas_per_sm, self.tile_k = SEVEN_GROUP_FEATURES, 1, 64
         self.stages = pipeline_stages(self.tile_features, tile_rows, self.tile_k, self.ctas_per_sm)
         self.max_ctas = sms * self.ctas_per_sm
+
+    def items(self) -> int:
+        """Work items of the expected tiles, one per (tile, feature block), before any split of K."""
+        return self.expected_tiles * (self.prepared_rows // self.tile_features)
+
+    def seven_group_shape(self):
+        """The same GEMM with `SEVEN_GROUP_FEATURES` per CTA, for decode tiles that take 256 features
+        (`WIDE_DECODE_TILE_ROWS`) and whose row blocks come in sevens; else None."""
+        row_blocks = self.prepared_rows // weight_layout.ROW_BLOCK
+        if self.tile_features != 256 or row_blocks % 7:
+            return None
+        return GemmShape(*self.arguments, seven_groups=True)
 
     def key(self):
         return (
@@ -238,7 +260,7 @@ def fused_gemm2_k_splits(shape: GemmShape) -> int:
     `MAX_K_SPLITS`) whose expected items fill the CTA slots; more, up to `MAX_BALANCE_FACTOR` times
     those, where that balances the waves (`WAVE_BALANCE`); the most when none fills them. Each slice
     adds its partial sums into the FP32 accumulator, as whole items do."""
-    items = shape.expected_tiles * (shape.prepared_rows // shape.tile_features)
+    items = shape.items()
     k_tiles = shape.prepared_k // shape.tile_k
     divisors = [s for s in range(1, MAX_K_SPLITS + 1) if k_tiles % s == 0]
     filling = [s for s in divisors if items * s >= shape.max_ctas]
@@ -249,6 +271,24 @@ def fused_gemm2_k_splits(shape: GemmShape) -> int:
         if s <= MAX_BALANCE_FACTOR * filling[0] and wave_efficiency(items * s, shape.max_ctas) >= WAVE_BALANCE
     ]
     return (balanced or filling)[0]
+
+
+def fused_gemm2_tiling(shape: GemmShape) -> tuple[GemmShape, int]:
+    """The fused GEMM2's shape and slices of K: `shape` with `fused_gemm2_k_splits`' slices, unless those
+    leave the waves unbalanced (below `WAVE_BALANCE`) and CTAs of seven consumer groups
+    (`GemmShape.seven_group_shape`) with their own slices balance them. Seven groups are slower per
+    byte than four (half the K per barrier, fewer registers), so they serve only where they remove a
+    partial wave: DeepSeek-V3 at T = 1 (two slices of 128 items), not at T = 2, where two slices of K
+    balance four groups (runs log)."""
+    k_splits = fused_gemm2_k_splits(shape)
+    if wave_efficiency(shape.items() * k_splits, shape.max_ctas) >= WAVE_BALANCE:
+        return shape, k_splits
+    seven = shape.seven_group_shape()
+    if seven is not None:
+        seven_splits = fused_gemm2_k_splits(seven)
+        if wave_efficiency(seven.items() * seven_splits, seven.max_ctas) >= WAVE_BALANCE:
+            return seven, seven_splits
+    return shape, k_splits
 
 
 def expected_tiles(num_pairs: int, num_local_experts: int, tile_rows: int) -> int:
@@ -410,7 +450,9 @@ def gemm2(
         return out
     a = decoded(a, a_scales)
     shape = plan_gemm_shape(w2, permuted_to_pair, tile_expert, num_tokens * top_k)
-    k_splits = fused_gemm2_k_splits(shape) if accumulator is not None else 1
+    k_splits = 1
+    if accumulator is not None:
+        shape, k_splits = fused_gemm2_tiling(shape)
     kernel = compile_gemm(
         epilogue, shape.key(), a.shape[1], hidden, top_k, "none", (None, None, None), router_weights is not None,
         row_scaled=a_per_token_scale is not None, k_splits=k_splits,
