@@ -434,14 +434,17 @@ class MoEGemmSm90:
             expert = Int32(-1)
         return expert
 
-    @cute.jit
     def upcoming_expert(self, mTileExpert, item, end, step):
-        """The expert of the item after `item` (of the last item when none follows). Tiles without staged
-        rows load it at the top of an item, so that its latency hides behind the item's k loop instead
-        of stalling the next item's start (decode items are short where K is split): the item loops
-        carry it to the next iteration. A CTA's first item exists (the grid holds at most one CTA per
-        item), so its expert is loaded before the loop the same way. Larger tiles, whose long items
-        hold the registers for their wide accumulators, load each item's expert at its start."""
+        """The expert of the item after `item` (of the last item when none follows), for tiles without
+        staged rows; None for the others. Those tiles load it at the top of an item, so that its
+        latency hides behind the item's k loop instead of stalling the next item's start (decode items
+        are short where K is split): the item loops carry it to the next iteration (`item_expert`). A
+        CTA's first item exists (the grid holds at most one CTA per item), so its expert is loaded
+        before the loop the same way. Larger tiles, whose long items hold the registers for their wide
+        accumulators, load each item's expert at its start. Plain Python, run while the kernel is
+        traced."""
+        if self.staged_rows:
+            return None
         tile, _, _ = self.item_place(cutlass.min(item + step, end - 1))
         return self.tile_expert(mTileExpert, tile)
 
@@ -471,12 +474,11 @@ class MoEGemmSm90:
     ):
         iteration = Int32(0)  # k tiles this CTA has loaded so far: the pipeline's stage and phase
         first, end, step = self.item_bounds(mTileExpert)
-        upcoming = None if const_expr(self.staged_rows) else self.upcoming_expert(mTileExpert, first - step, end, step)
+        upcoming = self.upcoming_expert(mTileExpert, first - step, end, step)
         for item in cutlass.range(first, end, step, unroll=1):
             tile, feature_block, k_first = self.item_place(item)
             expert = self.item_expert(mTileExpert, item, upcoming)
-            if const_expr(not self.staged_rows):
-                upcoming = self.upcoming_expert(mTileExpert, item, end, step)
+            upcoming = self.upcoming_expert(mTileExpert, item, end, step)
             if expert >= 0:
                 if const_expr(self.staged_rows):
                     self.stage_rows(storage, row_factors, mPermutedToPair, num_pairs, tile, iteration // self.k_iterations)
@@ -650,12 +652,11 @@ class MoEGemmSm90:
 
         iteration = Int32(0)  # k tiles this CTA has consumed so far (the producer's count)
         first, end, step = self.item_bounds(mTileExpert)
-        upcoming = None if const_expr(self.staged_rows) else self.upcoming_expert(mTileExpert, first - step, end, step)
+        upcoming = self.upcoming_expert(mTileExpert, first - step, end, step)
         for item in cutlass.range(first, end, step, unroll=1):
             tile, feature_block, _ = self.item_place(item)
             expert = self.item_expert(mTileExpert, item, upcoming)
-            if const_expr(not self.staged_rows):
-                upcoming = self.upcoming_expert(mTileExpert, item, end, step)
+            upcoming = self.upcoming_expert(mTileExpert, item, end, step)
             if expert >= 0:
                 early_rows = None
                 # Decode tiles load their epilogue's alpha (and rows) before the k loop, which hides the
