@@ -15,15 +15,16 @@ Layout. Rows (output features) are grouped in blocks of 64 (one `wgmma` m64 atom
   `16 b + 2 c + {0, 1, 8, 9}` (the m16n8k16 A-fragment of its warp). Word `b` holds those eight values
   as four bf16 pairs `p` (p = 0: row g, cols 2c, 2c+1; 1: row g+8, same cols; 2: row g, cols 2c+8, 2c+9;
   3: row g+8, same cols). The bits are placed so that a word decodes in nine integer operations
-  (`decode_pair_sm90`), seven of them on the ALU pipe: a value's 3 magnitude bits (mantissa bit first)
-  go to bf16 bits 6..8 and its sign to bit 15 (the high value of the pair: 22..24 and 31) when the word
-  is rotated right by `PAIR_ROTATIONS[p]`: pair 0 is a mask of the word itself, pairs 1 and 2 a rotation
+  (`decode_pair_sm90`), six of them on the ALU pipe: a value's 3 magnitude bits (mantissa bit first) go
+  to bf16 bits 6..8 and its sign to bit 15 (the high value of the pair: 22..24 and 31) when the word is
+  rotated right by `PAIR_ROTATIONS[p]`: pair 0 is a mask of the word itself, pairs 1 and 2 a rotation
   and a mask each. Pair 3 takes the bits that are left: its mantissa bits from the rotation by
-  `PAIR3_MANTISSA_ROTATION`, its other bits from the rotation by `PAIR_ROTATIONS[3]`. Two of the
-  rotations (pair 2's and pair 3's mantissas', by 26 and 30) bring their masked bits from below only:
-  they are left shifts, which ptxas issues as `IMAD.SHL` on the FMA pipe, beside the `HMUL2`s, where
-  the other rotations and every mask take the ALU pipe, the decode's busiest (a search over all
-  placements of this form finds no fewer ALU operations). The 32 bit positions are used exactly once.
+  `PAIR3_MANTISSA_ROTATION`, its other bits from the rotation by `PAIR_ROTATIONS[3]`. Only pair 1's
+  rotation wraps bits around; the others bring their masked bits from one side, so the kernels shift
+  instead (`gemm_device._rotated_bits`): left shifts and a right shift that ptxas issues as `IMAD.SHL`
+  and `IMAD.HI` on the FMA pipe, beside the `HMUL2`s, while the masks and the one funnel shift take the
+  ALU pipe, the decode's busiest (a search over all placements of this form finds none with fewer ALU
+  operations: one rotation must wrap). The 32 bit positions are used exactly once.
 - scales: 256 bytes, `[32 row pairs][8]`; row pair `8 w + g` holds, for k16 step `b`, the scale of
   row `16 w + g` at byte `2 b` and of row `16 w + g + 8` at byte `2 b + 1` (the four threads of a quad
   read the same 8 bytes).
@@ -63,10 +64,10 @@ CODE_BYTES = THREADS * 16
 SCALE_BYTES = 32 * 8
 """Scale bytes of one (row block, k tile): 8 per row pair."""
 BLOCKS_PER_TILE = K_TILE // nvfp4.BLOCK_SIZE
-PAIR_ROTATIONS = (0, 4, 26, 6)
+PAIR_ROTATIONS = (0, 6, 26, 28)
 """Right rotation of a code word that lands pair p's bits on their bf16 places (pair 3: all but the
 mantissa bits)."""
-PAIR3_MANTISSA_ROTATION = 30
+PAIR3_MANTISSA_ROTATION = 4
 """Right rotation that lands pair 3's mantissa bits on bf16 bits 6 and 22."""
 
 

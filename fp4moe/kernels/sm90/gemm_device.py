@@ -141,19 +141,38 @@ def warpgroup_any(predicate, barrier_id, *, loc=None, ip=None) -> Int32:
 # ---------------------------------------------------------------------------------------------------
 # Weight decode
 # ---------------------------------------------------------------------------------------------------
-def _rotate_right(word: Uint32, r: int) -> Uint32:
-    return word if r == 0 else (word >> r) | (word << (32 - r))
+@dsl_user_op
+def _multiply_high(word, factor: int, *, loc=None, ip=None) -> Uint32:
+    """The high 32 bits of `word * factor` (unsigned): a right shift when `factor` is a power of two,
+    which ptxas issues as `IMAD.HI` on the FMA pipe rather than as `SHF` on the ALU pipe."""
+    return Uint32(_asm(T.i32(), f"mul.hi.u32 $0, $1, {factor};", "=r,r", (Uint32(word),), False, loc, ip))
+
+
+def _rotated_bits(word: Uint32, r: int, mask: int) -> Uint32:
+    """`word` rotated right by `r`, masked by `mask`, in the cheapest form that gives those bits: where
+    every masked bit comes from below (no bit wraps), a left shift, which ptxas issues as `IMAD.SHL`
+    on the FMA pipe; from above, a right shift as the high half of a product (`IMAD.HI`, FMA pipe);
+    else a funnel shift, on the ALU pipe with the masks. The decode is bound by its ALU pipe."""
+    places = [t for t in range(32) if (mask >> t) & 1]
+    if r == 0:
+        return word & Uint32(mask)
+    if all(t + r >= 32 for t in places):
+        return (word << (32 - r)) & Uint32(mask)
+    if all(t + r <= 31 for t in places):
+        return _multiply_high(word, 1 << (32 - r)) & Uint32(mask)
+    return ((word >> r) | (word << (32 - r))) & Uint32(mask)
 
 
 def decode_pair(word: Uint32, pair: int) -> Uint32:
     """Pair `pair` (0..3) of a prepared code word as two bf16 bit patterns (E2M1 value * 2^-126): the
     word rotated so that the pair's signs land on bits 15 / 31 and its magnitudes on 6..8 / 22..24,
     then masked (`weight_layout.decode_pair_sm90` is the same in torch)."""
-    rotated = _rotate_right(word, weight_layout.PAIR_ROTATIONS[pair])
     if pair < 3:
-        return rotated & Uint32(weight_layout.SIGN_AND_MAGNITUDE_BITS)
-    mantissas = _rotate_right(word, weight_layout.PAIR3_MANTISSA_ROTATION) & Uint32(weight_layout.MANTISSA_BITS)
-    return (rotated & Uint32(weight_layout.SIGN_AND_MAGNITUDE_BITS & ~weight_layout.MANTISSA_BITS)) | mantissas
+        return _rotated_bits(word, weight_layout.PAIR_ROTATIONS[pair], weight_layout.SIGN_AND_MAGNITUDE_BITS)
+    others = _rotated_bits(
+        word, weight_layout.PAIR_ROTATIONS[3], weight_layout.SIGN_AND_MAGNITUDE_BITS & ~weight_layout.MANTISSA_BITS
+    )
+    return others | _rotated_bits(word, weight_layout.PAIR3_MANTISSA_ROTATION, weight_layout.MANTISSA_BITS)
 
 
 @dsl_user_op
