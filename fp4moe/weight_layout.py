@@ -15,16 +15,18 @@ Layout. Rows (output features) are grouped in blocks of 64 (one `wgmma` m64 atom
   `16 b + 2 c + {0, 1, 8, 9}` (the m16n8k16 A-fragment of its warp). Word `b` holds those eight values
   as four bf16 pairs `p` (p = 0: row g, cols 2c, 2c+1; 1: row g+8, same cols; 2: row g, cols 2c+8, 2c+9;
   3: row g+8, same cols). The bits are placed so that a word decodes in nine integer operations
-  (`decode_pair_sm90`), six of them on the ALU pipe: a value's 3 magnitude bits (mantissa bit first) go
+  (`decode_pair_sm90`), seven of them on the ALU pipe: a value's 3 magnitude bits (mantissa bit first) go
   to bf16 bits 6..8 and its sign to bit 15 (the high value of the pair: 22..24 and 31) when the word is
   rotated right by `PAIR_ROTATIONS[p]`: pair 0 is a mask of the word itself, pairs 1 and 2 a rotation
   and a mask each. Pair 3 takes the bits that are left: its mantissa bits from the rotation by
   `PAIR3_MANTISSA_ROTATION`, its other bits from the rotation by `PAIR_ROTATIONS[3]`. Only pair 1's
   rotation wraps bits around; the others bring their masked bits from one side, so the kernels shift
-  instead (`gemm_device._rotated_bits`): left shifts and a right shift that ptxas issues as `IMAD.SHL`
-  and `IMAD.HI` on the FMA pipe, beside the `HMUL2`s, while the masks and the one funnel shift take the
-  ALU pipe, the decode's busiest (a search over all placements of this form finds none with fewer ALU
-  operations: one rotation must wrap). The 32 bit positions are used exactly once.
+  instead (`gemm_device._rotated_bits`): pair 2's and pair 3's other bits come from below, two left
+  shifts that ptxas issues as `IMAD.SHL` on the FMA pipe beside the `HMUL2`s, while the masks, the
+  funnel shift and pair 3's mantissas' right shift take the ALU pipe, the decode's busiest. A search
+  over all placements of this form finds none with fewer ALU operations: pairs 1 and 2 cannot both be
+  left shifts with pair 3 placeable, so two of the five rotations need the ALU pipe. The 32 bit
+  positions are used exactly once.
 - scales: 256 bytes, `[32 row pairs][8]`; row pair `8 w + g` holds, for k16 step `b`, the scale of
   row `16 w + g` at byte `2 b` and of row `16 w + g + 8` at byte `2 b + 1` (the four threads of a quad
   read the same 8 bytes).

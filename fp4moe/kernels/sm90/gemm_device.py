@@ -141,25 +141,19 @@ def warpgroup_any(predicate, barrier_id, *, loc=None, ip=None) -> Int32:
 # ---------------------------------------------------------------------------------------------------
 # Weight decode
 # ---------------------------------------------------------------------------------------------------
-@dsl_user_op
-def _multiply_high(word, factor: int, *, loc=None, ip=None) -> Uint32:
-    """The high 32 bits of `word * factor` (unsigned): a right shift when `factor` is a power of two,
-    which ptxas issues as `IMAD.HI` on the FMA pipe rather than as `SHF` on the ALU pipe."""
-    return Uint32(_asm(T.i32(), f"mul.hi.u32 $0, $1, {factor};", "=r,r", (Uint32(word),), False, loc, ip))
-
-
 def _rotated_bits(word: Uint32, r: int, mask: int) -> Uint32:
     """`word` rotated right by `r`, masked by `mask`, in the cheapest form that gives those bits: where
     every masked bit comes from below (no bit wraps), a left shift, which ptxas issues as `IMAD.SHL`
-    on the FMA pipe; from above, a right shift as the high half of a product (`IMAD.HI`, FMA pipe);
-    else a funnel shift, on the ALU pipe with the masks. The decode is bound by its ALU pipe."""
+    on the FMA pipe, beside the decode's `HMUL2`s; from above, a right shift; else a funnel shift. The
+    last two take the ALU pipe with the masks, the decode's busiest. A right shift could take the FMA
+    pipe too, as `mul.hi` (`IMAD.HI`), but that is slower on the H200 at every tile size (runs log)."""
     places = [t for t in range(32) if (mask >> t) & 1]
     if r == 0:
         return word & Uint32(mask)
     if all(t + r >= 32 for t in places):
         return (word << (32 - r)) & Uint32(mask)
     if all(t + r <= 31 for t in places):
-        return _multiply_high(word, 1 << (32 - r)) & Uint32(mask)
+        return (word >> r) & Uint32(mask)
     return ((word >> r) | (word << (32 - r))) & Uint32(mask)
 
 
