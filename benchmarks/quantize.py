@@ -178,8 +178,10 @@ def host_overhead_us() -> dict:
 
     Besides the ops (through the dispatcher: the C++ host launcher where it is installed), the ops'
     Python implementations called directly ("dispatcher bypassed": validation, backend, output
-    allocation and launch layer, what an eager bypass of the dispatcher would run) and the launch layer
-    alone."""
+    allocation and launch layer, what an eager bypass of the dispatcher would run), the launch layer
+    alone, and a yardstick of the host's speed: `torch.neg` of the same input, an eager PyTorch op that
+    allocates its output and launches one kernel. The machines the device tool lends differ in host
+    speed by up to 2x; the ops' time over the yardstick's is what compares across machines."""
     from fp4moe.kernels.sm90 import quantize_launch as launch  # the CuTe DSL: imported only where it runs
     from fp4moe.ops import quantize as python_ops
 
@@ -200,6 +202,7 @@ def host_overhead_us() -> dict:
         "launch layer only (quantize_per_token_into)": lambda: launch.quantize_per_token_into(
             x, nvfp4.DEFAULT_GLOBAL_SCALE_INV, SF_LAYOUT, "off", None, None, *outputs
         ),
+        "yardstick: torch.neg (one eager PyTorch kernel)": lambda: torch.neg(x),
     }
     batches = {
         name + mode: _host_batch(call, context)
