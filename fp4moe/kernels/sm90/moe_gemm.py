@@ -630,11 +630,13 @@ class MoEGemmSm90:
         thread = tidx % WARPGROUP_THREADS
         thr_mma = tiled_mma.get_slice(thread)
         act_smem = storage.act.get_tensor(b_layout.outer, swizzle=b_layout.inner)
-        # The B descriptors of the whole tile serve every variant: a `wgmma` of fewer rows reads the
-        # same 8-row core matrices from the tile's start, only fewer of them.
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(act_smem))
+        # The B operand of the whole tile serves every variant: a `wgmma` of fewer rows reads the
+        # same 8-row core matrices from the tile's start, only fewer of them. It is the tile's
+        # descriptor fragment (`cute.gemm`), or with `inline_wgmma` the parts of its descriptors.
         if const_expr(self.inline_wgmma):
-            tCrB = self.b_descriptors(storage, b_layout)
+            b_operand = self.b_descriptors(storage, b_layout)
+        else:
+            b_operand = tiled_mma.make_fragment_B(thr_mma.partition_B(act_smem))
         fragment_shape = tiled_mma.partition_shape_A((weight_layout.ROW_BLOCK, self.tile_k))
         fragments = [tiled_mma.make_fragment_A(fragment_shape) for _ in range(2)]
         acc = thr_mma.make_fragment_C(thr_mma.partition_shape_C((weight_layout.ROW_BLOCK, self.tile_rows)))
@@ -673,12 +675,16 @@ class MoEGemmSm90:
                     )
                 acc.fill(0.0)
                 if const_expr(self.first_variant == self.row_variants):
-                    self.mainloop(variants[self.row_variants], iteration, fragments, tCrB, full, empty, codes_smem, scales_smem)
+                    self.mainloop(
+                        variants[self.row_variants], iteration, fragments, b_operand, full, empty, codes_smem, scales_smem
+                    )
                 else:
                     granules = self.used_row_granules(item_factors, mPermutedToPair, num_pairs, tile, thread, group)
                     for v in cutlass.range_constexpr(self.first_variant, self.row_variants + 1):
                         if granules == v:
-                            self.mainloop(variants[v], iteration, fragments, tCrB, full, empty, codes_smem, scales_smem)
+                            self.mainloop(
+                                variants[v], iteration, fragments, b_operand, full, empty, codes_smem, scales_smem
+                            )
                 iteration += self.k_iterations
                 cute.arch.mbarrier_arrive(empty + (iteration - 1) % self.stages)
                 if const_expr(self.staged_rows):
@@ -718,7 +724,7 @@ class MoEGemmSm90:
         return granules
 
     @cute.jit
-    def mainloop(self, variant, iteration, fragments, tCrB, full, empty, codes_smem, scales_smem):
+    def mainloop(self, variant, iteration, fragments, b_operand, full, empty, codes_smem, scales_smem):
         """The k loop of one item with one `variant` (its `wgmma` and the accumulator prefix it
         computes), to the completion of its last `wgmma`. The variant is static and no `wgmma` is in
         flight where the variants' branches meet: ptxas serializes every `wgmma` otherwise.
@@ -738,13 +744,13 @@ class MoEGemmSm90:
         for k2 in cutlass.range(steps // 2, unroll=1):
             for j in cutlass.range_constexpr(2):
                 previous, stage, phase, words = self.mma_step(
-                    variant, stage, phase, 2 * k2 + j, fragments[j], tCrB, full, empty, codes_smem, scales_smem,
+                    variant, stage, phase, 2 * k2 + j, fragments[j], b_operand, full, empty, codes_smem, scales_smem,
                     words, self.loads_next(j, 2 * k2 + 2 < steps), previous,
                 )
         if const_expr(steps % 2 == 1):
             self.mma_step(
-                variant, stage, phase, steps - 1, fragments[0], tCrB, full, empty, codes_smem, scales_smem, words, False,
-                previous,
+                variant, stage, phase, steps - 1, fragments[0], b_operand, full, empty, codes_smem, scales_smem, words,
+                False, previous,
             )
         warpgroup.wait_group(0)
 
@@ -774,8 +780,8 @@ class MoEGemmSm90:
 
     @cute.jit
     def mma_step(
-        self, variant, stage, phase, k, fragment, tCrB, full, empty, codes_smem, scales_smem, words=None, load_next=False,
-        previous=None,
+        self, variant, stage, phase, k, fragment, b_operand, full, empty, codes_smem, scales_smem, words=None,
+        load_next=False, previous=None,
     ):
         """k tile `k` of an item, in pipeline `stage` (barrier `phase`): decode the A fragment, issue
         the MMAs, release the previous k tile's stage once its MMAs are done (the item's last stage is
@@ -802,7 +808,7 @@ class MoEGemmSm90:
             if load_next:
                 cute.arch.mbarrier_wait(full + next_stage, next_phase)
                 next_words = self.load_words(codes_smem, scales_smem, next_stage)
-        self.issue_mmas(variant, fragment, tCrB, stage)
+        self.issue_mmas(variant, fragment, b_operand, stage)
         warpgroup.wait_group(1)
         if k > 0:
             if const_expr(self.inline_wgmma):
@@ -825,14 +831,14 @@ class MoEGemmSm90:
         return Uint32(low), high, stage_units, k_units
 
     @cute.jit
-    def issue_mmas(self, variant, fragment, tCrB, stage):
+    def issue_mmas(self, variant, fragment, b_operand, stage):
         """The k tile's `wgmma`s (one per 16 K) against the B tile of `stage`, committed as one group.
         With `inline_wgmma`, inline PTX whose descriptors are one 64-bit base per k tile plus an
         immediate per `wgmma`."""
         warpgroup.fence()
         variant_mma, acc = variant
         if const_expr(self.inline_wgmma):
-            low, high, stage_units, k_units = tCrB
+            low, high, stage_units, k_units = b_operand
             stage_descriptor = dev.pack_descriptor(low + Uint32(stage) * Uint32(stage_units), high)
             fragment_words = cute.recast_tensor(fragment, Uint32)
             rows = cute.size(acc) * 2
@@ -849,7 +855,7 @@ class MoEGemmSm90:
                     acc[i] = values[i]
         else:
             for b in cutlass.range_constexpr(self.k16_per_tile):
-                cute.gemm(variant_mma, acc, fragment[None, None, b], tCrB[None, None, b, stage], acc)
+                cute.gemm(variant_mma, acc, fragment[None, None, b], b_operand[None, None, b, stage], acc)
         warpgroup.commit_group()
 
     def load_words(self, codes_smem, scales_smem, stage):
