@@ -629,13 +629,13 @@ class MoEGemmSm90:
         tidx, _, _ = cute.arch.thread_idx()
         thread = tidx % WARPGROUP_THREADS
         thr_mma = tiled_mma.get_slice(thread)
-        act_smem = storage.act.get_tensor(b_layout.outer, swizzle=b_layout.inner)
         # The B operand of the whole tile serves every variant: a `wgmma` of fewer rows reads the
         # same 8-row core matrices from the tile's start, only fewer of them. It is the tile's
         # descriptor fragment (`cute.gemm`), or with `inline_wgmma` the parts of its descriptors.
         if const_expr(self.inline_wgmma):
             b_operand = self.b_descriptors(storage, b_layout)
         else:
+            act_smem = storage.act.get_tensor(b_layout.outer, swizzle=b_layout.inner)
             b_operand = tiled_mma.make_fragment_B(thr_mma.partition_B(act_smem))
         fragment_shape = tiled_mma.partition_shape_A((weight_layout.ROW_BLOCK, self.tile_k))
         fragments = [tiled_mma.make_fragment_A(fragment_shape) for _ in range(2)]
