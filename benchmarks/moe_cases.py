@@ -230,7 +230,7 @@ class MoEProblem:
             activation="swiglu", swiglu_alpha=None, swiglu_beta=None, swiglu_limit=None,
             apply_router_weight_on_input=False, deterministic=False,
             local_expert_offset=self.shape.local_expert_offset, num_local_experts=self.shape.local_experts,
-            x_scales=None, weight_layout=w.layout,
+            x_scales=None, weight_layout=w.layout, global_num_experts=self.shape.num_experts,
         )
 
     def aligned_moe_arguments(self, x, topk_ids, topk_weights, block_m: int, prepared: bool = True) -> dict:

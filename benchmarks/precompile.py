@@ -85,7 +85,7 @@ def compile_cell(shape: MoEShape, tokens: int, implementation: str) -> None:
     pipeline.fused_moe(
         _empty((tokens, hidden), torch.bfloat16), topk_ids, topk_weights, w1, w1_scales, alpha, w2, w2_scales, alpha,
         scale, scale, config.quant_mode, config.per_token_activation, "swiglu", None, None, None, False, False,
-        shape.local_expert_offset, experts, None, weight_layout.SM90, per_token_path=per_token_path,
+        shape.local_expert_offset, experts, None, weight_layout.SM90, shape.num_experts, per_token_path=per_token_path,
     )
 
 

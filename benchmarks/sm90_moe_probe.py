@@ -166,7 +166,7 @@ def time_fused_moe(tokens_list, experts: int, replays: int = 50) -> None:
             rows = slice(None)
             expected = pipeline.fused_moe(
                 *args, None, None, "w4a16", False, "swiglu", None, None, None, False, False, 0, None, None, "sm90",
-                reference=True,
+                None, reference=True,
             )
             error = relative_error(out[rows], expected[rows])
         else:

@@ -114,6 +114,9 @@ class MoEDispatch(NamedTuple):
     per_token_path: str | None
     """`aux_amax` or `rescan` for per-token W4A4; None when activations are not per-token."""
     tile_m: int
+    expected_local_pairs: int
+    """The (token, slot) pairs the kernels size their tiles for: `T·k`, or with `global_num_experts`
+    its local share `⌈T·k·E / global_num_experts⌉` (a size hint only; never changes results)."""
     aux_amax_tile_n: int
     plan: str
     """Backend of the permutation plan (and, for the fused finalize, the accumulator's zeroing)."""
@@ -124,23 +127,27 @@ class MoEDispatch(NamedTuple):
     finalize: str
 
 
-def moe_tile_m(num_tokens: int, top_k: int, num_local_experts: int) -> int:
-    """The smallest tile that holds an expert's rows under uniform routing with three standard
-    deviations to spare (rows per expert are close to Poisson with mean `⌈T·k / E⌉`), at most 192.
+def moe_tile_m(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """The smallest tile that holds an expert's rows under uniform routing over `num_experts` (the
+    experts the router chooses among) with three standard deviations to spare (rows per expert are close
+    to Poisson with mean `⌈T·k / num_experts⌉`), at most 192.
 
     A tile only just above the mean would give about half the experts a second, mostly empty tile
     that streams and decodes their weights again; the sm90 GEMMs' MMAs cover a tile's rows only up
     to its last 16- or 32-row granule that holds a pair, so the spare rows cost little."""
-    expected_rows = ceil_div(num_tokens * top_k, num_local_experts)
+    expected_rows = ceil_div(num_tokens * top_k, num_experts)
     rows = expected_rows + 3 * math.sqrt(expected_rows)
     return next((t for t in MOE_TILE_M_CHOICES if t >= rows), MOE_TILE_M_CHOICES[-1])
 
 
 def moe_dispatch(
-    num_tokens: int, top_k: int, num_local_experts: int, quant_mode: str, per_token_activation: bool, device="cpu"
+    num_tokens: int, top_k: int, num_local_experts: int, quant_mode: str, per_token_activation: bool, device="cpu",
+    global_num_experts: int | None = None,
 ) -> MoEDispatch:
     """The host-static choices of `fused_moe` for these shapes on `device` (semantics §4): the
-    per-token path, the plan tile, and the backend of every stage. Reads no device data.
+    per-token path, the plan tile, the pairs the kernels size their tiles for, and the backend of
+    every stage. Reads no device data. `global_num_experts`: the experts the router chooses among, where
+    this rank holds `num_local_experts` of them (expert parallelism); None: all are local.
 
     On a kernel backend (`device_backend`) every stage runs its kernels. The per-token path is the
     aux-amax handoff only where the GEMM1 backend writes it (`AUX_AMAX_TILE_N_BY_BACKEND`), with that
@@ -151,9 +158,11 @@ def moe_dispatch(
     per_token_path = None
     if per_token:
         per_token_path = per_token_quant_path(num_tokens) if backend in AUX_AMAX_TILE_N_BY_BACKEND else RESCAN_PATH
+    routed_experts = num_local_experts if global_num_experts is None else global_num_experts
     return MoEDispatch(
         per_token_path=per_token_path,
-        tile_m=moe_tile_m(num_tokens, top_k, num_local_experts),
+        tile_m=moe_tile_m(num_tokens, top_k, routed_experts),
+        expected_local_pairs=ceil_div(num_tokens * top_k * num_local_experts, routed_experts),
         aux_amax_tile_n=AUX_AMAX_TILE_N_BY_BACKEND.get(backend, 0),
         plan=backend,
         quantize=backend if quant_mode == "w4a4" else None,

@@ -117,7 +117,8 @@ class FusedMoE(nn.Module):
 
     `router_weight` is `[E, H]` over the global experts; the expert weights are experts
     `[local_expert_offset, local_expert_offset + E_local)` of them (expert parallelism; all of them
-    by default). `correction_bias`, `n_group`, `topk_group` and `routed_scaling_factor` (default 1.0)
+    by default); `forward` passes the router's expert count to `fused_moe` as `global_num_experts`, so
+    that the kernels of an expert-parallel rank size their tiles for its share of the pairs. `correction_bias`, `n_group`, `topk_group` and `routed_scaling_factor` (default 1.0)
     apply to `routing="deepseek_v3"` only. Every argument is checked here, before the first forward.
     `router_weight=None` builds the block without a router of its own: `forward` then takes the
     `router_logits [..., E]` of a router that stays outside, in its own precision (`fp4moe.hf` passes the
@@ -181,7 +182,7 @@ class FusedMoE(nn.Module):
             x, topk_ids, topk_ids.float(), weights.w1, weights.w1_scales, w1_alpha, weights.w2, weights.w2_scales,
             w2_alpha, fc1_input_scale, fc2_input_scale, quant_mode, per_token_activation, weights.activation,
             swiglu_alpha, swiglu_beta, swiglu_limit, apply_router_weight_on_input, deterministic, local_expert_offset,
-            None, None, weight_layout,
+            None, None, weight_layout, None,
         )
         self.top_k = top_k
         self.routing = routing
@@ -289,6 +290,6 @@ class FusedMoE(nn.Module):
             x, topk_ids, topk_weights, self.w1, self.w1_scales, self.w1_alpha, self.w2, self.w2_scales, self.w2_alpha,
             self.fc1_input_scale, self.fc2_input_scale, self.quant_mode, self.per_token_activation, self.activation,
             *self.swiglu, self.apply_router_weight_on_input, self.deterministic, self.local_expert_offset,
-            weight_layout=self.weight_layout,
+            weight_layout=self.weight_layout, global_num_experts=logits.shape[-1],
         )
         return out.reshape(shape).to(hidden_states.dtype)

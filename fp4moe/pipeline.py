@@ -31,7 +31,7 @@ def fused_moe(
     x, topk_ids, topk_weights, w1, w1_scales, w1_alpha, w2, w2_scales, w2_alpha, fc1_input_scale, fc2_input_scale,
     quant_mode, per_token_activation, activation, swiglu_alpha, swiglu_beta, swiglu_limit,
     apply_router_weight_on_input, deterministic, local_expert_offset, num_local_experts, x_scales, weight_layout,
-    *, reference=False, per_token_path=None,
+    global_num_experts, *, reference=False, per_token_path=None,
 ):
     """Arguments validated (`validation.check_fused_moe`). Returns bf16 [T, H]. `reference`: every
     stage on the reference backend, whatever the device (the oracle of the kernel tests and benchmarks).
@@ -41,7 +41,8 @@ def fused_moe(
     experts = w1.shape[0]
     hidden = hidden_size(x, x_scales)
     choice = dispatch.moe_dispatch(
-        num_tokens, top_k, experts, quant_mode, per_token_activation, "cpu" if reference else x.device
+        num_tokens, top_k, experts, quant_mode, per_token_activation, "cpu" if reference else x.device,
+        global_num_experts,
     )
     if per_token_path is not None:
         if choice.per_token_path is None or per_token_path not in (dispatch.RESCAN_PATH, dispatch.AUX_AMAX_PATH):
@@ -77,7 +78,7 @@ def fused_moe(
         a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, weight_layout, top_k,
         activation, swiglu_alpha, swiglu_beta, swiglu_limit,
         topk_weights if apply_router_weight_on_input else None,
-        fc2_input_scale if nvfp4_intermediate else None, aux_tile_n,
+        fc2_input_scale if nvfp4_intermediate else None, aux_tile_n, expected_pairs=choice.expected_local_pairs,
     )
     intermediate_per_token_scale = None
     if not nvfp4_intermediate:
@@ -98,6 +99,6 @@ def fused_moe(
     expert_rows = stages["gemm2"].gemm2(
         intermediate, intermediate_scales, intermediate_per_token_scale, permuted_to_pair, tile_expert,
         w2, w2_scales, w2_alpha, weight_layout, None if apply_router_weight_on_input else topk_weights,
-        num_tokens, top_k, hidden, accumulator,
+        num_tokens, top_k, hidden, accumulator, expected_pairs=choice.expected_local_pairs,
     )
     return stages["finalize"].finalize(expert_rows, pair_to_permuted if deterministic else None, num_tokens, top_k)

@@ -733,6 +733,7 @@ def check_fused_moe(
     x, topk_ids, topk_weights, w1, w1_scales, w1_alpha, w2, w2_scales, w2_alpha, fc1_input_scale, fc2_input_scale,
     quant_mode, per_token_activation, activation, swiglu_alpha, swiglu_beta, swiglu_limit,
     apply_router_weight_on_input, deterministic, local_expert_offset, num_local_experts, x_scales, weight_layout,
+    global_num_experts,
 ) -> None:
     from fp4moe.weight_layout import LINEAR, WEIGHT_LAYOUTS
 
@@ -763,6 +764,11 @@ def check_fused_moe(
     if num_local_experts is not None and num_local_experts != experts:
         raise ValueError(f"num_local_experts ({num_local_experts}) must equal w1.shape[0] ({experts})")
     check_local_experts(experts, local_expert_offset)
+    if global_num_experts is not None and not local_expert_offset + experts <= global_num_experts <= INT32_MAX:
+        raise ValueError(
+            f"global_num_experts ({global_num_experts}) must hold this rank's experts [local_expert_offset, "
+            f"local_expert_offset + E) = [{local_expert_offset}, {local_expert_offset + experts}) and be at most 2^31 - 1"
+        )
     # Bounded with the largest tile fused_moe may choose: the dispatched tile depends on the token
     # count, and a fake must not guard on a dynamic token count beyond a range.
     check_moe_plan_fits_int32(topk_ids, experts, max(MOE_TILE_M_CHOICES), "fused_moe's route plan")

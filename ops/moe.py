@@ -46,7 +46,7 @@ FUSED_MOE_SCHEMA = (
     'str quant_mode="w4a4", bool per_token_activation=False, str activation="swiglu", float? swiglu_alpha=None, '
     "float? swiglu_beta=None, float? swiglu_limit=None, bool apply_router_weight_on_input=False, "
     "bool deterministic=False, int local_expert_offset=0, int? num_local_experts=None, Tensor? x_scales=None, "
-    'str weight_layout="linear") -> Tensor'
+    'str weight_layout="linear", int? global_num_experts=None) -> Tensor'
 )
 
 

@@ -31,11 +31,13 @@ def test_fused_moe_matches_the_loop_reference(activation, top_k, mode, determini
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shard", [0, 3])
-def test_expert_parallel_shards(device, mode, shard):
-    # 16 global experts over 4 ranks: this rank holds experts [4 * shard, 4 * shard + 4).
+@pytest.mark.parametrize("global_num_experts", [None, 16])
+def test_expert_parallel_shards(device, mode, shard, global_num_experts):
+    # 16 global experts over 4 ranks: this rank holds experts [4 * shard, 4 * shard + 4). Told the global
+    # count, the kernels size their tiles for this rank's share of the pairs; the result is the same.
     p = make_problem(tokens=19, top_k=4, num_experts=16, local_experts=4, local_expert_offset=4 * shard,
                      mode=mode, device=device, seed=shard)
-    assert_moe_close(p.run(), loop_reference(p))
+    assert_moe_close(p.run(global_num_experts=global_num_experts), loop_reference(p))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -257,6 +259,19 @@ def test_dispatch_pins_the_per_token_path_at_three_and_four_tokens():
     assert fp4moe.moe_dispatch(1, 8, 256, "w4a4", True).tile_m == 8
 
 
+def test_dispatch_sizes_an_expert_parallel_rank_for_its_share_of_the_pairs():
+    # 32 of 256 experts on this rank: told the global count, the plan tile holds the rows of one of the
+    # 256 experts and the kernels expect an eighth of the pairs; without it, every pair is local.
+    assert fp4moe.moe_dispatch(256, 8, 32, "w4a16", False).tile_m == 128
+    assert fp4moe.moe_dispatch(256, 8, 32, "w4a16", False).expected_local_pairs == 2048
+    shard = fp4moe.moe_dispatch(256, 8, 32, "w4a16", False, global_num_experts=256)
+    assert (shard.tile_m, shard.expected_local_pairs) == (32, 256)
+    assert fp4moe.moe_dispatch(1, 8, 32, "w4a16", False, global_num_experts=256).expected_local_pairs == 1
+    assert fp4moe.moe_dispatch(256, 8, 256, "w4a16", False, global_num_experts=256) == fp4moe.moe_dispatch(
+        256, 8, 256, "w4a16", False
+    )
+
+
 @pytest.mark.parametrize(
     "tokens, tile_m",
     # expected rows per expert (T * 8 / 256) plus three standard deviations, rounded up to a choice
@@ -325,7 +340,7 @@ def test_the_pipeline_takes_either_per_token_path_with_the_same_result(device, t
     w = p.weights.prepared()
     w1_alpha, w2_alpha = p.alphas
     args = (p.x, p.topk_ids, p.topk_weights, w.w1, w.w1_scales, w1_alpha, w.w2, w.w2_scales, w2_alpha, None, None,
-            "w4a4", True, w.activation, None, None, None, False, True, 0, w.num_experts, None, w.layout)
+            "w4a4", True, w.activation, None, None, None, False, True, 0, w.num_experts, None, w.layout, None)
     rescan = pipeline.fused_moe(*args, per_token_path=dispatch.RESCAN_PATH)
     assert_bitwise_equal(pipeline.fused_moe(*args, per_token_path=dispatch.AUX_AMAX_PATH), rescan)
     assert_bitwise_equal(pipeline.fused_moe(*args), rescan)
@@ -376,6 +391,7 @@ def _stage_samples(p):
         (ops.moe_finalize.default, (expanded, pair_to_permuted, 2), {}),
         (ops.fused_moe.default, p.op_args(), p.op_kwargs()),
         (ops.fused_moe.default, p.op_args(), p.op_kwargs(deterministic=True, apply_router_weight_on_input=True)),
+        (ops.fused_moe.default, p.op_args(), p.op_kwargs(global_num_experts=64)),
     ]
 
 
@@ -449,6 +465,8 @@ def _malformed_calls():
         (ValueError, r"num_local_experts \(3\) must equal w1.shape\[0\] \(4\)", fused(num_local_experts=3)),
         (ValueError, r"local_expert_offset must be in \[0, 2\^31 - 1 - num_local_experts\]", fused(local_expert_offset=-1)),
         (ValueError, "local_expert_offset must be in", fused(local_expert_offset=2**31 - 4)),
+        (ValueError, r"global_num_experts \(3\) must hold this rank's experts .* = \[0, 4\)", fused(global_num_experts=3)),
+        (ValueError, r"global_num_experts \(5\) must hold .* = \[2, 6\)", fused(local_expert_offset=2, global_num_experts=5)),
         (ValueError, r"fused_moe's route plan of topk_ids \(536870912, 8\) over 4 local experts needs up to",
          lambda: ops.fused_moe(torch.empty(2**29, 64, dtype=torch.bfloat16, device="meta"),
                                torch.empty(2**29, 8, dtype=torch.int32, device="meta"),

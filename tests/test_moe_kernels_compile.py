@@ -82,6 +82,19 @@ def test_decode_tiles_take_256_features_where_they_fill_the_sms():
     assert shape((256, 64, 112, 2048), 16, moe_launch.expected_tiles(1024, 256, 16), 132).tile_features == 128
 
 
+def test_an_expert_parallel_rank_told_the_global_expert_count_sizes_its_tiles_for_its_share():
+    """A DeepSeek-V3 rank of 32 of the 256 experts at T = 1 expects one local pair when `fused_moe` is told
+    `global_num_experts` (`MoEDispatch.expected_local_pairs`): GEMM1 takes two CTAs of 64 features per SM,
+    whose items spread the few local experts' weights over the SMs; without it, eight pairs and one CTA
+    of 256 features per SM, which leaves most SMs idle when only one or two experts are local."""
+    shape = moe_launch.GemmShape
+    for global_experts, features, ctas in ((None, 256, 1), (256, 64, 2)):
+        choice = dispatch.moe_dispatch(1, 8, 32, "w4a16", False, global_num_experts=global_experts)
+        tiles = moe_launch.expected_tiles(choice.expected_local_pairs, 32, choice.tile_m)
+        gemm1 = shape((32, 64, 112, 2048), choice.tile_m, tiles, 132)
+        assert (gemm1.tile_features, gemm1.ctas_per_sm) == (features, ctas)
+
+
 def test_fused_gemm2_splits_k_to_balance_its_waves():
     """`fused_gemm2_k_splits`: GLM's GEMM2 at T = 1 (192 items of 256 features on 132 SMs: two waves, the
     second 45% full) and DeepSeek-V3's at T = 2 take two slices of K; DeepSeek-V3's at T = 1 would need

@@ -38,7 +38,7 @@ def run_reference(p, **overrides):
     kwargs = dict(p.op_kwargs(**overrides))
     args = dict(zip(("x", "topk_ids", "topk_weights", "w1", "w1_scales", "w1_alpha", "w2", "w2_scales", "w2_alpha"), prepared_args(p)))
     defaults = dict(swiglu_alpha=None, swiglu_beta=None, swiglu_limit=None, apply_router_weight_on_input=False,
-                    deterministic=False, num_local_experts=None, x_scales=None)
+                    deterministic=False, num_local_experts=None, x_scales=None, global_num_experts=None)
     return pipeline.fused_moe(**args, **{**defaults, **kwargs, "weight_layout": "sm90"}, reference=True)
 
 
@@ -220,12 +220,13 @@ def test_w4a16_token_counts_match_the_reference_pipeline(tokens):
 
 @pytest.mark.parametrize("shard", [0, 3])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_expert_parallel_shards_and_tokens_without_local_experts(shard, deterministic):
+@pytest.mark.parametrize("global_num_experts", [None, 16])
+def test_expert_parallel_shards_and_tokens_without_local_experts(shard, deterministic, global_num_experts):
     p = make_problem(tokens=29, top_k=4, num_experts=16, local_experts=4, local_expert_offset=4 * shard,
                      hidden=128, intermediate=64, mode="w4a16", device="cuda", seed=shard, deterministic=deterministic)
     outside = 4 if shard == 0 else 0
     p.topk_ids[3:6] = torch.tensor([outside, outside + 1, outside + 2, outside + 3], dtype=torch.int32, device="cuda")
-    out = run_prepared(p)
+    out = run_prepared(p, global_num_experts=global_num_experts)
     assert out[3:6].eq(0).all()
     assert_moe_close(out, loop_reference(p))
 

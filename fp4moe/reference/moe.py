@@ -198,9 +198,11 @@ def moe_gemm1(
 def gemm1(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, layout, top_k,
     activation, swiglu_alpha, swiglu_beta, swiglu_limit, router_weights, output_global_scale, aux_amax_tile_n,
+    *, expected_pairs=None,
 ):
     """The pipeline's GEMM1 stage: `moe_gemm1` on weights in either layout (prepared weights are read
-    with their padded intermediate size, whose extra features are exact zeros)."""
+    with their padded intermediate size, whose extra features are exact zeros). `expected_pairs`, the
+    local pairs kernel backends size their tiles for (`MoEDispatch.expected_local_pairs`), is unused."""
     gated = activation == "swiglu"
     w1, w1_scales = weight_layout.as_linear(w1, w1_scales, layout, gated=gated, rows=None, k=_input_k(a, a_scales))
     return moe_gemm1(
@@ -238,11 +240,11 @@ def moe_gemm2(
 
 def gemm2(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w2, w2_scales, w2_alpha, layout,
-    router_weights, num_tokens, top_k, hidden, accumulator,
+    router_weights, num_tokens, top_k, hidden, accumulator, *, expected_pairs=None,
 ):
     """The pipeline's GEMM2 stage: adds every live row's FP32 output into `accumulator` [T, hidden] at
     its token (fused finalize), or, without one, returns the FP32 [T*k, hidden] per-pair rows (zeros
-    for non-local pairs)."""
+    for non-local pairs). `expected_pairs` is unused, as in `gemm1`."""
     w2, w2_scales = weight_layout.as_linear(w2, w2_scales, layout, gated=False, rows=hidden, k=_input_k(a, a_scales))
     num_pairs = num_tokens * top_k
     live, pair, tile_expert, row_expert = plan_rows(permuted_to_pair, tile_expert, w2.shape[0], num_pairs)

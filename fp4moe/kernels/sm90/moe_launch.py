@@ -296,12 +296,15 @@ def expected_tiles(num_pairs: int, num_local_experts: int, tile_rows: int) -> in
     return max(-(-num_pairs // tile_rows), min(num_local_experts, num_pairs))
 
 
-def plan_gemm_shape(weights: torch.Tensor, permuted_to_pair: torch.Tensor, tile_expert: torch.Tensor, num_pairs: int):
-    """The `GemmShape` of a grouped GEMM over prepared `weights` and a plan of `num_pairs` pairs: its
-    tile from the plan's host-static sizes, on the weights' GPU."""
+def plan_gemm_shape(
+    weights: torch.Tensor, permuted_to_pair: torch.Tensor, tile_expert: torch.Tensor, expected_pairs: int
+):
+    """The `GemmShape` of a grouped GEMM over prepared `weights` and a plan whose local pairs are
+    expected to number `expected_pairs`: its tile from the plan's host-static sizes, on the weights' GPU."""
     tile_rows = permuted_to_pair.shape[0] // tile_expert.shape[0]
     return GemmShape(
-        weights.shape, tile_rows, expected_tiles(num_pairs, weights.shape[0], tile_rows), sm_count(weights.device.index)
+        weights.shape, tile_rows, expected_tiles(expected_pairs, weights.shape[0], tile_rows),
+        sm_count(weights.device.index),
     )
 
 
@@ -379,6 +382,7 @@ def _check_aux_amax_tile(aux_amax_tile_n: int) -> None:
 def gemm1(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, layout, top_k,
     activation, swiglu_alpha, swiglu_beta, swiglu_limit, router_weights, output_global_scale, aux_amax_tile_n,
+    *, expected_pairs=None,
 ):
     """GEMM1 (`fp4moe.reference.moe.gemm1`'s contract) on activations that are bf16 (W4A16) or NVFP4
     (W4A4, with per-token scales or not), over the prepared weights' padded intermediate size (extra
@@ -394,7 +398,7 @@ def gemm1(
     out, aux_amax = gemm1_values(
         a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, layout, top_k,
         activation, (swiglu_alpha, swiglu_beta, swiglu_limit), router_weights, float32=False,
-        aux_amax=aux_amax_tile_n > 0, output_global_scale=output_global_scale,
+        aux_amax=aux_amax_tile_n > 0, output_global_scale=output_global_scale, expected_pairs=expected_pairs,
     )
     return out, None, a.new_empty((0,), dtype=torch.bfloat16) if aux_amax is None else aux_amax
 
@@ -402,12 +406,14 @@ def gemm1(
 def gemm1_values(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, layout, top_k,
     activation, swiglu, router_weights, float32: bool, aux_amax: bool = False, output_global_scale=None,
+    expected_pairs=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The GEMM1 kernel's intermediate [R, I_pad] (after the activation and the router weight on input):
     bf16, or with `float32` the FP32 values it rounds, or with `output_global_scale` those values
     quantized to NVFP4 and dequantized (`gemm1`); and with `aux_amax` the maxima of the bf16 values over
     `AUX_AMAX_COLUMNS`-column tiles (docs/semantics.md §2.4's layout), else None. Rows of unused tiles
-    are left unwritten in both."""
+    are left unwritten in both. `expected_pairs`: the local pairs the tiles are sized for
+    (`MoEDispatch.expected_local_pairs`; None: every pair of the activations' rows is local)."""
     w1, w1_scales = _prepared(w1, w1_scales, layout, activation == "swiglu")
     prepared_rows = w1.shape[1] * weight_layout.ROW_BLOCK
     out_features = prepared_rows // 2 if activation == "swiglu" else prepared_rows
@@ -421,7 +427,9 @@ def gemm1_values(
         )
     if tiles == 0:
         return out, aux
-    shape = plan_gemm_shape(w1, permuted_to_pair, tile_expert, a.shape[0] * top_k)
+    if expected_pairs is None:
+        expected_pairs = a.shape[0] * top_k
+    shape = plan_gemm_shape(w1, permuted_to_pair, tile_expert, expected_pairs)
     a = decoded(a, a_scales)
     kernel = compile_gemm(
         "gemm1", shape.key(), a.shape[1], out_features, top_k, activation, swiglu, router_weights is not None,
@@ -437,7 +445,7 @@ def gemm1_values(
 
 def gemm2(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w2, w2_scales, w2_alpha, layout,
-    router_weights, num_tokens, top_k, hidden, accumulator,
+    router_weights, num_tokens, top_k, hidden, accumulator, *, expected_pairs=None,
 ):
     """GEMM2 (`fp4moe.reference.moe.gemm2`'s contract) on a bf16 (W4A16) or NVFP4 (W4A4) intermediate:
     adds into the FP32 `accumulator` [T, hidden] (fused finalize), or, without one, returns the FP32
@@ -449,7 +457,9 @@ def gemm2(
     if tile_expert.shape[0] == 0:
         return out
     a = decoded(a, a_scales)
-    shape = plan_gemm_shape(w2, permuted_to_pair, tile_expert, num_tokens * top_k)
+    if expected_pairs is None:
+        expected_pairs = num_tokens * top_k
+    shape = plan_gemm_shape(w2, permuted_to_pair, tile_expert, expected_pairs)
     k_splits = 1
     if accumulator is not None:
         shape, k_splits = fused_gemm2_tiling(shape)
