@@ -67,7 +67,25 @@ def _fused_moe_variants():
     return variants
 
 
+def _expert_parallel_variants():
+    """The GEMM configurations `fused_moe` compiles for a DeepSeek-V3 rank of 32 experts told the global
+    expert count (`global_num_experts=256`), where they differ from `_fused_moe_variants`' (decode tiles
+    of 64 features at T = 1, tiles of 8 rows at T = 8)."""
+    variants = []
+    for tokens in (1, 8):
+        choice = dispatch.moe_dispatch(tokens, 8, 32, "w4a16", False, global_num_experts=256)
+        expected = moe_launch.expected_tiles(choice.expected_local_pairs, 32, choice.tile_m)
+        gemm1 = moe_launch.GemmShape((32, 64, 112, 2048), choice.tile_m, expected, 132).key()
+        gemm2, splits = moe_launch.fused_gemm2_tiling(moe_launch.GemmShape((32, 112, 32, 2048), choice.tile_m, expected, 132))
+        variants.append(("gemm1", gemm1, 7168, 2048, 8, "swiglu", (None, None, None), False))
+        variants.append(
+            ("gemm2_fused", gemm2.key(), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, splits)
+        )
+    return [v for v in variants if v not in GEMM_VARIANTS]
+
+
 GEMM_VARIANTS += _fused_moe_variants()
+GEMM_VARIANTS += _expert_parallel_variants()
 
 
 def test_decode_tiles_take_256_features_where_they_fill_the_sms():
