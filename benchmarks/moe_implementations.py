@@ -118,7 +118,7 @@ def fused_moe_implementation(config: QuantConfig) -> Implementation:
         shape = case.problem.shape
         choice = fp4moe.moe_dispatch(
             case.num_tokens, shape.top_k, shape.local_experts, config.quant_mode, config.per_token_activation,
-            case.x.device,
+            case.x.device, global_num_experts=shape.num_experts,
         )
         return {"backend": choice.gemm1, **choice._asdict()}  # the GEMMs are where the time goes
 
@@ -159,7 +159,7 @@ ALIGNED_MAX_BLOCK_M = 64
 
 def aligned_block_m(num_tokens: int, shape: MoEShape) -> int:
     """fused_moe's plan tile for the case, at most `ALIGNED_MAX_BLOCK_M`: the block an engine would pick."""
-    return min(dispatch.moe_tile_m(num_tokens, shape.top_k, shape.local_experts), ALIGNED_MAX_BLOCK_M)
+    return min(dispatch.moe_tile_m(num_tokens, shape.top_k, shape.num_experts), ALIGNED_MAX_BLOCK_M)
 
 
 def build_aligned_moe(case: MoECase) -> Callable[[], torch.Tensor]:
