@@ -9,8 +9,9 @@ On the DeepSeek-V3 shape (E=256, top-8, H=7168, I=2048) at T = 1 it measures:
   `perf_counter` (each call's GPU work is queued, not waited for);
 - the first call of a fresh process (compiling its kernels, or loading them from the disk cache):
   one subprocess with the cache off, one with an empty cache directory (it compiles and writes),
-  one with that directory filled (it loads). The three outputs must be bitwise equal, and the warm
-  process must compile nothing.
+  one with that directory filled (it loads). These calls take the deterministic finalize, whose sums
+  have a fixed order (the fused one adds with FP32 atomics in whatever order they land), so the three
+  outputs must be bitwise equal; and the warm process must compile nothing.
 
 Prints a markdown table and writes it with the JSON to `--out-dir` (default: a temporary folder).
 Needs a Hopper GPU.
@@ -39,8 +40,9 @@ HOST_BATCHES = 20
 HOST_CALLS = 100
 
 
-def problem(tokens: int = 1):
-    """Prepared DeepSeek-V3-shaped NVFP4 experts and one routed batch, from a fixed seed."""
+def problem(tokens: int = 1, deterministic: bool = False):
+    """Prepared DeepSeek-V3-shaped NVFP4 experts and one routed batch, from a fixed seed; the call
+    takes the fused finalize unless `deterministic`."""
     from benchmarks.moe_cases import random_moe_weights
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -52,7 +54,7 @@ def problem(tokens: int = 1):
     args = (x, topk_ids, topk_weights, weights.w1, weights.w1_scales, w1_alpha, weights.w2, weights.w2_scales, w2_alpha)
 
     def call():
-        return torch.ops.fp4moe.fused_moe(*args, quant_mode="w4a16", weight_layout="sm90")
+        return torch.ops.fp4moe.fused_moe(*args, quant_mode="w4a16", deterministic=deterministic, weight_layout="sm90")
 
     return call
 
@@ -61,7 +63,7 @@ def first_call() -> dict:
     """In this (fresh) process: the first call's wall time, kernels compiled, a digest of the output."""
     from fp4moe.kernels.sm90 import compiler
 
-    call = problem()
+    call = problem(deterministic=True)
     torch.cuda.synchronize()
     start = time.perf_counter()
     out = call()
