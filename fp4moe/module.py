@@ -118,8 +118,9 @@ class FusedMoE(nn.Module):
     `router_weight` is `[E, H]` over the global experts; the expert weights are experts
     `[local_expert_offset, local_expert_offset + E_local)` of them (expert parallelism; all of them
     by default); `forward` passes the router's expert count to `fused_moe` as `global_num_experts`, so
-    that the kernels of an expert-parallel rank size their tiles for its share of the pairs. `correction_bias`, `n_group`, `topk_group` and `routed_scaling_factor` (default 1.0)
-    apply to `routing="deepseek_v3"` only. Every argument is checked here, before the first forward.
+    that the kernels of an expert-parallel rank size their tiles for its share of the pairs.
+    `correction_bias`, `n_group`, `topk_group` and `routed_scaling_factor` (default 1.0) apply to
+    `routing="deepseek_v3"` only. Every argument is checked here, before the first forward.
     `router_weight=None` builds the block without a router of its own: `forward` then takes the
     `router_logits [..., E]` of a router that stays outside, in its own precision (`fp4moe.hf` passes the
     model's own router module's logits).
