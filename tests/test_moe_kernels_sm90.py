@@ -305,7 +305,12 @@ def test_deterministic_mode_is_bitwise_reproducible_100_times():
 def test_plan_kernel_is_bitwise_equal_to_the_reference():
     from fp4moe.reference import moe as reference
 
-    for tokens, top_k, experts, offset, tile_m in [(1, 8, 256, 0, 8), (4096, 8, 256, 0, 128), (777, 6, 64, 32, 16), (0, 2, 4, 0, 8)]:
+    cases = [(1, 8, 256, 0, 8), (4096, 8, 256, 0, 128), (777, 6, 64, 32, 16), (0, 2, 4, 0, 8)]
+    # At most `ONE_WARP_PAIRS` pairs take the one-warp path: full warps, ragged ones, a shard's
+    # non-local pairs, many pairs on few experts, the largest tile; one pair more takes the CTA path.
+    cases += [(4, 8, 256, 0, 8), (4, 8, 1024, 0, 192), (3, 8, 32, 64, 8), (31, 1, 3, 0, 8), (2, 1, 1024, 1000, 64)]
+    cases += [(33, 1, 8, 0, 16)]
+    for tokens, top_k, experts, offset, tile_m in cases:
         g = torch.Generator(device="cuda").manual_seed(tokens)
         ids = torch.randint(0, experts + offset + 8, (tokens, top_k), generator=g, device="cuda", dtype=torch.int32)
         for got, want in zip(ops.moe_plan(ids, experts, offset, tile_m), reference.moe_plan(ids, experts, offset, tile_m)):

@@ -19,6 +19,10 @@ MAX_EXPERTS = 1024
 """Local experts the plan's shared-memory tables hold."""
 ZERO_VECTOR = 4
 """FP32 elements one thread zeroes per store."""
+NO_EXPERT_KEY = 0x7FFFFFFF
+"""`plan_one_warp`'s key of a lane that leads no local expert: after every expert's key."""
+ONE_WARP_PAIRS = 32
+"""Plans of at most this many (token, slot) pairs are built by one warp (`MoEPlanSm90.plan_one_warp`)."""
 
 
 class MoEPlanSm90:
@@ -39,6 +43,10 @@ class MoEPlanSm90:
        rows; each warp turns its pairs' ranks into rows: segment start + the warp's offset + rank.
 
     No pass waits on another warp except at the three barriers.
+
+    Plans of at most `ONE_WARP_PAIRS` pairs (decode) take `plan_one_warp` instead: warp 0 alone, one
+    pair per lane, with no CTA barrier and no per-expert table, so the plan's time does not grow with
+    the expert count; the result is the same.
 
     With `zero_rows`, CTAs 1.. zero an FP32 `[rows, cols]` accumulator (cols a multiple of 4).
     """
@@ -90,7 +98,17 @@ class MoEPlanSm90:
         cta, _, _ = cute.arch.block_idx()
         wait_for_predecessor_and_release_successor()
         if cta == 0:
-            self.plan(mTopkIds, local_expert_offset, mPermutedToPair, mPairToPermuted, mTileExpert, mTileValidRows, mTotals, tidx)
+            if cute.size(mTopkIds) <= ONE_WARP_PAIRS:
+                if tidx < 32:
+                    self.plan_one_warp(
+                        mTopkIds, local_expert_offset, mPermutedToPair, mPairToPermuted, mTileExpert, mTileValidRows,
+                        mTotals, tidx,
+                    )
+            else:
+                self.plan(
+                    mTopkIds, local_expert_offset, mPermutedToPair, mPairToPermuted, mTileExpert, mTileValidRows, mTotals,
+                    tidx,
+                )
         elif const_expr(self.zero_accumulator):
             self.zero(mAccumulator, cta - 1, tidx)
 
@@ -173,6 +191,61 @@ class MoEPlanSm90:
                 row = self.segment_start(segment_end, counts, e) + warp_counts[warp, e] + mPairToPermuted[p]
                 mPermutedToPair[row] = p
                 mPairToPermuted[p] = row
+
+    @cute.jit
+    def plan_one_warp(
+        self, mTopkIds, local_expert_offset, mPermutedToPair, mPairToPermuted, mTileExpert, mTileValidRows, mTotals, lane
+    ):
+        """The plan of at most 32 pairs by warp 0, lane `p` holding pair `p`: `match.any` groups the
+        lanes of one expert and ranks them; the lowest lane of each group (its leader) publishes a key
+        (expert, padded count), and every lane reads all 32 keys (a shuffle each) to sum the padded
+        counts of the experts below its own, its segment's start. Rows as in `plan`: pairs ordered by
+        expert, then by pair index. Each leader writes its segment's tiles and padding rows."""
+        num_pairs = cute.size(mTopkIds)
+        num_rows = cute.size(mPermutedToPair)
+        num_tiles = cute.size(mTileExpert)
+        e = self.local_expert(mTopkIds, lane, num_pairs, local_expert_offset)
+        same = cute.arch.match_sync(cute.arch.FULL_MASK, e)
+        rank = Int32(cute.arch.popc(same & cute.arch.lanemask_lt()))
+        count = Int32(cute.arch.popc(same))
+        leader = (e >= 0) & (rank == 0)
+        padded = (count + self.tile_m - 1) // self.tile_m * self.tile_m
+        # A leader's key: its expert above 16 bits, its padded count below (at most 32 rows padded to
+        # one tile of at most 192); other lanes' key sorts after every expert.
+        key = cutlass.select_(leader, (e << 16) | padded, Int32(NO_EXPERT_KEY))
+        start = Int32(0)
+        total_rows = Int32(0)
+        for source in cutlass.range_constexpr(32):
+            other = cute.arch.shuffle_sync(key, source)
+            other_rows = cutlass.select_(other != NO_EXPERT_KEY, other & 0xFFFF, Int32(0))
+            total_rows += other_rows
+            start += cutlass.select_((other >> 16) < e, other_rows, Int32(0))
+        local = Int32(cute.arch.popc(cute.arch.vote_ballot_sync(e >= 0)))
+
+        used_tiles = total_rows // self.tile_m
+        for t in cutlass.range(used_tiles + lane, num_tiles, 32, unroll=1):
+            mTileExpert[t] = -1
+            mTileValidRows[t] = 0
+        # Every row is written once: the pairs' rows by their lanes, each segment's padding rows by its
+        # leader, the rows past the last segment by the warp.
+        for r in cutlass.range(total_rows + lane, num_rows, 32, unroll=1):
+            mPermutedToPair[r] = -1
+        if leader:
+            first_tile = start // self.tile_m
+            for j in cutlass.range(padded // self.tile_m, unroll=1):
+                mTileExpert[first_tile + j] = e
+                mTileValidRows[first_tile + j] = cutlass.min(count - j * self.tile_m, self.tile_m)
+            for r in cutlass.range(start + count, start + padded, unroll=1):
+                mPermutedToPair[r] = -1
+        if lane < num_pairs:
+            row = cutlass.select_(e >= 0, start + rank, Int32(-1))
+            mPairToPermuted[lane] = row
+            if e >= 0:
+                mPermutedToPair[row] = lane
+        if lane == 0:
+            mTotals[0] = local
+            mTotals[1] = total_rows
+            mTotals[2] = used_tiles
 
     @cute.jit
     def local_expert(self, mTopkIds, p, end, local_expert_offset):
