@@ -6,7 +6,9 @@ On the DeepSeek-V3 shape (E=256, top-8, H=7168, I=2048) at T = 1 it measures:
 
 - the kernels one call launches (torch profiler, CUDA activity);
 - the host time of one eager call: the median over 20 batches of 100 back-to-back calls, timed with
-  `perf_counter` (each call's GPU work is queued, not waited for);
+  `perf_counter` (each call's GPU work is queued, not waited for); and, timed alike, a yardstick of the
+  host's speed: `torch.neg` of the call's input (one eager PyTorch kernel). Host speed differs up to 2x
+  between machines, so the call's time over the yardstick's is what compares across them;
 - the first call of a fresh process (compiling its kernels, or loading them from the disk cache):
   one subprocess with the cache off, one with an empty cache directory (it compiles and writes),
   one with that directory filled (it loads). These calls take the deterministic finalize, whose sums
@@ -125,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     call = problem()
     kernels = kernels_per_call(call)
     host = host_us(call)
+    x = torch.randn(1, HIDDEN, device="cuda").to(torch.bfloat16)
+    yardstick = host_us(lambda: torch.neg(x))
 
     env = report.environment(torch.device("cuda"), "benchmarks.moe_host", sys.argv[1:] if argv is None else argv)
     result = {
@@ -132,12 +136,15 @@ def main(argv: list[str] | None = None) -> int:
         "shape": {"E": EXPERTS, "top_k": TOP_K, "H": HIDDEN, "I": INTERMEDIATE, "T": 1},
         "kernels_per_call": kernels,
         "host_us_per_eager_call": host,
+        "yardstick_torch_neg_us": yardstick,
         "first_call": fresh,
         "first_call_outputs_bitwise_equal": outputs_equal,
     }
     names = [(re.search(r"MoE[A-Za-z]+Sm90", k) or re.match(r".{0,40}", k)).group(0) for k in kernels]
     rows = [["kernels per call", f"{len(kernels)}: " + ", ".join(names)]]
     rows.append(["host time per eager call (median of 20 x 100 calls)", f"{host:.1f} us"])
+    rows.append(["yardstick: eager `torch.neg` of the [1, H] input, timed alike", f"{yardstick:.1f} us"])
+    rows.append(["call / yardstick", f"{host / yardstick:.1f}"])
     for name, r in fresh.items():
         rows.append([f"first call, fresh process, {name}", f"{r['first_call_s']:.2f} s ({r['compilations']} kernels compiled)"])
     rows.append(["the three first-call outputs bitwise equal", str(outputs_equal)])
