@@ -7,8 +7,9 @@ On the DeepSeek-V3 shape (E=256, top-8, H=7168, I=2048) at T = 1 it measures:
 - the kernels one call launches (torch profiler, CUDA activity);
 - the host time of one eager call: the median over 20 batches of 100 back-to-back calls, timed with
   `perf_counter` (each call's GPU work is queued, not waited for); and, timed alike, a yardstick of the
-  host's speed: `torch.neg` of the call's input (one eager PyTorch kernel). Host speed differs up to 2x
-  between machines, so the call's time over the yardstick's is what compares across them;
+  host's speed: `torch.neg` of a bf16 [1, H] tensor shaped like the call's input (one eager PyTorch
+  kernel). Host speed differs up to 2x between machines, so the call's time over the yardstick's is
+  what compares across them;
 - the first call of a fresh process (compiling its kernels, or loading them from the disk cache):
   one subprocess with the cache off, one with an empty cache directory (it compiles and writes),
   one with that directory filled (it loads). These calls take the deterministic finalize, whose sums
