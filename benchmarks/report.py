@@ -78,7 +78,12 @@ def environment(device: torch.device, module: str, argv: list[str]) -> dict:
 
 
 def _source_revision() -> str | None:
-    """HEAD, with `-dirty` when tracked files differ from it (the numbers then come from other code)."""
+    """HEAD, with `-dirty` when tracked files differ from it (the numbers then come from other code);
+    None where this tree is not a git checkout of its own (a copy inside another repository's folder,
+    whose HEAD names other code): `fp4moe_source_sha256` names the code then."""
+    top = _command_output("git", "rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != REPOSITORY:
+        return None
     head = _command_output("git", "rev-parse", "HEAD")
     if head is None:
         return None

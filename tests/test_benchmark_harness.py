@@ -6,6 +6,7 @@ uses, the quantizer benchmark's report, and its refusal to run without a GPU."""
 import contextlib
 import io
 import json
+import subprocess
 import tempfile
 import time
 
@@ -144,6 +145,26 @@ def test_results_go_to_a_temporary_folder_unless_asked(monkeypatch, tmp_path, ca
     assert len(list(folder.glob("moe_*.json"))) == 1 and len(list(folder.glob("moe_*.md"))) == 1
     assert str(folder) in capsys.readouterr().err  # the run says where its results went
     assert set(report.RESULTS_DIR.iterdir()) == kept
+
+
+def test_the_source_revision_is_the_head_of_the_tree_own_checkout_only(monkeypatch, tmp_path):
+    """`git_commit` names HEAD (with `-dirty` when tracked files differ) only where the benchmarks' tree is
+    the top of its git checkout; a copy of the tree inside another repository's folder (an A/B copy)
+    records None, not that repository's HEAD."""
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "tracked.txt").write_text("a\n")
+    subprocess.run([*git, "-C", str(tmp_path), "add", "tracked.txt"], check=True)
+    subprocess.run([*git, "-C", str(tmp_path), "commit", "-qm", "first"], check=True)
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    monkeypatch.setattr(report, "REPOSITORY", tmp_path.resolve())
+    assert report._source_revision() == head
+    (tmp_path / "tracked.txt").write_text("b\n")
+    assert report._source_revision() == f"{head}-dirty"
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    monkeypatch.setattr(report, "REPOSITORY", copy.resolve())
+    assert report._source_revision() is None
 
 
 def test_quantizer_benchmark_says_plainly_that_it_needs_a_gpu(monkeypatch):
