@@ -255,6 +255,11 @@ def wave_efficiency(items: int, slots: int) -> float:
     return items / (-(-items // slots) * slots)
 
 
+def balances_waves(shape: GemmShape, k_splits: int) -> bool:
+    """Whether `shape`'s expected items, in `k_splits` slices of K, keep its waves `WAVE_BALANCE` busy."""
+    return wave_efficiency(shape.items() * k_splits, shape.max_ctas) >= WAVE_BALANCE
+
+
 def fused_gemm2_k_splits(shape: GemmShape) -> int:
     """Slices of K for the fused GEMM2 (split-K): the fewest (a divisor of the k tiles, at most
     `MAX_K_SPLITS`) whose expected items fill the CTA slots; more, up to `MAX_BALANCE_FACTOR` times
@@ -266,10 +271,7 @@ def fused_gemm2_k_splits(shape: GemmShape) -> int:
     filling = [s for s in divisors if items * s >= shape.max_ctas]
     if not filling:
         return divisors[-1]
-    balanced = [
-        s for s in filling
-        if s <= MAX_BALANCE_FACTOR * filling[0] and wave_efficiency(items * s, shape.max_ctas) >= WAVE_BALANCE
-    ]
+    balanced = [s for s in filling if s <= MAX_BALANCE_FACTOR * filling[0] and balances_waves(shape, s)]
     return (balanced or filling)[0]
 
 
@@ -281,12 +283,12 @@ def fused_gemm2_tiling(shape: GemmShape) -> tuple[GemmShape, int]:
     partial wave: DeepSeek-V3 at T = 1 (two slices of 128 items), not at T = 2, where two slices of K
     balance four groups (runs log)."""
     k_splits = fused_gemm2_k_splits(shape)
-    if wave_efficiency(shape.items() * k_splits, shape.max_ctas) >= WAVE_BALANCE:
+    if balances_waves(shape, k_splits):
         return shape, k_splits
     seven = shape.seven_group_shape()
     if seven is not None:
         seven_splits = fused_gemm2_k_splits(seven)
-        if wave_efficiency(seven.items() * seven_splits, seven.max_ctas) >= WAVE_BALANCE:
+        if balances_waves(seven, seven_splits):
             return seven, seven_splits
     return shape, k_splits
 
