@@ -27,14 +27,12 @@ import sys
 import torch
 
 from benchmarks.ceilings import measure_read_bandwidth
+from benchmarks.moe import FULL
 from benchmarks.moe_cases import SHAPES, MoEProblem
 from benchmarks.moe_implementations import REGISTRY
 from benchmarks.timing import PreparedCall, time_interleaved
 from fp4moe import dispatch
 from fp4moe.kernels.sm90 import moe_launch
-
-READ_BUFFER_BYTES = 4 << 30
-
 
 def stage_calls(problem: MoEProblem, tokens: int) -> dict:
     """The variants of one cell, by name: callables launching the chain's cuts or one stage alone."""
@@ -105,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         print("benchmarks.sm90_stage_chain needs a Hopper GPU (the sm90 kernels)", file=sys.stderr)
         return 2
     device = torch.device("cuda")
-    bandwidth = measure_read_bandwidth(device, READ_BUFFER_BYTES, 20)
+    bandwidth = measure_read_bandwidth(device, FULL["read_buffer_bytes"], FULL["ceiling_replays"])
     print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s; median us of {args.replays} replays, cold L2", flush=True)
     for name in args.shapes:
         problem = MoEProblem(SHAPES[name], max(args.tokens), device, seed=0)
