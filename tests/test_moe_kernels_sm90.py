@@ -287,6 +287,38 @@ def test_skewed_routing_all_tokens_on_one_expert_and_every_expert_once():
     assert_moe_close(run_prepared(q), loop_reference(q))
 
 
+@pytest.mark.parametrize("tile_m", [128, 192])
+def test_every_k_loop_variant_of_a_large_tile_matches_the_reference(tile_m):
+    """Experts whose pair counts end their last tile in each variant of the k loop (`moe_gemm.variant_rows`:
+    at, just below and just above each width; an expert of two tiles), through the stage functions on
+    a plan of `tile_m`-row tiles, against the reference stages on the same plan."""
+    from fp4moe.kernels.sm90 import moe_gemm, moe_launch
+    from fp4moe.reference import moe as reference
+
+    widths = moe_gemm.variant_rows(tile_m, moe_launch.row_granule(tile_m))
+    counts = sorted({1, widths[0] - 1, tile_m + 1} | {w for w in widths} | {w + 1 for w in widths[:-1]})
+    experts = len(counts)
+    p = make_problem(tokens=sum(counts), top_k=1, num_experts=experts, hidden=256, intermediate=128, mode="w4a16",
+                     device="cuda", seed=tile_m)
+    p.topk_ids[:, 0] = torch.repeat_interleave(torch.arange(experts), torch.tensor(counts)).to(torch.int32).cuda()
+    p.topk_ids[:, 0] = p.topk_ids[torch.randperm(sum(counts), device="cuda"), 0]
+    w = p.weights.prepared()
+    w1_alpha, w2_alpha = p.alphas
+    permuted_to_pair, _, tile_expert, _, _ = ops.moe_plan(p.topk_ids, experts, 0, tile_m)
+    gemm1 = (None, None, permuted_to_pair, tile_expert, w.w1, w.w1_scales, w1_alpha, "sm90", 1, "swiglu", None, None,
+             None, None, None, 0)
+    got = moe_launch.gemm1(p.x, *gemm1)[0]
+    want = reference.gemm1(p.x, *gemm1)[0]
+    live = permuted_to_pair >= 0
+    assert_moe_close(got[live], want[live])
+    inter = want.to(torch.bfloat16)
+    gemm2 = (None, None, permuted_to_pair, tile_expert, w.w2, w.w2_scales, w2_alpha, "sm90", p.topk_weights,
+             sum(counts), 1, 256)
+    got2 = moe_launch.gemm2(inter, *gemm2, torch.zeros(sum(counts), 256, device="cuda"))
+    want2 = reference.gemm2(inter, *gemm2, torch.zeros(sum(counts), 256, device="cuda"))
+    assert_moe_close(got2.to(torch.bfloat16), want2.to(torch.bfloat16))
+
+
 def test_linear_weights_are_prepared_on_the_fly_with_a_warning():
     p = make_problem(tokens=9, hidden=128, intermediate=64, mode="w4a16", device="cuda", seed=11)
     with pytest.warns(RuntimeWarning, match="re-laid out"):

@@ -83,8 +83,12 @@ and would hold the extra registers across their wide accumulators."""
 MIN_LOADS_AHEAD_STAGES = 3
 """A consumer that loads ahead holds three stages at once: the previous k tile's (its `wgmma`s may
 still read the B tile), this one's and the next one's."""
-MIN_WIDE_TILE_ROWS = 64
-"""Rows that the MMAs of an item of a larger tile always cover."""
+SMALL_TILE_ROWS = 64
+"""Tiles of at most this many rows have a variant of the k loop for every granule of rows."""
+MIN_VARIANT_ROWS = 48
+"""Rows that the MMAs of an item of a larger tile always cover. Below about 50 rows an item's MMAs take
+less time than streaming and decoding its weights (the bf16 tensor rate of an SM against its share of
+the read bandwidth, at 0.5625 bytes per weight), so narrower variants would save nothing."""
 AUX_AMAX_COLUMNS = 8
 """Intermediate columns per aux-amax entry of GEMM1: the 8 features one warp's lanes 4g + c (g = 0..7)
 hold for a row, so a row's maximum over them is three butterfly shuffles (of two rows at a time), with
@@ -92,11 +96,13 @@ no shared memory."""
 
 
 def variant_rows(tile_rows: int, row_granule: int) -> list[int]:
-    """The rows of each variant of the k loop, narrowest first: multiples of the granule, from 64 for
-    a tile of more than 64 rows (ptxas serializes every `wgmma` of a kernel that also has 32-row ones
-    next to its 128- and 192-row ones)."""
-    first = 1 if tile_rows <= MIN_WIDE_TILE_ROWS else max(1, MIN_WIDE_TILE_ROWS // row_granule)
-    return [v * row_granule for v in range(first, tile_rows // row_granule + 1)]
+    """The rows of each variant of the k loop, narrowest first: every multiple of the granule, from
+    `MIN_VARIANT_ROWS` for a tile of more than `SMALL_TILE_ROWS` rows. ptxas keeps these variants'
+    `wgmma`s in flight (the SASS: one wait per variant) only within limits seen on sm_90a: a 128-row tile's
+    six at 64 K per k tile, not four at 128 K (`moe_launch.GemmShape` gives it 64 K); a 192-row tile's
+    five at 32-row granules from 64, not six (16-row granules, or 32 from 32)."""
+    first = row_granule if tile_rows <= SMALL_TILE_ROWS else -(-MIN_VARIANT_ROWS // row_granule) * row_granule
+    return list(range(first, tile_rows + 1, row_granule))
 
 
 def stage_bytes(tile_features: int, tile_rows: int, tile_k: int) -> int:

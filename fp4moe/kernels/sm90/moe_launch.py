@@ -77,13 +77,14 @@ def row_granule(tile_rows: int) -> int:
     """Rows of the steps in which an item's MMAs cover its tile. The plan tile is sized with rows to
     spare (`fp4moe.dispatch.moe_tile_m`), so the last tile of an expert is partly filled; its MMAs
     cover its rows up to the last granule that holds a pair, and its spare rows cost no tensor-core
-    time. Each granule count is one variant of the k loop: tiles of at most `TWO_CTA_TILE_ROWS` rows
-    (decode, bound by the weight stream) have one, because two CTAs per SM leave too few registers
-    for a second variant without serializing the `wgmma`s; larger tiles have 3 to 5 (from 64 rows
-    for tiles of more than 64: `moe_gemm.variant_rows`)."""
+    time. The k loop has a variant per width it may cover (`moe_gemm.variant_rows`): tiles of at most
+    `TWO_CTA_TILE_ROWS` rows (decode, bound by the weight stream) have one, because two CTAs per SM
+    leave too few registers for a second variant without serializing the `wgmma`s; larger tiles have 4
+    to 6: 64-row tiles every 16 rows, 128-row tiles every 16 rows from 48, 192-row tiles every 32 from
+    64 (`moe_gemm.variant_rows`)."""
     if tile_rows <= TWO_CTA_TILE_ROWS:
         return tile_rows
-    return 16 if tile_rows <= 64 else 32
+    return 16 if tile_rows <= 128 else 32
 
 
 def _i32(*shape):
@@ -159,8 +160,10 @@ class GemmShape:
             # One CTA of four consumer groups per SM: half the producers of two CTAs of two, each
             # activation tile shared by four groups, and 112 registers per consumer instead of 104.
             self.tile_features, self.ctas_per_sm = 256, 1
-        # A 192-row activation tile at 128 K would leave room for four stages only.
-        self.tile_k = 64 if tile_rows > 128 else 128
+        # Tiles of more than 64 rows take 64 K per k tile: a 192-row activation tile at 128 K would leave
+        # room for four stages only, and ptxas keeps the `wgmma`s of a 128-row tile's six variants in
+        # flight only at 64 K (`moe_gemm.variant_rows`).
+        self.tile_k = 64 if tile_rows > 64 else 128
         if seven_groups:
             self.tile_features, self.ctas_per_sm, self.tile_k = SEVEN_GROUP_FEATURES, 1, 64
         self.stages = pipeline_stages(self.tile_features, tile_rows, self.tile_k, self.ctas_per_sm)
