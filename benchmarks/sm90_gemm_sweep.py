@@ -30,7 +30,7 @@ from benchmarks.moe_cases import random_moe_weights
 from benchmarks.timing import PreparedCall, time_interleaved
 from fp4moe import dispatch, weight_layout
 from fp4moe.kernels.sm90 import moe_launch
-from fp4moe.kernels.sm90.moe_gemm import EARLY_ROWS_TILE_ROWS, EPILOGUE_ROWS, pipeline_stages
+from fp4moe.kernels.sm90.moe_gemm import EARLY_ROWS_TILE_ROWS, EPILOGUE_ROWS, MAX_COPIES, activation_copies, pipeline_stages
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 7168, 2048, 256, 8
 
@@ -54,7 +54,8 @@ def features_choices(default: moe_launch.GemmShape) -> tuple[int, ...]:
 def configurations(default: moe_launch.GemmShape, default_k_splits: int | None = None) -> list[tuple]:
     """(shape key, K slices, epilogue rows): `default`'s, then those around it: features per CTA
     (`features_choices`), CTAs per SM (`ctas_per_sm_choices`), K per k tile, row granule (the
-    default's, 32, 64 or the whole tile); stages: as many as fit. Then the default key with the
+    default's, 32, 64 or the whole tile); stages: as many as fit. K per k tile is 64 or 128 where the
+    producer's copies allow it (`moe_gemm.MAX_COPIES`). Then the default key with the
     epilogue's other row chunks (64 or the whole tile) and, with `default_k_splits` (the fused GEMM2,
     which can split K), at every other slice count that divides its k tiles; else K is never split."""
     rows = default.tile_rows
@@ -62,8 +63,9 @@ def configurations(default: moe_launch.GemmShape, default_k_splits: int | None =
     epilogue_rows = min(rows, EPILOGUE_ROWS)
     first = (default.key(), default_k_splits or 1, epilogue_rows)
     configs = []
+    tile_ks = [k for k in (64, 128) if activation_copies(rows, k) <= MAX_COPIES]
     for features, ctas, tile_k, granule in itertools.product(
-        features_choices(default), ctas_per_sm_choices(rows), (64, 128), granules
+        features_choices(default), ctas_per_sm_choices(rows), tile_ks, granules
     ):
         if features == 256 and ctas > 1:  # four consumer groups take one CTA's share of an SM
             continue

@@ -62,7 +62,8 @@ def test_the_block_sizes_it_accepts_are_those_the_gemms_take():
         try:
             MoEGemmSm90(
                 epilogue="gemm2_expanded", num_experts=4, prepared_rows=256, prepared_k=256, act_k=256, out_features=256,
-                tile_features=128, tile_rows=block_m, row_granule=row_granule(block_m), tile_k=128, stages=3,
+                tile_features=128, tile_rows=block_m, row_granule=row_granule(block_m), tile_k=64 if block_m > 64 else 128,
+                stages=3,
                 ctas_per_sm=1, max_ctas=132, top_k=2,
             )
             built = True

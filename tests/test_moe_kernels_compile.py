@@ -22,11 +22,11 @@ from tests.sm90_compile import compile_in_subprocess, sass
 GEMM_VARIANTS = [
     ("gemm1", (256, 4096, 7168, 128, 8, 8, 128, 8, 2, 264), 7168, 2048, 8, "swiglu", (None, None, None), False),
     ("gemm1", (32, 512, 1024, 64, 16, 16, 128, 8, 2, 264), 1000, 256, 2, "swiglu", (1.702, 1.0, 7.0), True),
-    ("gemm1", (8, 256, 256, 128, 128, 32, 128, 4, 1, 132), 208, 256, 8, "relu2", (None, None, None), False),
+    ("gemm1", (8, 256, 256, 128, 128, 32, 64, 4, 1, 132), 208, 256, 8, "relu2", (None, None, None), False),
     ("gemm1", (256, 4096, 7168, 128, 192, 32, 64, 7, 1, 132), 7168, 2048, 8, "swiglu", (None, None, None), False),
     ("gemm1", (64, 1024, 2048, 64, 64, 16, 128, 10, 1, 132), 2000, 512, 4, "swiglu", (None, None, None), True),
     ("gemm2_fused", (256, 7168, 2048, 128, 8, 8, 128, 8, 2, 264), 2048, 7168, 8, "none", (None, None, None), True),
-    ("gemm2_expanded", (256, 7168, 2048, 128, 128, 32, 128, 4, 1, 132), 2048, 7100, 8, "none", (None, None, None), False),
+    ("gemm2_expanded", (256, 7168, 2048, 128, 128, 32, 64, 4, 1, 132), 2048, 7100, 8, "none", (None, None, None), False),
     # W4A4: per-token scaled rows (GEMM1 by token, GEMM2 by row); GEMM1's FP32 values (the oracle of the
     # NVFP4 epilogue's test).
     ("gemm1", (256, 4096, 7168, 128, 8, 8, 128, 8, 2, 264), 7168, 2048, 8, "swiglu", (None, None, None), True, True, False),

@@ -29,7 +29,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor
 
 from fp4moe.kernels.sm90.aligned_plan import AlignedPlanSm90
 from fp4moe.kernels.sm90.compiler import compile_function, compile_kernel
-from fp4moe.kernels.sm90.moe_gemm import EPILOGUE_ROWS
+from fp4moe.kernels.sm90.moe_gemm import EPILOGUE_ROWS, MAX_COPIES, activation_copies
 from fp4moe.kernels.sm90.moe_launch import (
     _dynamic,
     _i32,
@@ -45,8 +45,10 @@ from fp4moe.kernels.sm90.moe_launch import (
 from fp4moe.validation import fp32
 from fp4moe.weight_layout import LINEAR
 
-MAX_BLOCK_M = 256
-"""The largest plan tile the grouped GEMMs take."""
+MAX_BLOCK_M = 192
+"""The largest plan tile the grouped GEMMs take: at 64 K per k tile, a producer thread's activation
+copies (`moe_gemm.MAX_COPIES`) cover 192 rows."""
+assert activation_copies(MAX_BLOCK_M, 64) <= MAX_COPIES
 
 
 def gemms_tile(block_m: int) -> bool:

@@ -66,13 +66,15 @@ def prefetch_to_l2(gmem_address, num_bytes, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def copy_16_bytes_async(smem_address, gmem_address, source_bytes, *, loc=None, ip=None) -> None:
-    """`cp.async` of 16 bytes bypassing L1; `source_bytes` 0 writes 16 zero bytes without reading."""
+def copy_16_bytes_async(smem_address, gmem_address, source_bytes, copies, *, loc=None, ip=None) -> None:
+    """`cp.async` of 16 bytes bypassing L1 where `copies` is non-zero, nothing otherwise (the instruction
+    is predicated off: no shared-memory write either); `source_bytes` 0 writes 16 zero bytes without
+    reading."""
     _asm(
         None,
-        "cp.async.cg.shared.global [$0], [$1], 16, $2;",
-        "r,l,r",
-        (Int32(smem_address), Int64(gmem_address), Int32(source_bytes)),
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.cg.shared.global [$0], [$1], 16, $2; }",
+        "r,l,r,r",
+        (Int32(smem_address), Int64(gmem_address), Int32(source_bytes), Int32(copies)),
         True, loc, ip,
     )
 

@@ -119,6 +119,16 @@ PRODUCER_REGISTERS = 40
 LOADS_AHEAD_PRODUCER_REGISTERS = 32
 """The producer's registers in tiles that load ahead (`LOADS_AHEAD_TILE_ROWS`): at most two activation
 copies per thread to address, and the consumers' next k tile's words need the registers."""
+MAX_COPIES = 12
+"""Activation copies per producer thread and k tile at most (`activation_copies`): each keeps its source
+address in registers for the whole item, and `PRODUCER_REGISTERS` hold twelve (a 192-row tile at 64 K).
+Tiles of more than `SMALL_TILE_ROWS` rows take 64 K per k tile (`moe_launch.GemmShape`)."""
+
+
+def activation_copies(tile_rows: int, tile_k: int) -> int:
+    """16-byte activation copies per producer thread and k tile: the warpgroup covers `tile_k / 8`
+    column chunks of `128 / (tile_k / 8)` rows at a time."""
+    return -(-tile_rows // (WARPGROUP_THREADS // (tile_k // CHUNK_ELEMENTS)))
 
 
 def producer_registers(tile_rows: int) -> int:
@@ -159,8 +169,9 @@ class MoEGemmSm90:
     - warpgroup 0 — producer. Per k tile and stage: all four warps wait for the stage to be free
       (`empty`); thread 0 issues one 1-D bulk copy per 64-row block for the prepared weight codes and
       one for their scales (`full` expects their bytes); every thread issues its `cp.async` copies of
-      the tile's activation rows into the swizzled K-major B tile (rows past the plan's, or columns
-      past K, zero-filled without a read), whose completion also arrives on `full`
+      the tile's used activation rows into the swizzled K-major B tile (columns past K zero-filled
+      without a read; padding rows not copied, their epilogue values zeroed), whose completion also
+      arrives on `full`
       (`cp.async.mbarrier.arrive.noinc`, one per thread). A thread's rows, their source offsets and
       their places in a stage are fixed for the whole item, so a copy costs a few integer operations
       and the instruction (no dependent shared-memory lookup per copy).
@@ -219,6 +230,7 @@ class MoEGemmSm90:
         assert tile_features in (64, 128, 256, 448) and prepared_rows % tile_features == 0
         assert tile_features <= 256 or not nvfp4_out  # named barriers: `EXCHANGE_BARRIER`
         assert tile_k in (64, 128) and prepared_k % tile_k == 0 and act_k <= prepared_k
+        assert activation_copies(tile_rows, tile_k) <= MAX_COPIES
         assert tile_rows % 8 == 0 and 8 <= tile_rows <= 256
         assert tile_rows % row_granule == 0 and row_granule % 8 == 0
         assert k_splits == 1 or (epilogue == "gemm2_fused" and (prepared_k // tile_k) % k_splits == 0)
@@ -275,7 +287,7 @@ class MoEGemmSm90:
         self.scale_bytes = self.k64_per_tile * weight_layout.SCALE_BYTES
         self.copy_columns = tile_k // CHUNK_ELEMENTS
         self.copy_row_step = WARPGROUP_THREADS // self.copy_columns
-        self.copies_per_thread = -(-tile_rows // self.copy_row_step)
+        self.copies_per_thread = activation_copies(tile_rows, tile_k)
 
     @cute.jit
     def __call__(
@@ -552,21 +564,28 @@ class MoEGemmSm90:
         thread = cute.arch.thread_idx()[0]
         # The thread's copies: 16-byte column chunk `thread % copy_columns` of rows `first_row + i *
         # copy_row_step`. Their sources are fixed for the whole k loop: kept as offsets in 16-byte
-        # chunks (32-bit: the launch bounds the activations to 2^31 chunks; -1: a padding row,
-        # zero-filled), and so are their places in a stage: the rows of one thread are multiples of
-        # eight apart, so they share their 128-byte swizzle phase.
+        # chunks (32-bit: the launch bounds the activations to 2^31 chunks), with whether the row holds
+        # a pair. A padding row is not copied at all: the B tile keeps whatever its stage held, which
+        # only the padding row's own accumulator column sees (the epilogues drop or zero those rows,
+        # `gemm1_values`), so a partly filled tile costs the producer and shared memory its used rows
+        # only. A copy is then its address's add and the instruction, with no select. Their places
+        # in a stage are fixed too: the rows of one thread are multiples of eight apart, so they share
+        # their 128-byte swizzle phase.
         column_chunk = thread % self.copy_columns
         first_row = thread // self.copy_columns
         act_row_chunks = Int32(mAct.stride[0] // CHUNK_ELEMENTS)
         row_chunks = cute.make_rmem_tensor(self.copies_per_thread, Int32)
+        row_used = cute.make_rmem_tensor(self.copies_per_thread, Int32)
         for i in cutlass.range_constexpr(self.copies_per_thread):
             n = first_row + i * self.copy_row_step
-            row_chunks[i] = Int32(-1)
+            row_chunks[i] = Int32(0)
+            row_used[i] = Int32(0)
             if n < self.tile_rows:
                 pair = mPermutedToPair[tile * self.tile_rows + n]
                 if (pair >= 0) & (pair < num_pairs):
                     source = pair // self.top_k if const_expr(self.epilogue == "gemm1") else tile * self.tile_rows + n
                     row_chunks[i] = source * act_row_chunks
+                    row_used[i] = Int32(1)
         act_smem = storage.act.data_ptr().toint() + dev.swizzle_128b(
             cute.crd2idx((first_row, column_chunk * CHUNK_ELEMENTS, 0), b_layout.outer) * 2
         )
@@ -604,25 +623,25 @@ class MoEGemmSm90:
                     )
             column = (k_first + k) * self.tile_k + column_chunk * CHUNK_ELEMENTS
             column_address = act_gmem + Int64(column) * 2
-            column_inside = column < self.act_k
+            # A k tile past K (prepared K above the activations') zero-fills its columns.
+            column_bytes = None if const_expr(self.act_k % self.tile_k == 0) else cutlass.select_(
+                column < self.act_k, Int32(16), Int32(0)
+            )
             stage_smem = act_smem + stage * stage_act_bytes
             for i in cutlass.range_constexpr(self.copies_per_thread):
                 if const_expr(self.tile_rows % self.copy_row_step == 0):
-                    self.copy_row_chunk(stage_smem + i * row_step_bytes, act_gmem, column_address, row_chunks[i], column_inside)
+                    self.copy_row_chunk(stage_smem + i * row_step_bytes, column_address, row_chunks[i], row_used[i], column_bytes)
                 elif first_row + i * self.copy_row_step < self.tile_rows:
-                    self.copy_row_chunk(stage_smem + i * row_step_bytes, act_gmem, column_address, row_chunks[i], column_inside)
+                    self.copy_row_chunk(stage_smem + i * row_step_bytes, column_address, row_chunks[i], row_used[i], column_bytes)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
             stage, phase = self.next_stage(stage, phase)
 
     @cute.jit
-    def copy_row_chunk(self, smem_address, act_gmem, column_address, row_chunk, column_inside):
-        """One 16-byte chunk of an activation row into the B tile (zeros for a padding row or past K)."""
-        address = act_gmem
-        source_bytes = Int32(0)
-        if (row_chunk >= 0) & column_inside:
-            address = column_address + Int64(row_chunk) * 16
-            source_bytes = Int32(16)
-        dev.copy_16_bytes_async(smem_address, address, source_bytes)
+    def copy_row_chunk(self, smem_address, column_address, row_chunk, row_used, column_bytes):
+        """One 16-byte chunk of an activation row into the B tile where `row_used` (nothing for a
+        padding row); zeros where `column_bytes` is 0 (past K; None where K has no such k tile)."""
+        source_bytes = Int32(16) if const_expr(column_bytes is None) else column_bytes
+        dev.copy_16_bytes_async(smem_address, column_address + Int64(row_chunk) * 16, source_bytes, row_used)
 
     # -----------------------------------------------------------------------------------------------
     # Consumers
@@ -1010,10 +1029,15 @@ class MoEGemmSm90:
         """GEMM1's FP32 values of epilogue chunk `c` before the router weight: (element, value, output
         feature, pair, router weight) per output element of the thread. `rows`: the chunk's
         (`chunk_rows`); `alpha`: (the gate's or ReLU2 input's, the up half's). Plain Python, run while
-        the kernel is traced."""
+        the kernel is traced. A padding row's values are zeros: its B tile rows hold whatever their
+        stage held before (the producer does not copy them)."""
         pairs, weights, scales = rows
         alpha, up_alpha = alpha
         values = []
+
+        def used(value, pair):
+            return Float32(cutlass.select_(pair >= 0, value, Float32(0.0)))
+
         for v in self.chunk_values(c):
             m, _ = coordinates[v, 0, 0]
             same_row = v - 2 * ((v // 2) % 2)  # the element of mode 0 with this element's row
@@ -1024,10 +1048,10 @@ class MoEGemmSm90:
                     gate = self.row_scale(acc[v, 0, 0] * alpha, scales.get(v))
                     up = self.row_scale(acc[v + 2, 0, 0] * up_alpha, scales.get(v))
                     feature = block * 32 + (m // 16) * 8 + m % 16
-                    values.append((v, self.activate(gate, up), feature, pairs[v], weights.get(v)))
+                    values.append((v, used(self.activate(gate, up), pairs[v]), feature, pairs[v], weights.get(v)))
             else:
                 y = cute.arch.fmax(self.row_scale(acc[v, 0, 0] * alpha, scales.get(same_row)), Float32(0.0))
-                values.append((v, y * y, block * 64 + m, pairs[same_row], weights.get(same_row)))
+                values.append((v, used(y * y, pairs[same_row]), block * 64 + m, pairs[same_row], weights.get(same_row)))
         return values
 
     def row_scale(self, value, scale):
