@@ -1,8 +1,9 @@
-"""Where the sm90 GEMMs' decode-size time goes: the default W4A16 GEMM1 and fused GEMM2 configuration
-(DeepSeek-V3 shape, softmax routing) against variants with parts of the consumers' k step removed.
+"""Where the sm90 GEMMs' time goes: the default W4A16 GEMM1 and fused GEMM2 against variants with parts of
+the consumers' k step removed.
 
     python -m benchmarks.sm90_consumer_probe [--tokens 1,8] [--l2-flush write read] [--replays 50]
-    python -m benchmarks.sm90_consumer_probe --compile-only      # no GPU needed
+    python -m benchmarks.sm90_consumer_probe --whole-call [--shapes deepseek_v3 glm] [--tokens 2048,4096]
+    python -m benchmarks.sm90_consumer_probe [--whole-call ...] --compile-only      # no GPU needed
 
 For diagnosis only: the variants compute garbage, and only their times mean anything.
 
@@ -13,29 +14,36 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
   group in flight). The producer, its bulk copies and gathers are unchanged, so its time is the
   pipeline's own (memory and producer).
 
-Each token count times every variant interleaved in CUDA graphs with a cold L2, once per flush of
-`--l2-flush` (`benchmarks.timing.L2_FLUSHES`). A `torch.sum` over as many bytes as the touched
-experts' GEMM1 weights is timed next to GEMM1 as a yardstick. The variants compile without the disk
-kernel cache, whose keys do not know them.
+By default each token count times the two GEMMs alone (DeepSeek-V3 shape, softmax routing), every
+variant interleaved in CUDA graphs with a cold L2, once per flush of `--l2-flush`
+(`benchmarks.timing.L2_FLUSHES`); a `torch.sum` over as many bytes as the touched experts' GEMM1 weights
+is timed next to GEMM1 as a yardstick. With `--whole-call` it times the benchmark's W4A16 `fused_moe`
+call (`benchmarks.moe`'s shapes, routing and tokens) with both GEMMs built from each variant, after a
+read flush: how much of a whole call (prefill, say) each part of the consumers' work costs. The
+variants' kernels go to the disk kernel cache under keys that name the variant, so `--compile-only`
+(with the same `--whole-call`, shapes and tokens) fills it on a CPU for a later GPU run.
 """
-
 from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
+from unittest import mock
 
 import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Uint32
 
+from benchmarks import precompile
+from benchmarks.moe_cases import SHAPES, MoEProblem
+from benchmarks.moe_implementations import REGISTRY
 from benchmarks.sm90_gemm_sweep import (
     HIDDEN,
     INTERMEDIATE,
     TOP_K,
     gemm_configurations,
+    hopper_gpu,
     hopper_weights,
     routed_tokens,
 )
@@ -43,7 +51,6 @@ from benchmarks.timing import L2_FLUSHES, PreparedCall, time_interleaved
 from fp4moe import weight_layout
 from fp4moe.kernels.sm90 import gemm_device as dev
 from fp4moe.kernels.sm90 import moe_launch
-from fp4moe.kernels.sm90.compiler import CACHE_OFF, CACHE_VARIABLE
 from fp4moe.kernels.sm90.moe_gemm import MoEGemmSm90
 
 
@@ -85,17 +92,36 @@ class BarriersOnly(MoEGemmSm90):
 VARIANTS = {"default": MoEGemmSm90, "no_decode": NoDecode, "no_mma": NoMma, "barriers_only": BarriersOnly}
 
 
-def compile_variant(kernel_class, epilogue: str, key: tuple):
-    """`moe_launch.compile_gemm`'s kernel for `key`, built from `kernel_class` (outside its cache)."""
+@contextlib.contextmanager
+def variant_kernels(name: str):
+    """Inside: the MoE launch layer builds its GEMMs from variant `name`'s class, compiled once per
+    variant (its process cache is cleared on the way in and out) and kept in the disk kernel cache
+    under keys that name the variant."""
+    compile_kernel = moe_launch.compile_kernel
+
+    def keyed(*args, cache_key=None, **kwargs):
+        if cache_key is not None and cache_key[0] == "moe_gemm":
+            cache_key = (*cache_key, "consumer_probe", name)
+        return compile_kernel(*args, cache_key=cache_key, **kwargs)
+
+    moe_launch.compile_gemm.cache_clear()
+    try:
+        with mock.patch.object(moe_launch, "MoEGemmSm90", VARIANTS[name]), mock.patch.object(
+            moe_launch, "compile_kernel", keyed
+        ):
+            yield
+    finally:
+        moe_launch.compile_gemm.cache_clear()
+
+
+def compile_variant(name: str, epilogue: str, key: tuple):
+    """`moe_launch.compile_gemm`'s kernel for `key`, built from variant `name`."""
     gemm1 = epilogue == "gemm1"
     act_k, out_features = (HIDDEN, INTERMEDIATE) if gemm1 else (INTERMEDIATE, HIDDEN)
-    moe_launch.MoEGemmSm90 = kernel_class
-    try:
-        return moe_launch.compile_gemm.__wrapped__(
+    with variant_kernels(name):
+        return moe_launch.compile_gemm(
             epilogue, key, act_k, out_features, TOP_K, "swiglu" if gemm1 else "none", (None,) * 3, not gemm1
         )
-    finally:
-        moe_launch.MoEGemmSm90 = MoEGemmSm90
 
 
 def run(tokens: int, weights, flushes, replays: int, g) -> None:
@@ -123,7 +149,7 @@ def run(tokens: int, weights, flushes, replays: int, g) -> None:
         ("gemm1", "gemm1", configs1[0][0], gemm1), ("gemm2", "gemm2_fused", configs2[0][0], gemm2)
     ):
         labels = list(VARIANTS)
-        kernels = [compile_variant(VARIANTS[v], epilogue, key) for v in labels]
+        kernels = [compile_variant(v, epilogue, key) for v in labels]
         with contextlib.ExitStack() as stack:
             calls = [stack.enter_context(PreparedCall(lambda k=k: launch(k), "cuda")) for k in kernels]
             if name == "gemm1":
@@ -135,27 +161,65 @@ def run(tokens: int, weights, flushes, replays: int, g) -> None:
                 print(f"T={tokens} {name} ({flush} flush): {cells}", flush=True)
 
 
+def run_whole_call(shape_names, token_counts, replays: int) -> None:
+    """The benchmark's W4A16 `fused_moe` call per shape and T, with each variant's GEMMs, interleaved."""
+    device = torch.device("cuda")
+    for shape_name in shape_names:
+        problem = MoEProblem(SHAPES[shape_name], max(token_counts), device, seed=0)
+        for tokens in token_counts:
+            case = problem.case(tokens)
+            with contextlib.ExitStack() as stack:
+                calls = []
+                for name in VARIANTS:
+                    with variant_kernels(name):  # the graph captures this variant's kernels
+                        calls.append(stack.enter_context(PreparedCall(REGISTRY["fused_moe_w4a16"].build(case), device)))
+                timings = time_interleaved(calls, device, replays, warmup=2, cold_l2=True, l2_flush="read")
+            cells = "  ".join(f"{name} {t.median_s * 1e6:.0f} us" for name, t in zip(VARIANTS, timings))
+            print(f"{shape_name} T={tokens} fused_moe W4A16 (read flush): {cells}", flush=True)
+        del problem
+
+
 def compile_only(token_counts, sms: int) -> None:
     for tokens in token_counts:
         _, configs1, configs2 = gemm_configurations(tokens, sms)
         for epilogue, key in (("gemm1", configs1[0][0]), ("gemm2_fused", configs2[0][0])):
-            for name, kernel_class in VARIANTS.items():
-                compile_variant(kernel_class, epilogue, key)
+            for name in VARIANTS:
+                compile_variant(name, epilogue, key)
                 print(f"T={tokens} {epilogue} {name}: compiled", flush=True)
+
+
+def compile_whole_call(shape_names, token_counts, sms: int) -> None:
+    with precompile.compile_without_launching(sms):
+        for shape_name in shape_names:
+            for tokens in token_counts:
+                for name in VARIANTS:
+                    with variant_kernels(name):
+                        precompile.compile_cell(SHAPES[shape_name], tokens, "fused_moe_w4a16")
+                    print(f"{shape_name} T={tokens} {name}: compiled", flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", default="1,8")
+    parser.add_argument("--whole-call", action="store_true", help="time the whole fused_moe call of the benchmark")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["deepseek_v3", "glm"],
+                        help="with --whole-call: the benchmark's shapes")
+    parser.add_argument("--tokens", help="token counts (default 1,8; with --whole-call 2048,4096)")
     parser.add_argument("--l2-flush", nargs="+", choices=L2_FLUSHES, default=list(L2_FLUSHES))
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--compile-only", action="store_true", help="compile every variant; no GPU needed")
     parser.add_argument("--sms", type=int, default=132, help="with --compile-only: the GPU's multiprocessors")
     args = parser.parse_args()
-    os.environ[CACHE_VARIABLE] = CACHE_OFF
-    token_counts = [int(t) for t in args.tokens.split(",")]
+    token_counts = [int(t) for t in (args.tokens or ("2048,4096" if args.whole_call else "1,8")).split(",")]
     if args.compile_only:
-        compile_only(token_counts, args.sms)
+        if args.whole_call:
+            compile_whole_call(args.shapes, token_counts, args.sms)
+        else:
+            compile_only(token_counts, args.sms)
+        return 0
+    if args.whole_call:
+        if not hopper_gpu("sm90_consumer_probe"):
+            return 2
+        run_whole_call(args.shapes, token_counts, args.replays)
         return 0
     problem = hopper_weights("sm90_consumer_probe")
     if problem is None:

@@ -14,8 +14,8 @@ _SCRIPT = textwrap.dedent(
     from benchmarks import sm90_consumer_probe as probe
     out = Path(sys.argv[1])
     _, configs1, _ = probe.gemm_configurations(1, 132)
-    for name, kernel_class in probe.VARIANTS.items():
-        compiled = probe.compile_variant(kernel_class, "gemm1", configs1[0][0])
+    for name in probe.VARIANTS:
+        compiled = probe.compile_variant(name, "gemm1", configs1[0][0])
         (out / f"{name}.cubin").write_bytes(compiled.__cubin__)
     """
 )
