@@ -18,6 +18,15 @@ import torch
 SAMPLE_PERIOD_S = 0.002
 
 
+def hopper_gpu(tool: str) -> bool:
+    """Whether the current GPU is a Hopper one, the sm90 kernels' architecture; where it is not, says
+    on stderr that `benchmarks.<tool>` needs one."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print(f"benchmarks.{tool} needs a Hopper GPU (the sm90 kernels)", file=sys.stderr)
+        return False
+    return True
+
+
 def nvml_available() -> bool:
     try:
         import pynvml  # noqa: F401

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import report
+from benchmarks.gpu_state import hopper_gpu
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 7168, 2048, 256, 8
 HOST_BATCHES = 20
@@ -116,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.first_call:
         print(json.dumps(first_call()))
         return 0
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        print("benchmarks.moe_host needs a Hopper GPU (the sm90 kernels)", file=sys.stderr)
+    if not hopper_gpu("moe_host"):
         return 2
 
     with tempfile.TemporaryDirectory(prefix="fp4moe-kernel-cache-") as cache:

@@ -36,6 +36,7 @@ import torch
 from cutlass import Uint32
 
 from benchmarks import precompile
+from benchmarks.gpu_state import hopper_gpu
 from benchmarks.moe_cases import SHAPES, MoEProblem
 from benchmarks.moe_implementations import REGISTRY
 from benchmarks.sm90_gemm_sweep import (
@@ -43,7 +44,6 @@ from benchmarks.sm90_gemm_sweep import (
     INTERMEDIATE,
     TOP_K,
     gemm_configurations,
-    hopper_gpu,
     hopper_weights,
     routed_tokens,
 )
@@ -219,6 +219,7 @@ def main() -> int:
     if args.whole_call:
         if not hopper_gpu("sm90_consumer_probe"):
             return 2
+        print(torch.cuda.get_device_name(), flush=True)
         run_whole_call(args.shapes, token_counts, args.replays)
         return 0
     problem = hopper_weights("sm90_consumer_probe")

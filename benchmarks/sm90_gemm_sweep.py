@@ -26,6 +26,7 @@ import sys
 
 import torch
 
+from benchmarks.gpu_state import hopper_gpu
 from benchmarks.moe_cases import random_moe_weights
 from benchmarks.timing import PreparedCall, time_interleaved
 from fp4moe import dispatch, weight_layout
@@ -171,21 +172,12 @@ def compile_only(token_counts, sms: int) -> bool:
     return ok
 
 
-def hopper_gpu(tool: str) -> bool:
-    """Whether the current GPU is a Hopper one (printing its name), after saying that
-    `benchmarks.<tool>` needs one where it is not."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        print(f"benchmarks.{tool} needs a Hopper GPU (the sm90 kernels)", file=sys.stderr)
-        return False
-    print(torch.cuda.get_device_name(), flush=True)
-    return True
-
-
 def hopper_weights(tool: str):
     """(random DeepSeek-V3 experts prepared for the sm90 GEMMs, the seeded generator that made them) on
     this GPU, or None after saying that `benchmarks.<tool>` needs a Hopper GPU."""
     if not hopper_gpu(tool):
         return None
+    print(torch.cuda.get_device_name(), flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     return random_moe_weights(EXPERTS, HIDDEN, INTERMEDIATE, g, "cuda").prepared(), g
 

@@ -27,6 +27,7 @@ import sys
 import torch
 
 from benchmarks.ceilings import measure_read_bandwidth
+from benchmarks.gpu_state import hopper_gpu
 from benchmarks.moe import FULL
 from benchmarks.moe_cases import SHAPES, MoEProblem
 from benchmarks.moe_implementations import REGISTRY
@@ -99,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--replays", type=int, default=100)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        print("benchmarks.sm90_stage_chain needs a Hopper GPU (the sm90 kernels)", file=sys.stderr)
+    if not hopper_gpu("sm90_stage_chain"):
         return 2
     device = torch.device("cuda")
     bandwidth = measure_read_bandwidth(device, FULL["read_buffer_bytes"], FULL["ceiling_replays"])
