@@ -61,9 +61,11 @@ def fused_moe(
     a, a_scales, a_per_token_scale = x, x_scales, None
     if w4a4 and x_scales is None and decoded_activations(quantizer, stages["gemm1"]):
         if per_token_activation:
-            a, a_per_token_scale = quantizer.quantize_per_token_decoded(x, nvfp4.DEFAULT_GLOBAL_SCALE_INV, None, None)
+            a, a_per_token_scale = quantizer.quantize_per_token_decoded(
+                x, nvfp4.DEFAULT_GLOBAL_SCALE_INV, None, None, after_plan=True
+            )
         else:
-            a = quantizer.quantize_decoded(x, fc1_input_scale)
+            a = quantizer.quantize_decoded(x, fc1_input_scale, after_plan=True)
     elif w4a4 and x_scales is None:
         if per_token_activation:
             a, a_scales, a_per_token_scale = quantizer.quantize_per_token(

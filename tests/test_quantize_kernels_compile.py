@@ -5,9 +5,9 @@ Runs in CI on a CPU machine. Compiling every variant (~250) takes about a minute
 representative subset: every (scale layout x 4-over-6 mode x scale source) combination for one
 dtype at a ragged K, every dtype at every tested K for one combination, the widest row with the
 heaviest mode, the many-rows class (`MANY_ELEMENTS`) at every tested K, the MoE pipeline's quantizers
-that write decoded values (`DECODED_VARIANTS`), and the tile_amax producer per dtype and load width. A variant is (dtype, K, scale layout, 4-over-6 mode, scale source, valid-row
-count given, many rows). The compilation runs in a
-subprocess because `CUTE_DSL_KEEP` (which keeps the PTX) is read when the DSL is imported.
+that write decoded values (`DECODED_VARIANTS`), and the tile_amax producer per dtype and load width.
+A variant is (dtype, K, scale layout, 4-over-6 mode, scale source, valid-row count given, many rows),
+for the decoded ones then the launch order. The compilation runs in a subprocess because `CUTE_DSL_KEEP` (which keeps the PTX) is read when the DSL is imported.
 """
 
 import re
@@ -40,11 +40,14 @@ QUANTIZE_VARIANTS = sorted(
     }
 )
 DECODED_VARIANTS = [
-    # The MoE pipeline's quantizers that write the codes' bf16 values (`decoded`): linear, no 4-over-6.
-    ("bfloat16", 2048, "linear", "off", "tensor", False, False),
-    ("bfloat16", 7168, "linear", "off", "rescan", False, True),
-    ("bfloat16", 2048, "linear", "off", "aux", True, False),
-    ("bfloat16", 7168, "linear", "off", "aux", True, True),
+    # The MoE pipeline's quantizers that write the codes' bf16 values (`decoded`): linear, no 4-over-6;
+    # the activation quantizers (per-tensor, per-token rescan) run alongside the plan kernel and wait
+    # last, the intermediate ones (rescan, aux) release their successor first (`pdl.LAUNCH_ORDERS`).
+    ("bfloat16", 2048, "linear", "off", "tensor", False, False, "before_wait"),
+    ("bfloat16", 7168, "linear", "off", "rescan", False, True, "before_wait"),
+    ("bfloat16", 2048, "linear", "off", "rescan", False, False, "release_first"),
+    ("bfloat16", 2048, "linear", "off", "aux", True, False, "release_first"),
+    ("bfloat16", 7168, "linear", "off", "aux", True, True, "release_first"),
 ]
 TILE_AMAX_VARIANTS = [("bfloat16", 7168, 128, 8), ("float16", 272, 100, 4), ("float32", 33, 7, 1), ("bfloat16", 2048, 128, 1)]
 
@@ -62,9 +65,10 @@ _COMPILE_SCRIPT = textwrap.dedent(
         )
         (out / f"quantize_{i}.ptx").write_text(compiled.__ptx__)
         (out / f"quantize_{i}.cubin").write_bytes(compiled.__cubin__)
-    for i, (dtype, k, layout, mode, source, valid, many, tiles) in enumerate(spec["decoded"]):
+    for i, (dtype, k, layout, mode, source, valid, many, order, tiles) in enumerate(spec["decoded"]):
         compiled = launch.compile_quantize(
-            getattr(torch, dtype), k, layout, mode, source, valid, many, spec["arch"], tiles, decoded=True
+            getattr(torch, dtype), k, layout, mode, source, valid, many, spec["arch"], tiles, decoded=True,
+            launch_order=order,
         )
         (out / f"decoded_{i}.ptx").write_text(compiled.__ptx__)
         (out / f"decoded_{i}.cubin").write_bytes(compiled.__cubin__)
@@ -169,14 +173,29 @@ def test_aux_tile_maxima_are_loaded_ahead_of_the_row(compiled):
         assert ahead == min(tiles_per_lane, UNROLLED_TILES_PER_LANE), QUANTIZE_VARIANTS[i]
 
 
+def _launch_order(name: str) -> str:
+    """The launch order a compiled variant was built with (`pdl.LAUNCH_ORDERS`)."""
+    kind, index = name.rsplit("_", 1)
+    return DECODED_VARIANTS[int(index)][-1] if kind == "decoded" else "wait_first"
+
+
 def test_kernels_wait_for_their_predecessor_before_touching_global_memory(compiled):
     """Launched with programmatic dependent launch, a kernel may start before its predecessor ends:
-    `griddepcontrol.wait` must come before every global load and store (`kernels.sm90.pdl`)."""
+    `griddepcontrol.wait` must come before every global load and store (`kernels.sm90.pdl`), and
+    the release of the successor after it, except in the MoE pipeline's quantizers: those release
+    first, and the activation quantizers, whose predecessor shares no memory with them, wait after
+    their last store."""
     for name, ptx in _all_ptx(compiled).items():
-        wait = ptx.index("griddepcontrol.wait")
-        first_access = min(m.start() for m in re.finditer(r"\b(ld|st)\.global\b", ptx))
-        assert wait < first_access, name
-        assert wait < ptx.index("griddepcontrol.launch_dependents"), name
+        order = _launch_order(name)
+        (wait,) = [m.start() for m in re.finditer(r"griddepcontrol\.wait", ptx)]
+        (release,) = [m.start() for m in re.finditer(r"griddepcontrol\.launch_dependents", ptx)]
+        accesses = [m.start() for m in re.finditer(r"\b(ld|st)\.global\b", ptx)]
+        assert (release < wait) == (order != "wait_first"), name
+        if order == "before_wait":
+            assert wait > max(accesses), name
+            assert "ret;" not in ptx[:wait], name  # no thread leaves without waiting
+        else:
+            assert wait < min(accesses), name
 
 
 def test_only_rows_wider_than_a_warp_synchronize_the_cta(compiled):

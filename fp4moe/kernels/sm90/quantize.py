@@ -17,7 +17,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint8, Uint32, const_expr
 
 from fp4moe.kernels.sm90 import nvfp4_device as dev
-from fp4moe.kernels.sm90.pdl import USE_PDL, wait_for_predecessor_and_release_successor
+from fp4moe.kernels.sm90.pdl import LAUNCH_ORDERS, USE_PDL, release_successor_and_wait, wait_for_predecessor_last
 from fp4moe.nvfp4 import BLOCK_SIZE, SWIZZLE_COLS, SWIZZLE_ROWS, ceil_div, round_up
 from fp4moe.validation import AUX_AMAX_ROW_GROUP
 
@@ -126,6 +126,10 @@ class QuantizeSm90:
     encodes block by block: with its larger register count, grids of about one wave ran 11-36% faster
     when launched back to back with PDL (level without PDL, where both are slower).
 
+    `launch_order` (`pdl.LAUNCH_ORDERS`): the quantize ops wait for their predecessor first; the MoE
+    pipeline's quantizers (`decoded`) release their successor first, and the activation quantizer,
+    which follows the plan kernel and shares no memory with it, waits only at its end.
+
     Rows at or past `input_amax_valid_rows` (clamped into [0, M], rounded down to a multiple of 8)
     are neither read nor written. The swizzled layout's pad bytes (rows M..round_up(M, 128) and
     the pad columns K/16..round_up(K/16, 4) of written rows) are written as zeros; the grid then
@@ -142,8 +146,10 @@ class QuantizeSm90:
         many_rows: bool,
         amax_tiles: int = 0,
         decoded: bool = False,
+        launch_order: str = "wait_first",
     ):
         assert scale_source in SCALE_SOURCES
+        assert launch_order in LAUNCH_ORDERS
         assert not decoded or (sf_layout == "linear" and four_over_six == "off")
         assert (amax_tiles > 0) == (scale_source == "aux"), "the aux path needs the tile count of input_amax"
         self.dtype = dtype
@@ -153,6 +159,7 @@ class QuantizeSm90:
         self.scale_source = scale_source
         self.amax_tiles = amax_tiles
         self.decoded = decoded
+        self.launch_order = launch_order
         self.blocks = k // BLOCK_SIZE
         self.padded_blocks = round_up(self.blocks, SWIZZLE_COLS)
         self.many_rows = many_rows
@@ -198,7 +205,7 @@ class QuantizeSm90:
         mValidRows: cute.Tensor | None,
         covered_rows: Int32,
     ):
-        wait_for_predecessor_and_release_successor()
+        release_successor_and_wait(self.launch_order)
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         lane = tidx % self.threads_per_row
@@ -309,6 +316,7 @@ class QuantizeSm90:
                     scale_bytes[scale_row + self._scale_col_offset(col)] = Uint8(scale_bits)
             if const_expr(self.sf_layout == "swizzled"):
                 self._zero_swizzle_padding(scale_bytes, row, col, num_rows, covered_rows, is_data_row)
+        wait_for_predecessor_last(self.launch_order)
 
     # -----------------------------------------------------------------------------------------------
     @cute.jit

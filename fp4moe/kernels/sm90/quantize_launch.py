@@ -68,10 +68,12 @@ def compile_quantize(
     arch: str,
     amax_tiles: int = 0,
     decoded: bool = False,
+    launch_order: str = "wait_first",
 ):
     """The compiled quantizer for one static configuration (`scale_source`: "tensor", "rescan", "aux";
     `many_rows`: the class for launches of at least `MANY_ELEMENTS` elements; `amax_tiles`: the tile count of
-    `input_amax`, aux only; `decoded`: bf16 values `e2m1 * sf` out instead of codes and scales)."""
+    `input_amax`, aux only; `decoded`: bf16 values `e2m1 * sf` out instead of codes and scales;
+    `launch_order`: `pdl.LAUNCH_ORDERS`)."""
     element = CUTE_DTYPES[dtype]
     rows = cute.sym_int()
     row_stride = cute.sym_int64(divisibility=VECTOR_BYTES * 8 // element.width)
@@ -95,11 +97,14 @@ def compile_quantize(
         amax_shape = (cute.sym_int(), amax_tiles, AUX_AMAX_ROW_GROUP)
         input_amax = make_fake_compact_tensor(element, amax_shape, stride_order=(2, 1, 0))
     valid_rows = make_fake_compact_tensor(cutlass.Int32, (1,)) if has_valid_rows else None
-    kernel = QuantizeSm90(element, k, sf_layout, four_over_six, scale_source, many_rows, amax_tiles, decoded)
+    kernel = QuantizeSm90(
+        element, k, sf_layout, four_over_six, scale_source, many_rows, amax_tiles, decoded, launch_order
+    )
     return compile_kernel(
         kernel, x, global_scale, codes, block_scales, per_token_scale, numerator, input_amax, valid_rows, arch=arch,
         cache_key=(
-            "quantize", dtype, k, sf_layout, four_over_six, scale_source, has_valid_rows, many_rows, amax_tiles, decoded
+            "quantize", dtype, k, sf_layout, four_over_six, scale_source, has_valid_rows, many_rows, amax_tiles, decoded,
+            launch_order,
         ),
     )
 
@@ -203,26 +208,37 @@ def quantize_per_token_into(
     host_launcher.register(kernel, "quantize_per_token", quantize_per_token_rules(x.shape[1], sf_layout))
 
 
-def quantize_decoded(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+def decoded_launch_order(after_plan: bool) -> str:
+    """The launch order (`pdl.LAUNCH_ORDERS`) of the MoE pipeline's quantizers: each releases its
+    successor first; the activation quantizer, launched right after the plan kernel (`after_plan`),
+    runs alongside it and waits only at its end."""
+    return "before_wait" if after_plan else "release_first"
+
+
+def quantize_decoded(x: torch.Tensor, global_scale: torch.Tensor, after_plan: bool = False) -> torch.Tensor:
     """`quantize` (linear scales, no 4-over-6) as the sm90 MoE GEMMs take it: the codes' exact values
     `e2m1 * sf` in bf16 [M, K], what decoding its codes and scales gives (`moe_launch.decoded`), in the
-    same pass as the quantization. The global factor stays out of the values, as in the codes."""
+    same pass as the quantization. The global factor stays out of the values, as in the codes.
+    `after_plan`: the kernel just before it on the stream is the plan kernel, which neither writes `x`
+    or `global_scale` nor reads memory this call writes (`decoded_launch_order`)."""
     values = x.new_empty(x.shape, dtype=torch.bfloat16)
     if x.shape[0]:
         _check_size("x", x)
         kernel = compile_quantize(
-            x.dtype, x.shape[1], "linear", "off", "tensor", False, _many_rows(x), ARCH, decoded=True
+            x.dtype, x.shape[1], "linear", "off", "tensor", False, _many_rows(x), ARCH, decoded=True,
+            launch_order=decoded_launch_order(after_plan),
         )
         kernel(vector_rows(x), global_scale.reshape(1), values, None, None, None, None, None)
     return values
 
 
 def quantize_per_token_decoded(
-    x: torch.Tensor, global_scale_inv: float, input_amax: torch.Tensor | None, input_amax_valid_rows: torch.Tensor | None
+    x: torch.Tensor, global_scale_inv: float, input_amax: torch.Tensor | None, input_amax_valid_rows: torch.Tensor | None,
+    after_plan: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_per_token` (linear scales, no 4-over-6) as the sm90 MoE GEMMs take it: (the codes'
     exact values `e2m1 * sf` in bf16 [M, K], the FP32 per-token scale [M]), in one pass. Rows at or past
-    `input_amax_valid_rows` are not written."""
+    `input_amax_valid_rows` are not written. `after_plan`: as `quantize_decoded`'s."""
     values = x.new_empty(x.shape, dtype=torch.bfloat16)
     per_token_scale = x.new_empty((x.shape[0],), dtype=torch.float32)
     if x.shape[0] == 0:
@@ -231,7 +247,7 @@ def quantize_per_token_decoded(
     scale_source, amax_tiles, input_amax = _per_token_source(input_amax)
     kernel = compile_quantize(
         x.dtype, x.shape[1], "linear", "off", scale_source, input_amax_valid_rows is not None, _many_rows(x), ARCH,
-        amax_tiles, decoded=True,
+        amax_tiles, decoded=True, launch_order=decoded_launch_order(after_plan),
     )
     kernel(
         vector_rows(x), None, values, None, per_token_scale, _per_token_numerator(global_scale_inv), input_amax,
