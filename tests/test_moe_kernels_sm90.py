@@ -357,8 +357,11 @@ def test_w4a4_quantization_stages_run_the_kernels_and_leave_results_unchanged():
             assert_bitwise_equal(run_prepared(p), run_reference(p))
 
 
-def test_cuda_graph_replay_with_fresh_routing_equals_eager():
-    p = make_problem(tokens=24, top_k=4, num_experts=16, hidden=256, intermediate=128, mode="w4a16", device="cuda", seed=13)
+@pytest.mark.parametrize("mode", ["w4a16", *W4A4_MODES])
+def test_cuda_graph_replay_with_fresh_routing_equals_eager(mode):
+    """Also the W4A4 quantizers' launch orders (`pdl.LAUNCH_ORDERS`): in a graph the activation
+    quantizer runs alongside the plan kernel and releases GEMM1 before the plan has finished."""
+    p = make_problem(tokens=24, top_k=4, num_experts=16, hidden=256, intermediate=128, mode=mode, device="cuda", seed=13)
     args = list(prepared_args(p))
     kwargs = p.op_kwargs(weight_layout="sm90", deterministic=True)
     ops.fused_moe(*args, **kwargs)  # compile and warm up before capture
