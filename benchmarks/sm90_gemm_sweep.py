@@ -52,10 +52,12 @@ def ctas_per_sm_choices(tile_rows: int) -> tuple[int, ...]:
 
 
 def features_choices(default: moe_launch.GemmShape) -> tuple[int, ...]:
-    """Features per CTA to try: 64 and 128, and for decode tiles (`moe_launch.WIDE_DECODE_TILE_ROWS`)
-    of weights whose rows divide into them, 256 (one CTA of four consumer groups per SM)."""
-    wide = default.tile_rows <= moe_launch.WIDE_DECODE_TILE_ROWS and default.prepared_rows % 256 == 0
-    return (64, 128, 256) if wide else (64, 128)
+    """Features per CTA to try: 64 and 128, and for weights whose rows divide into them 256: one CTA of
+    four consumer groups per SM for decode tiles (`moe_launch.WIDE_DECODE_TILE_ROWS`), two groups of two
+    weight blocks for prefill tiles (`moe_launch.WIDE_PREFILL_TILE_ROWS`)."""
+    rows = default.tile_rows
+    wide = rows <= moe_launch.WIDE_DECODE_TILE_ROWS or rows in moe_launch.WIDE_PREFILL_TILE_ROWS
+    return (64, 128, 256) if wide and default.prepared_rows % 256 == 0 else (64, 128)
 
 
 def configurations(default: moe_launch.GemmShape, default_k_splits: int | None = None) -> list[tuple]:

@@ -287,15 +287,20 @@ def test_skewed_routing_all_tokens_on_one_expert_and_every_expert_once():
     assert_moe_close(run_prepared(q), loop_reference(q))
 
 
-@pytest.mark.parametrize("tile_m", [128, 192])
-def test_every_k_loop_variant_of_a_large_tile_matches_the_reference(tile_m):
+@pytest.mark.parametrize(("tile_m", "wide"), [(128, False), (192, False), (64, True), (128, True)])
+def test_every_k_loop_variant_of_a_large_tile_matches_the_reference(tile_m, wide, monkeypatch):
     """Experts whose pair counts end their last tile in each variant of the k loop (`moe_gemm.variant_rows`:
     at, just below and just above each width; an expert of two tiles), through the stage functions on
-    a plan of `tile_m`-row tiles, against the reference stages on the same plan."""
+    a plan of `tile_m`-row tiles, against the reference stages on the same plan. `wide`: 256 features per
+    CTA (two weight blocks per consumer, `moe_launch.WIDE_PREFILL_TILE_ROWS`) on a GPU taken for one SM,
+    so that these small GEMMs' items fill it; else the real GPU's, where they take 64."""
     from fp4moe.kernels.sm90 import moe_gemm, moe_launch
     from fp4moe.reference import moe as reference
 
-    widths = moe_gemm.variant_rows(tile_m, moe_launch.row_granule(tile_m))
+    features = 256 if wide else 64
+    if wide:
+        monkeypatch.setattr(moe_launch, "sm_count", lambda device_index: 1)
+    widths = moe_gemm.variant_rows(tile_m, moe_launch.row_granule(tile_m, features))
     counts = sorted({1, widths[0] - 1, tile_m + 1} | {w for w in widths} | {w + 1 for w in widths[:-1]})
     experts = len(counts)
     p = make_problem(tokens=sum(counts), top_k=1, num_experts=experts, hidden=256, intermediate=128, mode="w4a16",
@@ -305,6 +310,8 @@ def test_every_k_loop_variant_of_a_large_tile_matches_the_reference(tile_m):
     w = p.weights.prepared()
     w1_alpha, w2_alpha = p.alphas
     permuted_to_pair, _, tile_expert, _, _ = ops.moe_plan(p.topk_ids, experts, 0, tile_m)
+    for weights in (w.w1, w.w2):
+        assert moe_launch.plan_gemm_shape(weights, permuted_to_pair, tile_expert, sum(counts)).tile_features == features
     gemm1 = (None, None, permuted_to_pair, tile_expert, w.w1, w.w1_scales, w1_alpha, "sm90", 1, "swiglu", None, None,
              None, None, None, 0)
     got = moe_launch.gemm1(p.x, *gemm1)[0]
@@ -317,6 +324,26 @@ def test_every_k_loop_variant_of_a_large_tile_matches_the_reference(tile_m):
     got2 = moe_launch.gemm2(inter, *gemm2, torch.zeros(sum(counts), 256, device="cuda"))
     want2 = reference.gemm2(inter, *gemm2, torch.zeros(sum(counts), 256, device="cuda"))
     assert_moe_close(got2.to(torch.bfloat16), want2.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("mode", ["w4a16", *W4A4_MODES])
+@pytest.mark.parametrize("tokens", [100, 200])
+def test_two_weight_blocks_per_consumer_match_the_reference_pipeline(mode, tokens, monkeypatch):
+    """256-feature CTAs of 64- and 128-row tiles (`moe_launch.WIDE_PREFILL_TILE_ROWS`) in every mode: each
+    consumer warpgroup's two weight blocks through every epilogue (SwiGLU's NVFP4 exchange, the aux-amax
+    handoff at T >= 4, per-token scales), on a GPU taken for one SM so that the items fill it."""
+    from fp4moe.kernels.sm90 import moe_launch
+
+    monkeypatch.setattr(moe_launch, "sm_count", lambda device_index: 1)
+    p = make_problem(tokens=tokens, hidden=512, intermediate=256, num_experts=8, top_k=2, mode=mode, device="cuda",
+                     seed=60 + tokens)
+    tile = dispatch.moe_tile_m(tokens, 2, 8)
+    assert tile in moe_launch.WIDE_PREFILL_TILE_ROWS
+    w = p.weights.prepared()
+    expected = moe_launch.expected_tiles(tokens * 2, 8, tile)
+    for weights in (w.w1, w.w2):
+        assert moe_launch.GemmShape(weights.shape, tile, expected, 1).tile_features == 256
+    assert_moe_close(run_prepared(p), run_reference(p))
 
 
 def test_linear_weights_are_prepared_on_the_fly_with_a_warning():

@@ -136,12 +136,29 @@ def producer_registers(tile_rows: int) -> int:
     return LOADS_AHEAD_PRODUCER_REGISTERS if tile_rows <= LOADS_AHEAD_TILE_ROWS else PRODUCER_REGISTERS
 
 
+WIDE_CONSUMER_FEATURES = 256
+"""CTAs of this many features over tiles of more than `LOADS_AHEAD_TILE_ROWS` rows (prefill) have two
+consumer warpgroups of two 64-row weight blocks each (`blocks_per_consumer`): four groups of one would
+leave each 104 registers, too few for a 128-row accumulator with its `wgmma`s in flight (ptxas
+serializes them). Twice the features per activation tile halves the activation rows each FLOP reads
+out of L2, where a 128-feature CTA's producer is bound by that traffic."""
+
+
+def blocks_per_consumer(tile_features: int, tile_rows: int) -> int:
+    """64-row weight blocks per consumer warpgroup (`WIDE_CONSUMER_FEATURES`)."""
+    return 2 if tile_features == WIDE_CONSUMER_FEATURES and tile_rows > LOADS_AHEAD_TILE_ROWS else 1
+
+
+def consumer_warpgroups(tile_features: int, tile_rows: int) -> int:
+    return tile_features // weight_layout.ROW_BLOCK // blocks_per_consumer(tile_features, tile_rows)
+
+
 def consumer_registers(tile_features: int, tile_rows: int, ctas_per_sm: int) -> int:
     """Registers per consumer thread (`setmaxnreg.inc`): the CTA's share of the register file is what
     ptxas gives every thread at entry (`65536 / (CTAs x threads)`, down to a multiple of 8), and the
     consumers may take only what the producer warpgroup's decrease returns to it — asking for more
     than the pool holds never completes."""
-    threads = WARPGROUP_THREADS * (1 + tile_features // 64)
+    threads = WARPGROUP_THREADS * (1 + consumer_warpgroups(tile_features, tile_rows))
     entry = min(MAX_REGISTERS, 65536 // (ctas_per_sm * threads) // 8 * 8)
     pool = threads * entry - WARPGROUP_THREADS * producer_registers(tile_rows)
     return min(MAX_CONSUMER_REGISTERS, pool // (threads - WARPGROUP_THREADS) // 8 * 8)
@@ -164,7 +181,7 @@ class MoEGemmSm90:
     load, so the real tile count lives on the device only. The pipeline runs across a CTA's items: the
     producer fills the next item's first stages while the consumers finish the previous one.
 
-    Warp roles (`1 + tile_features / 64` warpgroups):
+    Warp roles (one producer warpgroup and `consumer_warpgroups` consumers):
 
     - warpgroup 0 — producer. Per k tile and stage: all four warps wait for the stage to be free
       (`empty`); thread 0 issues one 1-D bulk copy per 64-row block for the prepared weight codes and
@@ -175,18 +192,19 @@ class MoEGemmSm90:
       (`cp.async.mbarrier.arrive.noinc`, one per thread). A thread's rows, their source offsets and
       their places in a stage are fixed for the whole item, so a copy costs a few integer operations
       and the instruction (no dependent shared-memory lookup per copy).
-    - warpgroups 1.. — consumers, one 64-row block of features each. Per k tile: wait on `full`, load
-      the thread's code words (16 bytes per 64 K) and scales (8 bytes) from shared memory, decode them
-      into the A fragment (`gemm_device`), `wgmma` RS against the B tile, commit; wait for the previous
-      k tile's `wgmma` and release its stage (`empty`, one arrival per thread). Tiles of up to
-      `LOADS_AHEAD_TILE_ROWS` rows load the next k tile's words before this one's `wgmma`s instead of
-      after its wait on `full`, so the decode never waits for shared memory. A fragments alternate
-      between two register sets (k tiles unrolled by two) so decoding tile k + 1 overlaps the
-      tensor-core work of tile k. An item's MMAs cover its rows up to the last `row_granule` rows that
-      hold a pair, as one `wgmma` of that many rows per 16 K (`used_row_granules`, `mainloop`): the
-      rows of one accumulator, of which a partly filled tile computes a prefix. One wide `wgmma` keeps
-      the tensor core busier than several narrow ones over the same rows. Decode tiles issue their
-      `wgmma`s as inline PTX with 64-bit descriptors (`INLINE_WGMMA_TILE_ROWS`).
+    - warpgroups 1.. — consumers, one 64-row block of features each, or two (`blocks_per_consumer`). Per k
+      tile: wait on `full`, load the thread's code words (16 bytes per 64 K) and scales (8 bytes) from
+      shared memory, decode them into the A fragment (`gemm_device`), `wgmma` RS against the B tile, commit;
+      wait for the previous k tile's `wgmma` and release its stage (`empty`, one arrival per thread). Tiles
+      of up to `LOADS_AHEAD_TILE_ROWS` rows load the next k tile's words before this one's `wgmma`s instead
+      of after its wait on `full`, so the decode never waits for shared memory. A fragments alternate
+      between two register sets (k tiles unrolled by two) so decoding tile k + 1 overlaps the tensor-core
+      work of tile k; with two blocks per consumer, each block's decode overlaps the other block's `wgmma`s
+      instead (`mainloop_two_blocks`). An item's MMAs cover its rows up to the last `row_granule` rows that
+      hold a pair, as one `wgmma` of that many rows per 16 K (`used_row_granules`, `mainloop`): the rows of
+      one accumulator, of which a partly filled tile computes a prefix. One wide `wgmma` keeps the tensor
+      core busier than several narrow ones over the same rows. Decode tiles issue their `wgmma`s as inline
+      PTX with 64-bit descriptors (`INLINE_WGMMA_TILE_ROWS`).
 
     Epilogue (consumers, straight from the accumulators): the FP32 accumulator times
     `alpha[e] * 2^8` (the decode's `2^-8`, `gemm_device`), then per `epilogue`.
@@ -270,8 +288,10 @@ class MoEGemmSm90:
         self.up_alpha = up_alpha
         self.output_scaled = output_scaled
         self.out_type = Float32 if float32_out or epilogue != "gemm1" else BFloat16
-        self.consumer_groups = tile_features // weight_layout.ROW_BLOCK
-        self.feature_blocks = self.row_blocks // self.consumer_groups
+        self.cta_row_blocks = tile_features // weight_layout.ROW_BLOCK
+        self.blocks_per_consumer = blocks_per_consumer(tile_features, tile_rows)
+        self.consumer_groups = consumer_warpgroups(tile_features, tile_rows)
+        self.feature_blocks = self.row_blocks // self.cta_row_blocks
         self.threads = WARPGROUP_THREADS * (1 + self.consumer_groups)
         self.staged_rows = tile_rows > EARLY_ROWS_TILE_ROWS
         staged = 2 * tile_rows if self.staged_rows else 1
@@ -315,8 +335,8 @@ class MoEGemmSm90:
         class SharedStorage:
             full: cute.struct.MemRange[Int64, self.stages]
             empty: cute.struct.MemRange[Int64, self.stages]
-            codes: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.stages * self.consumer_groups * self.code_bytes], 128]
-            scales: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.stages * self.consumer_groups * self.scale_bytes], 128]
+            codes: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.stages * self.cta_row_blocks * self.code_bytes], 128]
+            scales: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.stages * self.cta_row_blocks * self.scale_bytes], 128]
             act: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
             rows_full: cute.struct.MemRange[Int64, 2]
             rows_empty: cute.struct.MemRange[Int64, 2]
@@ -404,7 +424,7 @@ class MoEGemmSm90:
                 tile, feature_block, k_first = self.item_place(item)
                 expert = self.tile_expert(mTileExpert, tile)
                 if expert >= 0:
-                    for g in cutlass.range_constexpr(self.consumer_groups):
+                    for g in cutlass.range_constexpr(self.cta_row_blocks):
                         tile_index = self.weight_tile(self.weight_block(expert, feature_block) + g, k_first)
                         dev.prefetch_to_l2(
                             mCodes.iterator.toint() + tile_index * weight_layout.CODE_BYTES, k_tiles * self.code_bytes
@@ -415,10 +435,10 @@ class MoEGemmSm90:
                         )
 
     def weight_block(self, expert, feature_block):
-        """The prepared weights' 64-row block (counted over all experts) of the first consumer group of
-        `feature_block` of `expert`; group `g`'s is `g` further. Plain Python, run while the kernel is
+        """The prepared weights' 64-row block (counted over all experts) that starts `feature_block` of
+        `expert`; the CTA's block `g` is `g` further. Plain Python, run while the kernel is
         traced."""
-        return expert * self.row_blocks + feature_block * self.consumer_groups
+        return expert * self.row_blocks + feature_block * self.cta_row_blocks
 
     def weight_tile(self, block, k_tile):
         """The index of the prepared weights' 64 K tile that starts k tile `k_tile` of 64-row block
@@ -604,11 +624,11 @@ class MoEGemmSm90:
             if thread == 0:
                 barrier = (full + stage).toint()
                 cute.arch.mbarrier_arrive_and_expect_tx(
-                    full + stage, self.consumer_groups * (self.code_bytes + self.scale_bytes)
+                    full + stage, self.cta_row_blocks * (self.code_bytes + self.scale_bytes)
                 )
-                for g in cutlass.range_constexpr(self.consumer_groups):
+                for g in cutlass.range_constexpr(self.cta_row_blocks):
                     tile_index = self.weight_tile(first_block + g, k_first + k)
-                    smem_slot = stage * self.consumer_groups + g
+                    smem_slot = stage * self.cta_row_blocks + g
                     dev.bulk_copy_to_shared(
                         codes_smem + smem_slot * self.code_bytes,
                         codes_gmem + tile_index * weight_layout.CODE_BYTES,
@@ -662,9 +682,18 @@ class MoEGemmSm90:
         else:
             act_smem = storage.act.get_tensor(b_layout.outer, swizzle=b_layout.inner)
             b_operand = tiled_mma.make_fragment_B(thr_mma.partition_B(act_smem))
+        # Per weight block of the group (`blocks_per_consumer`) an accumulator and an A fragment, in
+        # each of two register sets (alternate k tiles) for one block, in one set for two (their
+        # decodes alternate with each other's `wgmma`s instead: `mainloop_two_blocks`).
         fragment_shape = tiled_mma.partition_shape_A((weight_layout.ROW_BLOCK, self.tile_k))
-        fragments = [tiled_mma.make_fragment_A(fragment_shape) for _ in range(2)]
-        acc = thr_mma.make_fragment_C(thr_mma.partition_shape_C((weight_layout.ROW_BLOCK, self.tile_rows)))
+        fragments = [
+            [tiled_mma.make_fragment_A(fragment_shape) for _ in range(self.blocks_per_consumer)]
+            for _ in range(3 - self.blocks_per_consumer)
+        ]
+        accs = [
+            thr_mma.make_fragment_C(thr_mma.partition_shape_C((weight_layout.ROW_BLOCK, self.tile_rows)))
+            for _ in range(self.blocks_per_consumer)
+        ]
         # Variant v computes the first v granules of rows: the accumulator's registers are ordered by
         # 8-row groups, so its rows are a prefix of the whole tile's accumulator.
         variants = {}
@@ -672,10 +701,11 @@ class MoEGemmSm90:
             variant_mma = self.tiled_mma(v * self.row_granule)
             variant_mma.set(warpgroup.Field.ACCUMULATE, True)
             variant_shape = variant_mma.get_slice(thread).partition_shape_C((weight_layout.ROW_BLOCK, v * self.row_granule))
-            variants[v] = (variant_mma, cute.make_tensor(acc.iterator, cute.make_layout(variant_shape)))
+            variants[v] = (variant_mma, [cute.make_tensor(acc.iterator, cute.make_layout(variant_shape)) for acc in accs])
         coordinates = thr_mma.partition_C(cute.make_identity_tensor((weight_layout.ROW_BLOCK, self.tile_rows)))
-        codes_smem = storage.codes.data_ptr().toint() + group * self.code_bytes + thread * 16
-        scales_smem = storage.scales.data_ptr().toint() + group * self.scale_bytes + (thread // 4) * 8
+        first_block = group * self.blocks_per_consumer  # the group's first weight block in the CTA
+        codes_smem = storage.codes.data_ptr().toint() + first_block * self.code_bytes + thread * 16
+        scales_smem = storage.scales.data_ptr().toint() + first_block * self.scale_bytes + (thread // 4) * 8
 
         iteration = Int32(0)  # k tiles this CTA has consumed so far (the producer's count)
         first, end, step = self.item_bounds(mTileExpert)
@@ -698,7 +728,8 @@ class MoEGemmSm90:
                     early_rows = self.chunk_rows(
                         coordinates, tile * self.tile_rows, 0, row_factors, mPermutedToPair, num_pairs
                     )
-                acc.fill(0.0)
+                for acc in accs:
+                    acc.fill(0.0)
                 if const_expr(self.first_variant == self.row_variants):
                     self.mainloop(
                         variants[self.row_variants], iteration, fragments, b_operand, full, empty, codes_smem, scales_smem
@@ -714,10 +745,11 @@ class MoEGemmSm90:
                 cute.arch.mbarrier_arrive(empty + (iteration - 1) % self.stages)
                 if const_expr(self.staged_rows):
                     alpha = self.item_alpha(mAlpha, expert)
-                self.finish(
-                    acc, coordinates, alpha, item_factors, mPermutedToPair, num_pairs, outputs, tile, feature_block,
-                    expert, group, early_rows,
-                )
+                for j in cutlass.range_constexpr(self.blocks_per_consumer):
+                    self.finish(
+                        accs[j], coordinates, alpha, item_factors, mPermutedToPair, num_pairs, outputs, tile,
+                        feature_block, expert, group, first_block + j, early_rows,
+                    )
                 if const_expr(self.staged_rows):
                     cute.arch.mbarrier_arrive(storage.rows_empty.data_ptr() + item_number % 2)
 
@@ -750,6 +782,41 @@ class MoEGemmSm90:
 
     @cute.jit
     def mainloop(self, variant, iteration, fragments, b_operand, full, empty, codes_smem, scales_smem):
+        if const_expr(self.blocks_per_consumer == 2):
+            self.mainloop_two_blocks(variant, iteration, fragments[0], b_operand, full, empty, codes_smem, scales_smem)
+        else:
+            self.mainloop_one_block(variant, iteration, fragments, b_operand, full, empty, codes_smem, scales_smem)
+
+    @cute.jit
+    def mainloop_two_blocks(self, variant, iteration, fragments, b_operand, full, empty, codes_smem, scales_smem):
+        """`mainloop` for two weight blocks per consumer, one A fragment each: per k tile, decode block
+        0, issue its `wgmma`s, wait for block 1's of the previous k tile (then that tile's stage is
+        free), decode block 1 into its fragment, issue its `wgmma`s, wait for block 0's. One group of
+        `wgmma`s stays in flight while the other block decodes, with half the fragment registers of
+        two sets per block (which leave ptxas too few to keep the `wgmma`s of several row variants in
+        flight)."""
+        variant_mma, accs = variant
+        stage, phase = self.stage_and_phase(iteration)
+        previous = self.previous_stage(stage)
+        for k in cutlass.range(self.k_iterations, unroll=1):
+            cute.arch.mbarrier_wait(full + stage, phase)
+            words = self.load_words(codes_smem, scales_smem, stage)
+            for j in cutlass.range_constexpr(2):
+                self.decode_block(fragments[j], words[j])
+                warpgroup.fence()
+                for b in cutlass.range_constexpr(self.k16_per_tile):
+                    cute.gemm(variant_mma, accs[j], fragments[j][None, None, b], b_operand[None, None, b, stage], accs[j])
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)
+                if const_expr(j == 0):
+                    if k > 0:
+                        cute.arch.mbarrier_arrive(empty + previous)
+            previous = stage
+            stage, phase = self.next_stage(stage, phase)
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def mainloop_one_block(self, variant, iteration, fragments, b_operand, full, empty, codes_smem, scales_smem):
         """The k loop of one item with one `variant` (its `wgmma` and the accumulator prefix it
         computes), to the completion of its last `wgmma`. The variant is static and no `wgmma` is in
         flight where the variants' branches meet: ptxas serializes every `wgmma` otherwise.
@@ -861,8 +928,10 @@ class MoEGemmSm90:
         With `inline_wgmma`, inline PTX whose descriptors are one 64-bit base per k tile plus an
         immediate per `wgmma`."""
         warpgroup.fence()
-        variant_mma, acc = variant
+        variant_mma, accs = variant
         if const_expr(self.inline_wgmma):
+            acc = accs[0]  # decode tiles: one block per group
+            fragment = fragment[0]
             low, high, stage_units, k_units = b_operand
             stage_descriptor = dev.pack_descriptor(low + Uint32(stage) * Uint32(stage_units), high)
             fragment_words = cute.recast_tensor(fragment, Uint32)
@@ -880,27 +949,38 @@ class MoEGemmSm90:
                     acc[i] = values[i]
         else:
             for b in cutlass.range_constexpr(self.k16_per_tile):
-                cute.gemm(variant_mma, acc, fragment[None, None, b], b_operand[None, None, b, stage], acc)
+                for j in cutlass.range_constexpr(self.blocks_per_consumer):
+                    cute.gemm(variant_mma, accs[j], fragment[j][None, None, b], b_operand[None, None, b, stage], accs[j])
         warpgroup.commit_group()
 
     def load_words(self, codes_smem, scales_smem, stage):
         """The thread's code words and scale words of one k tile, from pipeline `stage` in shared
         memory: per 64 K, four code words (16 bytes) and two scale words. Plain Python, run while the
         kernel is traced."""
-        codes_address = codes_smem + stage * (self.consumer_groups * self.code_bytes)
-        scales_address = scales_smem + stage * (self.consumer_groups * self.scale_bytes)
+        codes_address = codes_smem + stage * (self.cta_row_blocks * self.code_bytes)
+        scales_address = scales_smem + stage * (self.cta_row_blocks * self.scale_bytes)
         return [
-            (
-                dev.load_shared_v4(codes_address + kk * weight_layout.CODE_BYTES),
-                dev.load_shared_v2(scales_address + kk * weight_layout.SCALE_BYTES),
-            )
-            for kk in range(self.k64_per_tile)
+            [
+                (
+                    dev.load_shared_v4(codes_address + j * self.code_bytes + kk * weight_layout.CODE_BYTES),
+                    dev.load_shared_v2(scales_address + j * self.scale_bytes + kk * weight_layout.SCALE_BYTES),
+                )
+                for kk in range(self.k64_per_tile)
+            ]
+            for j in range(self.blocks_per_consumer)
         ]
 
     @cute.jit
-    def decode_words(self, fragment, words):
-        """The thread's A fragment of one k tile from its code and scale words (`load_words`): code word
-        `b` of each 64 K gives the four bf16 pairs of k16 step `b` (`word_pairs`)."""
+    def decode_words(self, fragments, words):
+        """The thread's A fragment of one k tile for each of its weight blocks, from its code and scale
+        words (`load_words`): code word `b` of each 64 K gives the four bf16 pairs of k16 step `b`
+        (`word_pairs`)."""
+        for j in cutlass.range_constexpr(self.blocks_per_consumer):
+            self.decode_block(fragments[j], words[j])
+
+    @cute.jit
+    def decode_block(self, fragment, words):
+        """One weight block's A fragment of a k tile from its words (`load_words`' entry of the block)."""
         fragment_words = cute.recast_tensor(fragment, Uint32)
         for kk in cutlass.range_constexpr(self.k64_per_tile):
             codes, scales = words[kk]
@@ -933,11 +1013,12 @@ class MoEGemmSm90:
     @cute.jit
     def finish(
         self, acc, coordinates, alpha, row_factors, mPermutedToPair, num_pairs, outputs, tile, feature_block, expert,
-        group, early_rows,
+        group, cta_block, early_rows,
     ):
-        """The epilogue of one item; `alpha`: `item_alpha`'s; `early_rows`: its rows (`chunk_rows`),
-        when they were loaded before the MMAs."""
-        block = feature_block * self.consumer_groups + group
+        """The epilogue of one item's weight block `cta_block` of the CTA (of consumer `group`);
+        `alpha`: `item_alpha`'s; `early_rows`: its rows (`chunk_rows`), when they were loaded before the
+        MMAs."""
+        block = feature_block * self.cta_row_blocks + cta_block
         first_row = tile * self.tile_rows
         if const_expr(self.epilogue == "gemm1" and self.nvfp4_out):
             self.finish_gemm1_nvfp4(

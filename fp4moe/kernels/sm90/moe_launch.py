@@ -39,7 +39,13 @@ from fp4moe import weight_layout
 from fp4moe.kernels.sm90.arguments import VECTOR_BYTES, compact_copy, standard_strides, vector_rows
 from fp4moe.kernels.sm90.compiler import compile_function, compile_kernel
 from fp4moe.kernels.sm90.moe_finalize import VECTOR, MoEFinalizeSm90
-from fp4moe.kernels.sm90.moe_gemm import AUX_AMAX_COLUMNS, EPILOGUE_ROWS, MoEGemmSm90, pipeline_stages
+from fp4moe.kernels.sm90.moe_gemm import (
+    AUX_AMAX_COLUMNS,
+    EPILOGUE_ROWS,
+    MoEGemmSm90,
+    blocks_per_consumer,
+    pipeline_stages,
+)
 from fp4moe.kernels.sm90.moe_plan import MAX_EXPERTS, PLAN_THREADS, ZERO_VECTOR, MoEPlanSm90
 from fp4moe.kernels.sm90.nvfp4_decode import NVFP4DecodeSm90
 from fp4moe.op_outputs import moe_plan_outputs
@@ -71,9 +77,14 @@ items (256 in two slices of K: two waves 97% full) instead of 224 (two waves 85%
 per consumer thread its k tiles are 64 K: with 128 K ptxas serializes the `wgmma`s."""
 TWO_CTA_TILE_ROWS = 32
 """Plan tiles of at most this many rows run two CTAs per SM (small accumulators, few registers)."""
+WIDE_PREFILL_TILE_ROWS = (64, 128)
+"""Plan tiles of these rows take `moe_gemm.WIDE_CONSUMER_FEATURES` (256) features per CTA, in two
+consumer warpgroups of two weight blocks each, where their items fill the SMs: each activation row a
+CTA reads out of L2 then serves twice the features. A 192-row tile would need 192 accumulator
+registers per consumer thread; it keeps 128 features."""
 
 
-def row_granule(tile_rows: int) -> int:
+def row_granule(tile_rows: int, tile_features: int = 128) -> int:
     """Rows of the steps in which an item's MMAs cover its tile. The plan tile is sized with rows to
     spare (`fp4moe.dispatch.moe_tile_m`), so the last tile of an expert is partly filled; its MMAs
     cover its rows up to the last granule that holds a pair, and its spare rows cost no tensor-core
@@ -81,10 +92,14 @@ def row_granule(tile_rows: int) -> int:
     `TWO_CTA_TILE_ROWS` rows (decode, bound by the weight stream) have one, because two CTAs per SM
     leave too few registers for a second variant without serializing the `wgmma`s; larger tiles have 4
     to 6: 64-row tiles every 16 rows, 128-row tiles every 16 rows from 48, 192-row tiles every 32 from
-    64 (`moe_gemm.variant_rows`)."""
+    64 (`moe_gemm.variant_rows`). 128-row tiles of two weight blocks per consumer
+    (`WIDE_PREFILL_TILE_ROWS`) step by 32 rows from 64: with 16-row steps ptxas serializes their
+    `wgmma`s."""
     if tile_rows <= TWO_CTA_TILE_ROWS:
         return tile_rows
-    return 16 if tile_rows <= 128 else 32
+    if tile_rows > 128 or (tile_rows == 128 and blocks_per_consumer(tile_features, tile_rows) == 2):
+        return 32
+    return 16
 
 
 def _i32(*shape):
@@ -151,7 +166,6 @@ class GemmShape:
         self.prepared_k = k_tiles * weight_layout.K_TILE
         self.tile_rows = tile_rows
         self.expected_tiles = expected_tiles
-        self.row_granule = row_granule(tile_rows)
         self.ctas_per_sm = 2 if tile_rows <= TWO_CTA_TILE_ROWS else 1
         # 128 features per CTA (more bytes per barrier and per activation tile) unless that leaves SMs idle.
         self.tile_features = 128 if (row_blocks // 2) * expected_tiles >= sms else 64
@@ -160,10 +174,14 @@ class GemmShape:
             # One CTA of four consumer groups per SM: half the producers of two CTAs of two, each
             # activation tile shared by four groups, and 112 registers per consumer instead of 104.
             self.tile_features, self.ctas_per_sm = 256, 1
+        if tile_rows in WIDE_PREFILL_TILE_ROWS and row_blocks % 4 == 0 and wide_items >= sms:
+            self.tile_features = 256
+        self.row_granule = row_granule(tile_rows, self.tile_features)
         # Tiles of more than 64 rows take 64 K per k tile: a 192-row activation tile at 128 K would leave
         # room for four stages only, and ptxas keeps the `wgmma`s of a 128-row tile's six variants in
-        # flight only at 64 K (`moe_gemm.variant_rows`).
-        self.tile_k = 64 if tile_rows > 64 else 128
+        # flight only at 64 K (`moe_gemm.variant_rows`); so do two weight blocks per consumer.
+        two_blocks = blocks_per_consumer(self.tile_features, tile_rows) == 2
+        self.tile_k = 64 if tile_rows > 64 or two_blocks else 128
         if seven_groups:
             self.tile_features, self.ctas_per_sm, self.tile_k = SEVEN_GROUP_FEATURES, 1, 64
         self.stages = pipeline_stages(self.tile_features, tile_rows, self.tile_k, self.ctas_per_sm)
