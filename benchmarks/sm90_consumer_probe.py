@@ -65,27 +65,31 @@ class NoMma(MoEGemmSm90):
     """The decode kept alive by folding its words into the accumulator; no `wgmma`."""
 
     @cute.jit
-    def issue_mmas(self, variant, fragment, tCrB, stage):
-        _, acc = variant
-        words = cute.recast_tensor(fragment, Uint32)
-        folded = Uint32(0)
-        for i in cutlass.range_constexpr(cute.size(words)):
-            folded = folded ^ words[i]
-        acc[0] = acc[0] + folded.to(cutlass.Float32)
+    def issue_mmas(self, variant, fragments, tCrB, stage, blocks=None):
+        _, accs = variant
+        for j in self.issued_blocks(blocks):
+            words = cute.recast_tensor(fragments[j], Uint32)
+            folded = Uint32(0)
+            for i in cutlass.range_constexpr(cute.size(words)):
+                folded = folded ^ words[i]
+            accs[j][0] = accs[j][0] + folded.to(cutlass.Float32)
 
 
 class BarriersOnly(MoEGemmSm90):
     """The consumers wait for each stage and release it: nothing else."""
 
     def load_words(self, codes_smem, scales_smem, stage):
-        return [((Uint32(0),) * 4, (Uint32(0),) * 2) for _ in range(self.k64_per_tile)]
+        return [
+            [((Uint32(0),) * 4, (Uint32(0),) * 2) for _ in range(self.k64_per_tile)]
+            for _ in range(self.blocks_per_consumer)
+        ]
 
     @cute.jit
-    def decode_words(self, fragment, words):
+    def decode_block(self, fragment, words):
         pass
 
     @cute.jit
-    def issue_mmas(self, variant, fragment, tCrB, stage):
+    def issue_mmas(self, variant, fragments, tCrB, stage, blocks=None):
         pass
 
 

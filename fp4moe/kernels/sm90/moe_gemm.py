@@ -795,7 +795,6 @@ class MoEGemmSm90:
         `wgmma`s stays in flight while the other block decodes, with half the fragment registers of
         two sets per block (which leave ptxas too few to keep the `wgmma`s of several row variants in
         flight)."""
-        variant_mma, accs = variant
         stage, phase = self.stage_and_phase(iteration)
         previous = self.previous_stage(stage)
         for k in cutlass.range(self.k_iterations, unroll=1):
@@ -803,10 +802,7 @@ class MoEGemmSm90:
             words = self.load_words(codes_smem, scales_smem, stage)
             for j in cutlass.range_constexpr(2):
                 self.decode_block(fragments[j], words[j])
-                warpgroup.fence()
-                for b in cutlass.range_constexpr(self.k16_per_tile):
-                    cute.gemm(variant_mma, accs[j], fragments[j][None, None, b], b_operand[None, None, b, stage], accs[j])
-                warpgroup.commit_group()
+                self.issue_mmas(variant, fragments, b_operand, stage, (j,))
                 warpgroup.wait_group(1)
                 if const_expr(j == 0):
                     if k > 0:
@@ -923,15 +919,15 @@ class MoEGemmSm90:
         return Uint32(low), high, stage_units, k_units
 
     @cute.jit
-    def issue_mmas(self, variant, fragment, b_operand, stage):
-        """The k tile's `wgmma`s (one per 16 K) against the B tile of `stage`, committed as one group.
-        With `inline_wgmma`, inline PTX whose descriptors are one 64-bit base per k tile plus an
-        immediate per `wgmma`."""
+    def issue_mmas(self, variant, fragments, b_operand, stage, blocks=None):
+        """The k tile's `wgmma`s (one per 16 K and weight block; of `blocks` only, where given) against
+        the B tile of `stage`, committed as one group. With `inline_wgmma`, inline PTX whose
+        descriptors are one 64-bit base per k tile plus an immediate per `wgmma`."""
         warpgroup.fence()
         variant_mma, accs = variant
         if const_expr(self.inline_wgmma):
             acc = accs[0]  # decode tiles: one block per group
-            fragment = fragment[0]
+            fragment = fragments[0]
             low, high, stage_units, k_units = b_operand
             stage_descriptor = dev.pack_descriptor(low + Uint32(stage) * Uint32(stage_units), high)
             fragment_words = cute.recast_tensor(fragment, Uint32)
@@ -949,9 +945,14 @@ class MoEGemmSm90:
                     acc[i] = values[i]
         else:
             for b in cutlass.range_constexpr(self.k16_per_tile):
-                for j in cutlass.range_constexpr(self.blocks_per_consumer):
-                    cute.gemm(variant_mma, accs[j], fragment[j][None, None, b], b_operand[None, None, b, stage], accs[j])
+                for j in self.issued_blocks(blocks):
+                    cute.gemm(variant_mma, accs[j], fragments[j][None, None, b], b_operand[None, None, b, stage], accs[j])
         warpgroup.commit_group()
+
+    def issued_blocks(self, blocks):
+        """The weight blocks whose `wgmma`s `issue_mmas` issues: `blocks`, or all the group's (a tuple:
+        the loop over it unrolls while the kernel is traced)."""
+        return tuple(range(self.blocks_per_consumer)) if blocks is None else blocks
 
     def load_words(self, codes_smem, scales_smem, stage):
         """The thread's code words and scale words of one k tile, from pipeline `stage` in shared
