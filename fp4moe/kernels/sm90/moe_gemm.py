@@ -141,7 +141,8 @@ WIDE_CONSUMER_FEATURES = 256
 consumer warpgroups of two 64-row weight blocks each (`blocks_per_consumer`): four groups of one would
 leave each 104 registers, too few for a 128-row accumulator with its `wgmma`s in flight (ptxas
 serializes them). Twice the features per activation tile halves the activation rows each FLOP reads
-out of L2, where a 128-feature CTA's producer is bound by that traffic."""
+out of L2: at prefill sizes that traffic takes most of a call's time even with the decode and the
+`wgmma`s removed (`benchmarks.sm90_consumer_probe`'s barriers_only variant, runs log)."""
 
 
 def blocks_per_consumer(tile_features: int, tile_rows: int) -> int:
@@ -686,9 +687,10 @@ class MoEGemmSm90:
         # each of two register sets (alternate k tiles) for one block, in one set for two (their
         # decodes alternate with each other's `wgmma`s instead: `mainloop_two_blocks`).
         fragment_shape = tiled_mma.partition_shape_A((weight_layout.ROW_BLOCK, self.tile_k))
+        register_sets = 1 if self.blocks_per_consumer == 2 else 2
         fragments = [
             [tiled_mma.make_fragment_A(fragment_shape) for _ in range(self.blocks_per_consumer)]
-            for _ in range(3 - self.blocks_per_consumer)
+            for _ in range(register_sets)
         ]
         accs = [
             thr_mma.make_fragment_C(thr_mma.partition_shape_C((weight_layout.ROW_BLOCK, self.tile_rows)))
