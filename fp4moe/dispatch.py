@@ -99,6 +99,15 @@ def kernel_module(family: str, backend: str):
 MOE_TILE_M_CHOICES = (8, 16, 32, 64, 128, 192)
 """Rows per plan tile. Each expert's segment is padded to a whole tile, so the tile follows the
 expected rows per expert: small for decode (little padding), up to 192 for prefill."""
+TALL_TILE_MAX_PAIRS = 24576
+"""192-row plan tiles serve plans of fewer local (token, slot) pairs than this; larger plans whose
+experts would take them take 128-row tiles instead (`moe_tile_m`). On the sm90 GEMMs a 128-row tile
+runs 256 features per CTA (two weight blocks per consumer), a 192-row tile only 128 (its accumulators
+leave no room for two), so at 32,768 pairs the 128-row tiles are 5-11% faster (DeepSeek-V3, GLM and
+Qwen3-30B-A3B at T = 4096), even though about half the experts then run a second, partly filled tile;
+at 16,384 pairs (Qwen3-30B-A3B at T = 2048, about 128 rows per expert) they are 5-7% slower (runs log).
+The bound lies between those two plans: a plan of 24,576 pairs holds 1.5 tiles of 128 rows per SM
+of an H200 (192 tiles on 132 SMs)."""
 
 AUX_AMAX_TILE_N = 128
 """Columns of the intermediate covered by one aux-amax entry of the reference GEMM1."""
@@ -127,17 +136,20 @@ class MoEDispatch(NamedTuple):
     finalize: str
 
 
-def moe_tile_m(num_tokens: int, top_k: int, num_experts: int) -> int:
+def moe_tile_m(num_tokens: int, top_k: int, num_experts: int, local_pairs: int | None = None) -> int:
     """The smallest tile that holds an expert's rows under uniform routing over `num_experts` (the
     experts the router chooses among) with three standard deviations to spare (rows per expert are close
-    to Poisson with mean `⌈T·k / num_experts⌉`), at most 192.
+    to Poisson with mean `⌈T·k / num_experts⌉`), at most 192, and at most 128 for plans of at least
+    `TALL_TILE_MAX_PAIRS` pairs on this rank (`local_pairs`; None: all `T·k` are local).
 
     A tile only just above the mean would give about half the experts a second, mostly empty tile
     that streams and decodes their weights again; the sm90 GEMMs' MMAs cover a tile's rows only up
     to its last 16- or 32-row granule that holds a pair, so the spare rows cost little."""
     expected_rows = ceil_div(num_tokens * top_k, num_experts)
     rows = expected_rows + 3 * math.sqrt(expected_rows)
-    return next((t for t in MOE_TILE_M_CHOICES if t >= rows), MOE_TILE_M_CHOICES[-1])
+    tile = next((t for t in MOE_TILE_M_CHOICES if t >= rows), MOE_TILE_M_CHOICES[-1])
+    pairs = num_tokens * top_k if local_pairs is None else local_pairs
+    return min(tile, 128) if pairs >= TALL_TILE_MAX_PAIRS else tile
 
 
 def moe_dispatch(
@@ -159,10 +171,11 @@ def moe_dispatch(
     if per_token:
         per_token_path = per_token_quant_path(num_tokens) if backend in AUX_AMAX_TILE_N_BY_BACKEND else RESCAN_PATH
     routed_experts = num_local_experts if global_num_experts is None else global_num_experts
+    local_pairs = ceil_div(num_tokens * top_k * num_local_experts, routed_experts)
     return MoEDispatch(
         per_token_path=per_token_path,
-        tile_m=moe_tile_m(num_tokens, top_k, routed_experts),
-        expected_local_pairs=ceil_div(num_tokens * top_k * num_local_experts, routed_experts),
+        tile_m=moe_tile_m(num_tokens, top_k, routed_experts, local_pairs),
+        expected_local_pairs=local_pairs,
         aux_amax_tile_n=AUX_AMAX_TILE_N_BY_BACKEND.get(backend, 0),
         plan=backend,
         quantize=backend if quant_mode == "w4a4" else None,

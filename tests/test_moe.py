@@ -273,12 +273,24 @@ def test_dispatch_sizes_an_expert_parallel_rank_for_its_share_of_the_pairs():
 
 
 @pytest.mark.parametrize(
-    "tokens, tile_m",
-    # expected rows per expert (T * 8 / 256) plus three standard deviations, rounded up to a choice
-    [(1, 8), (64, 8), (128, 16), (256, 32), (1024, 64), (2048, 128), (4096, 192), (65536, 192)],
+    "tokens, experts, tile_m",
+    # expected rows per expert (T * 8 / E) plus three standard deviations, rounded up to a choice
+    [(1, 256, 8), (64, 256, 8), (128, 256, 16), (256, 256, 32), (1024, 256, 64), (2048, 256, 128), (2048, 128, 192),
+     (3000, 128, 192)],
 )
-def test_plan_tile_holds_the_expected_rows_per_expert_with_three_deviations_to_spare(tokens, tile_m):
-    assert fp4moe.moe_dispatch(tokens, 8, 256, "w4a16", False).tile_m == tile_m
+def test_plan_tile_holds_the_expected_rows_per_expert_with_three_deviations_to_spare(tokens, experts, tile_m):
+    assert fp4moe.moe_dispatch(tokens, 8, experts, "w4a16", False).tile_m == tile_m
+
+
+def test_large_plans_take_128_row_tiles_instead_of_192():
+    """From `TALL_TILE_MAX_PAIRS` local pairs on, experts whose rows would take 192-row tiles take 128-row
+    ones (whose sm90 CTAs serve twice the features); an expert-parallel rank counts its own pairs."""
+    bound = dispatch.TALL_TILE_MAX_PAIRS
+    assert fp4moe.moe_dispatch(bound // 8 - 1, 8, 128, "w4a16", False).tile_m == 192
+    for tokens, experts in ((bound // 8, 128), (4096, 128), (4096, 256), (65536, 256)):
+        assert fp4moe.moe_dispatch(tokens, 8, experts, "w4a16", False).tile_m == 128
+    shard = fp4moe.moe_dispatch(4096, 8, 32, "w4a16", False, global_num_experts=256)
+    assert (shard.tile_m, shard.expected_local_pairs) == (192, 4096)
 
 
 def test_dispatch_reports_the_backend_of_every_stage_on_the_cpu():
