@@ -103,11 +103,11 @@ TALL_TILE_MAX_PAIRS = 24576
 """192-row plan tiles serve plans of fewer local (token, slot) pairs than this; larger plans whose
 experts would take them take 128-row tiles instead (`moe_tile_m`). On the sm90 GEMMs a 128-row tile
 runs 256 features per CTA (two weight blocks per consumer), a 192-row tile only 128 (its accumulators
-leave no room for two), so at 32,768 pairs the 128-row tiles are 5-11% faster (DeepSeek-V3, GLM and
-Qwen3-30B-A3B at T = 4096), even though about half the experts then run a second, partly filled tile;
-at 16,384 pairs (Qwen3-30B-A3B at T = 2048, about 128 rows per expert) they are 5-7% slower (runs log).
-The bound lies between those two plans: a plan of 24,576 pairs holds 1.5 tiles of 128 rows per SM
-of an H200 (192 tiles on 132 SMs)."""
+leave no room for two), which outweighs the second, partly filled tiles that 128 rows give many
+experts once the plan is large: 4-14% faster whole calls at 32,768 pairs (DeepSeek-V3, GLM and
+Qwen3-30B-A3B at T = 4096) and at 24,576 (Qwen3-30B-A3B at T = 3072), but 5-7% slower at 16,384
+(Qwen3-30B-A3B at T = 2048, about 128 rows per expert). Plans between 16,384 and 24,576 pairs were not
+measured with 128-row tiles (runs log)."""
 
 AUX_AMAX_TILE_N = 128
 """Columns of the intermediate covered by one aux-amax entry of the reference GEMM1."""
