@@ -1,31 +1,47 @@
-"""A small `fused_moe` on the sm90 kernels (E=8, H=256, I=128, top-2, T in {1, 37, 300}; W4A16, per-tensor
-and per-token W4A4; fused and deterministic finalize): the case the memory and race checkers run,
+"""A small `fused_moe` on the sm90 kernels (E=8, H=256, I=128, top-2, T in {1, 37, 300, 400}: plan tiles of
+8, 32, 128 and 192 rows; W4A16, per-tensor and per-token W4A4; fused and deterministic finalize): the case
+the memory and race checkers run,
 
-    compute-sanitizer --tool memcheck python -m benchmarks.sm90_moe_small
-    compute-sanitizer --tool racecheck python -m benchmarks.sm90_moe_small
+    compute-sanitizer --tool memcheck python -m benchmarks.sm90_moe_small [--sms 2]
+    compute-sanitizer --tool racecheck python -m benchmarks.sm90_moe_small [--sms 2]
 
-Prints one line per call (mode, T, deterministic, output norm); exits 1 if the two finalize modes differ
-beyond FP32 summation order.
+`--sms N` sizes the launches for a GPU of N multiprocessors (the GPU itself runs them): with few, this
+small problem takes the configurations of large ones (256-feature CTAs for its 128-row tiles, each CTA
+walking several work items). Prints one line per call (mode, T, deterministic, output norm); exits 1 if
+the two finalize modes differ beyond FP32 summation order.
 """
 
+import argparse
+import contextlib
 import sys
+from unittest import mock
 
 import torch
 
 from benchmarks.moe_cases import random_moe_weights
 from fp4moe import nvfp4
+from fp4moe.kernels.sm90 import moe_launch
 
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 8, 256, 128, 2
 MODES = {"w4a16": ("w4a16", False), "w4a4_tensor": ("w4a4", False), "w4a4_token": ("w4a4", True)}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="A small fused_moe on the sm90 kernels, for compute-sanitizer.")
+    parser.add_argument("--sms", type=int, help="size the launches for a GPU of this many multiprocessors")
+    args = parser.parse_args(argv)
+    sized = mock.patch.object(moe_launch, "sm_count", lambda index: args.sms) if args.sms else contextlib.nullcontext()
+    with sized:
+        return run()
+
+
+def run() -> int:
     ops = torch.ops.fp4moe
     g = torch.Generator(device="cuda").manual_seed(0)
     weights = random_moe_weights(EXPERTS, HIDDEN, INTERMEDIATE, g, "cuda").prepared()
     ok = True
     for mode, (quant_mode, per_token) in MODES.items():
-        for tokens in (1, 37, 300):
+        for tokens in (1, 37, 300, 400):
             x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
             logits = torch.randn(tokens, EXPERTS, generator=g, device="cuda")
             topk_ids, topk_weights = ops.route_softmax_topk(logits, TOP_K, True)
