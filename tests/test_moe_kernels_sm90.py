@@ -385,10 +385,14 @@ def test_w4a4_quantization_stages_run_the_kernels_and_leave_results_unchanged():
 
 
 @pytest.mark.parametrize("mode", ["w4a16", *W4A4_MODES])
-def test_cuda_graph_replay_with_fresh_routing_equals_eager(mode):
+@pytest.mark.parametrize("tokens", [24, 400])
+def test_cuda_graph_replay_with_fresh_routing_equals_eager(mode, tokens):
     """Also the W4A4 quantizers' launch orders (`pdl.LAUNCH_ORDERS`): in a graph the activation
-    quantizer runs alongside the plan kernel and releases GEMM1 before the plan has finished."""
-    p = make_problem(tokens=24, top_k=4, num_experts=16, hidden=256, intermediate=128, mode=mode, device="cuda", seed=13)
+    quantizer runs alongside the plan kernel and releases GEMM1 before the plan has finished. 24 tokens
+    take 16-row plan tiles, 400 take 192-row ones (rows staged through shared memory)."""
+    p = make_problem(tokens=tokens, top_k=4, num_experts=16, hidden=256, intermediate=128, mode=mode, device="cuda",
+                     seed=13)
+    assert dispatch.moe_tile_m(tokens, 4, 16) == (16 if tokens == 24 else 192)
     args = list(prepared_args(p))
     kwargs = p.op_kwargs(weight_layout="sm90", deterministic=True)
     ops.fused_moe(*args, **kwargs)  # compile and warm up before capture
@@ -397,8 +401,8 @@ def test_cuda_graph_replay_with_fresh_routing_equals_eager(mode):
         out = ops.fused_moe(*args, **kwargs)
     for seed in range(3):
         g = torch.Generator(device="cuda").manual_seed(100 + seed)
-        p.topk_ids.copy_(torch.argsort(torch.rand(24, 16, generator=g, device="cuda"), dim=1)[:, :4].to(torch.int32))
-        p.x.copy_(torch.randn(24, 256, generator=g, device="cuda").to(torch.bfloat16))
+        p.topk_ids.copy_(torch.argsort(torch.rand(tokens, 16, generator=g, device="cuda"), dim=1)[:, :4].to(torch.int32))
+        p.x.copy_(torch.randn(tokens, 256, generator=g, device="cuda").to(torch.bfloat16))
         graph.replay()
         assert_bitwise_equal(out, ops.fused_moe(*args, **kwargs))
 
