@@ -63,8 +63,9 @@ def _fused_moe_variants():
         variants.append(
             ("gemm2_fused", gemm2.key(), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, splits)
         )
-    # Its plans never take 192-row tiles: those that would hold `TALL_TILE_MAX_PAIRS` pairs or more. The
-    # 192-row entries above stand for smaller plans of fewer experts (Qwen3-30B-A3B at T = 2048).
+    # Its plans never take 192-row tiles: those that would hold `TALL_TILE_MAX_PAIRS` pairs or more.
+    # Smaller plans of fewer experts take them (Qwen3-30B-A3B at T = 2048); the 192-row entries above
+    # compile that tile on these weights.
     assert sorted({key[4] for _, key, *_ in variants}) == [t for t in dispatch.MOE_TILE_M_CHOICES if t != 192]
     return variants
 

@@ -7,7 +7,8 @@ dtype at a ragged K, every dtype at every tested K for one combination, the wide
 heaviest mode, the many-rows class (`MANY_ELEMENTS`) at every tested K, the MoE pipeline's quantizers
 that write decoded values (`DECODED_VARIANTS`), and the tile_amax producer per dtype and load width.
 A variant is (dtype, K, scale layout, 4-over-6 mode, scale source, valid-row count given, many rows),
-for the decoded ones then the launch order. The compilation runs in a subprocess because `CUTE_DSL_KEEP` (which keeps the PTX) is read when the DSL is imported.
+for the decoded ones then the launch order. The compilation runs in a subprocess because
+`CUTE_DSL_KEEP` (which keeps the PTX) is read when the DSL is imported.
 """
 
 import re
