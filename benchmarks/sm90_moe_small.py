@@ -2,8 +2,11 @@
 8, 32, 128 and 192 rows; W4A16, per-tensor and per-token W4A4; fused and deterministic finalize): the case
 the memory and race checkers run,
 
-    compute-sanitizer --tool memcheck python -m benchmarks.sm90_moe_small [--sms 2]
+    compute-sanitizer --tool memcheck --report-api-errors no python -m benchmarks.sm90_moe_small [--sms 2]
     compute-sanitizer --tool racecheck python -m benchmarks.sm90_moe_small [--sms 2]
+
+(`--report-api-errors no`: cuda-python's driver module looks up driver entry points that this driver
+lacks, and memcheck would report each failed lookup as an error; they are not kernel errors.)
 
 `--sms N` sizes the launches for a GPU of N multiprocessors (the GPU itself runs them): with few, this
 small problem takes the configurations of large ones (256-feature CTAs for its 128-row tiles, each CTA

@@ -1,0 +1,115 @@
+"""When each kernel of a `fused_moe` call starts and ends on the sm90 kernels, in every mode.
+
+    python -m benchmarks.sm90_timeline [--shapes deepseek_v3] [--tokens 1 2 8] [--replays 30]
+
+For each shape, T and mode (W4A16, W4A4 per-tensor, W4A4 per-token) the call is captured in a CUDA graph
+and replayed after a read flush of the L2 (as `benchmarks.moe` times it), under `torch.profiler`, whose
+CUDA activity records (CUPTI) give every kernel's start and end on the GPU. Printed per kernel, in
+launch order: the median start and end over the replays, in us from the start of the replay's first
+kernel, and the median duration. With PDL a kernel starts (becomes resident) long before it can work:
+its start says when its CTAs arrived, its end what the chain waited for. This shows what each kernel
+boundary costs, in the W4A4 modes too (`benchmarks.sm90_stage_chain` times cuts of the W4A16 chain).
+The profiler's own activity tracing adds a little to each kernel; for development, not for record.
+Needs a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.gpu_state import hopper_gpu
+from benchmarks.moe_cases import SHAPES, MoEProblem
+from benchmarks.moe_implementations import REGISTRY
+from benchmarks.timing import PreparedCall
+
+MODES = ("fused_moe_w4a16", "fused_moe_w4a4_tensor", "fused_moe_w4a4_token")
+FLUSH_BYTES = 2 * 1024**3
+"""The read flush between replays: a sum over this many bytes (a `reduce_kernel` in the trace)."""
+KERNEL_ROLES = ("Plan", "Quantize", "Gemm", "Finalize", "Decode")
+"""Words of the sm90 kernels' names that say what each is (`MoEPlanSm90`, `QuantizeSm90`, ...)."""
+
+
+def kernel_role(name: str) -> str:
+    return next((role for role in KERNEL_ROLES if role in name), name[:40])
+
+
+def replay_spans(events: list[dict], flush_marker: str = "reduce_kernel") -> list[tuple[str, float, float, float]]:
+    """(role, median start, median end, median duration) of each kernel of a replay, in us from the
+    replay's first kernel, from a chrome trace's kernel events (`cat == "kernel"`, `ts`/`dur` in us).
+    A flush kernel (name containing `flush_marker`) separates replays; the first replay is dropped
+    (the profiler's start), and only replays of the most common kernel count are kept."""
+    replays, current = [], []
+    for event in sorted(events, key=lambda e: e["ts"]):
+        if flush_marker in event["name"]:
+            if current:
+                replays.append(current)
+            current = []
+        else:
+            current.append(event)
+    if current:
+        replays.append(current)
+    replays = replays[1:]
+    if not replays:
+        return []
+    kernels = statistics.mode(len(r) for r in replays)
+    replays = [r for r in replays if len(r) == kernels]
+    spans = []
+    for k in range(kernels):
+        starts = [r[k]["ts"] - r[0]["ts"] for r in replays]
+        ends = [r[k]["ts"] + r[k]["dur"] - r[0]["ts"] for r in replays]
+        durations = [r[k]["dur"] for r in replays]
+        spans.append(
+            (kernel_role(replays[0][k]["name"]), statistics.median(starts), statistics.median(ends),
+             statistics.median(durations))
+        )
+    return spans
+
+
+def profile_replays(call: PreparedCall, flush: torch.Tensor, replays: int) -> list[dict]:
+    """The kernel events of `replays` flushed replays of `call`."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(replays + 1):
+            flush.sum()
+            call()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        profiler.export_chrome_trace(str(path))
+        return [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "kernel"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["deepseek_v3"])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 8])
+    parser.add_argument("--replays", type=int, default=30)
+    args = parser.parse_args(argv)
+    if not hopper_gpu("sm90_timeline"):
+        return 2
+    device = torch.device("cuda")
+    flush = torch.empty(FLUSH_BYTES // 4, device=device)
+    for name in args.shapes:
+        problem = MoEProblem(SHAPES[name], max(args.tokens), device, seed=0)
+        print(f"\n## {name} ({problem.shape.describe()}): median us from the replay's first kernel\n")
+        print("| T | mode | kernel | start | end | duration |")
+        print("|---|---|---|---|---|---|")
+        for tokens in args.tokens:
+            case = problem.case(tokens)
+            for mode in MODES:
+                arguments = case.fused_moe_arguments(REGISTRY[mode].expected)
+                with PreparedCall(lambda: torch.ops.fp4moe.fused_moe(**arguments), device, eager_calls=2) as call:
+                    spans = replay_spans(profile_replays(call, flush, args.replays))
+                for role, start, end, duration in spans:
+                    print(f"| {tokens} | {mode} | {role} | {start:.2f} | {end:.2f} | {duration:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
