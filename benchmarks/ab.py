@@ -1,0 +1,127 @@
+"""A same-lease A/B of the MoE benchmark: source trees run alternately, the ratio of every round.
+
+    python -m benchmarks.ab run --rounds 4 --out DIR [--cache-root DIR] TREE [TREE ...] -- [benchmarks.moe arguments]
+    python -m benchmarks.ab compare DIR BASE OTHER [OTHER ...]
+
+A tree is a folder holding a whole copy of the sources, named by the folder: `git archive HEAD | tar -x -C
+.ab/main` for the base, the same plus `git diff | (cd .ab/change && patch -p1)` for a working change (`.ab/`
+and `.kc/`, for the kernel caches, are git-ignored: name them in the device call's carry). `run` runs, in each round,
+`python -m benchmarks.moe --out-dir DIR/<tree>/r<round> ...` once per tree, each in its own process with the
+tree first on `PYTHONPATH` and, with `--cache-root`, the kernel cache `<cache root>/<tree>` (filled on a CPU
+by `python -m benchmarks.precompile` run from the same tree, for the same cells), the trees' order reversed
+every other round so that drift within the lease falls on each. `compare` prints, per (shape, T,
+implementation), the mean over the rounds of each tree's median and the ratio base / other of every round
+(above 1: the other tree is faster), and the cells whose status is not `ok`. Rounds of the same kernels
+differ by a few percent within a lease: read the ratios across rounds and beside cells whose kernels the
+trees share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+
+def round_orders(trees: list[str], rounds: int) -> list[list[str]]:
+    """The trees' order in each round: as given, reversed every other round."""
+    return [list(trees) if r % 2 == 0 else list(reversed(trees)) for r in range(rounds)]
+
+
+def run(trees: list[Path], rounds: int, out: Path, cache_root: Path | None, moe_arguments: list[str]) -> int:
+    """Every round's benchmark runs; the number of runs that failed (each one's log tail is printed)."""
+    failed = 0
+    by_name = {tree.name: tree for tree in trees}
+    for r, order in enumerate(round_orders(list(by_name), rounds), start=1):
+        for name in order:
+            tree = by_name[name].resolve()
+            results = out / name / f"r{r}"
+            results.mkdir(parents=True, exist_ok=True)
+            environment = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])))
+            if cache_root is not None:
+                environment["FP4MOE_KERNEL_CACHE"] = str((cache_root / name).resolve())
+            print(f"[ab] round {r}/{rounds} {name} ({time.strftime('%H:%M:%S')})", flush=True)
+            log = results / "log.txt"
+            with log.open("w") as stream:
+                code = subprocess.call(
+                    [sys.executable, "-m", "benchmarks.moe", "--out-dir", str(results.resolve()), *moe_arguments],
+                    cwd=tree, env=environment, stdout=stream, stderr=subprocess.STDOUT,
+                )
+            if code:
+                failed += 1
+                print(f"[ab] {name} round {r} failed ({code}):\n" + "".join(log.read_text().splitlines(True)[-20:]))
+    return failed
+
+
+def load(out: Path, tree: str) -> tuple[dict, dict]:
+    """({(shape, T, implementation): {round: median us}}, {(shape, T, implementation): status}) of a tree's
+    result files (`DIR/<tree>/r<round>/*.json`), statuses other than `ok` only."""
+    medians, statuses = defaultdict(dict), {}
+    for path in sorted((out / tree).glob("r*/*.json")):
+        report = json.loads(path.read_text())
+        for shape in report["shapes"]:
+            for row in shape["rows"]:
+                for implementation, cell in row["results"].items():
+                    key = (shape["shape"]["name"], row["num_tokens"], implementation)
+                    if cell.get("median_s"):
+                        medians[key][path.parent.name] = cell["median_s"] * 1e6
+                    if cell.get("status") != "ok":
+                        statuses[key] = cell.get("status")
+    return medians, statuses
+
+
+def compare(out: Path, base: str, others: list[str]) -> list[str]:
+    """The comparison's lines (see the module docstring)."""
+    base_medians, base_statuses = load(out, base)
+    loaded = {tree: load(out, tree) for tree in others}
+    lines = []
+    for key in sorted(base_medians):
+        shape, tokens, implementation = key
+        line = f"{shape:16s} T={tokens:<5d} {implementation:28s} {base}: {statistics.mean(base_medians[key].values()):9.1f}"
+        for tree, (medians, _) in loaded.items():
+            rounds = sorted(set(base_medians[key]) & set(medians.get(key, {})))
+            if not rounds:
+                continue
+            ratios = [base_medians[key][r] / medians[key][r] for r in rounds]
+            line += (
+                f" | {tree}: {statistics.mean(medians[key][r] for r in rounds):9.1f}"
+                f" ratio {statistics.mean(ratios):.3f} [" + " ".join(f"{x:.3f}" for x in ratios) + "]"
+            )
+        lines.append(line)
+    for tree, statuses in [(base, base_statuses)] + [(tree, loaded[tree][1]) for tree in others]:
+        lines += [f"{tree}: {' '.join(map(str, key))} status {status}" for key, status in sorted(statuses.items())]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    moe_arguments = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, moe_arguments = argv[:split], argv[split + 1:]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    run_parser = commands.add_parser("run", help="run the benchmark for each tree, round after round")
+    run_parser.add_argument("--rounds", type=int, default=4)
+    run_parser.add_argument("--out", type=Path, required=True)
+    run_parser.add_argument("--cache-root", type=Path, help="kernel caches, one folder per tree name")
+    run_parser.add_argument("trees", nargs="+", type=Path)
+    compare_parser = commands.add_parser("compare", help="compare the trees' results")
+    compare_parser.add_argument("out", type=Path)
+    compare_parser.add_argument("base")
+    compare_parser.add_argument("others", nargs="+")
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        return 1 if run(args.trees, args.rounds, args.out, args.cache_root, moe_arguments) else 0
+    print("\n".join(compare(args.out, args.base, args.others)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
