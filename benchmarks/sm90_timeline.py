@@ -27,11 +27,9 @@ import torch
 from benchmarks.gpu_state import hopper_gpu
 from benchmarks.moe_cases import SHAPES, MoEProblem
 from benchmarks.moe_implementations import REGISTRY
-from benchmarks.timing import PreparedCall
+from benchmarks.timing import PreparedCall, l2_flush_bytes
 
 MODES = ("fused_moe_w4a16", "fused_moe_w4a4_tensor", "fused_moe_w4a4_token")
-FLUSH_BYTES = 2 * 1024**3
-"""The read flush between replays: a sum over this many bytes (a `reduce_kernel` in the trace)."""
 KERNEL_ROLES = ("Plan", "Quantize", "Gemm", "Finalize", "Decode")
 """Words of the sm90 kernels' names that say what each is (`MoEPlanSm90`, `QuantizeSm90`, ...)."""
 
@@ -94,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     if not hopper_gpu("sm90_timeline"):
         return 2
     device = torch.device("cuda")
-    flush = torch.empty(FLUSH_BYTES // 4, device=device)
+    # The harness's read flush (`benchmarks.timing`): a sum, a `reduce_kernel` in the trace.
+    flush = torch.empty(l2_flush_bytes(device) // 4, dtype=torch.int32, device=device)
     for name in args.shapes:
         problem = MoEProblem(SHAPES[name], max(args.tokens), device, seed=0)
         print(f"\n## {name} ({problem.shape.describe()}): median us from the replay's first kernel\n")

@@ -21,8 +21,7 @@ def test_replay_spans_are_medians_from_each_replays_first_kernel():
     spans = replay_spans(events)
     assert [role for role, *_ in spans] == ["Plan", "Gemm"]
     assert spans[0] == ("Plan", 0.0, 3.0, 3.0)
-    role, start, end, duration = spans[1]
-    assert (role, start, end, duration) == ("Gemm", 1.0, 41.0, 40.0)
+    assert spans[1] == ("Gemm", 1.0, 41.0, 40.0)
 
 
 def test_kernel_roles_come_from_the_kernel_class_names():
