@@ -321,6 +321,68 @@ def e2m1_scaled_error(biased_code, negated_large_scale, scaled_magnitude, *, loc
     )
 
 
+# The E2M1 value (not the code) of w = |v| < 7, by the same three grids as `_E2M1_MAGNITUDE`, each
+# line taken on its own range: RN(2w) / 2 below 2, RN(w) from 2 to 4, 2 RN(w / 2) from 4. Each RN is an
+# add (or an FMA with an exact product) onto 2^23 and the same constant subtracted back (exact), so
+# ties go to the even integer, which is the even code on every grid; the halving and doubling are exact.
+_E2M1_VALUE_MAGNITUDE = (
+    "{ .reg .f32 w, fine, mid, coarse; .reg .pred below2, below4;"
+    " abs.f32 w, $1;"
+    " fma.rn.f32 fine, w, 0f40000000, 0f4B000000; sub.rn.f32 fine, fine, 0f4B000000;"
+    " mul.rn.f32 fine, fine, 0f3F000000;"
+    " add.rn.f32 mid, w, 0f4B000000; sub.rn.f32 mid, mid, 0f4B000000;"
+    " fma.rn.f32 coarse, w, 0f3F000000, 0f4B000000; sub.rn.f32 coarse, coarse, 0f4B000000;"
+    " add.rn.f32 coarse, coarse, coarse;"
+    " setp.lt.f32 below2, w, 0f40000000; setp.lt.f32 below4, w, 0f40800000;"
+    " selp.f32 mid, mid, coarse, below4; selp.f32 $0, fine, mid, below2; }"
+)
+
+
+@dsl_user_op
+def e2m1_value_magnitude(value, *, loc=None, ip=None) -> Float32:
+    """|decode_e2m1(encode_e2m1(value))| for an FP32 value with |value| < 7 (not NaN): the magnitude of
+    the E2M1 grid point it rounds to, without forming the code."""
+    return _ptx("f", _E2M1_VALUE_MAGNITUDE, "f", value, loc=loc, ip=ip)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Block math shared by the quantizers and the GEMMs that quantize their activations as they load them
+# ---------------------------------------------------------------------------------------------------
+def block_scale(block_max, sf_factor):
+    """(unrounded sf6 = RN(max * RN(gs / 6)), its E4M3 bits, their value): a block's scale, given
+    `sf_factor` = RN(gs * RN(1/6)). Plain Python, run while a kernel is traced."""
+    unrounded_sf6 = mul_rn(block_max, sf_factor)
+    scale_bits = to_e4m3(unrounded_sf6)
+    return unrounded_sf6, scale_bits, e4m3_to_f32(scale_bits)
+
+
+def element_scale(block_scale_value, inv_global_scale):
+    """`s = min(RN(1 / RN(sf * RN(1/gs))), FLT_MAX)`: the factor a block's values take before encoding."""
+    return clamp_flt_max(div_rn(Float32(1.0), mul_rn(block_scale_value, inv_global_scale)))
+
+
+def encodes_zeros(block_scale_value, s):
+    """Whether a block's codes are all +0: its scale is 0, or s is NaN (every RN(x_i * s) NaN)."""
+    return (block_scale_value == Float32(0.0)) | (is_nan(s) != Uint32(0))
+
+
+def fast_encoder_covers(block_max, has_nan, s):
+    """Whether the FMA-pipe encoders (`encode_e2m1_biased`, `e2m1_value_magnitude`) encode a block for s:
+    no NaN input, s not 0 and every |RN(x_i * s)| below 7. RN is monotone, so the block maximum's scaled
+    value decides (it reaches 7 only for saturated or subnormal E4M3 scales, or inf); a NaN s fails the
+    comparison. Elsewhere RN(x_i * s) may be NaN (a NaN input, or inf * 0), which only the exact encoder
+    maps to +0, or reach 7, which the fast encoders do not saturate. A covered s is positive (sf and
+    1/gs share their sign), so RN(x_i * s) has the sign of x_i."""
+    covered = (has_nan == Uint32(0)) & (s != Float32(0.0))
+    return covered & (mul_rn(block_max, s) < Float32(FAST_ENCODE_LIMIT))
+
+
+def per_token_encode_scale(numerator, row_amax):
+    """A row's encode-direction scale `enc = min(RN(numerator / amax), FLT_MAX)` (semantics §2.2), with
+    `numerator` = RN(1 / global_scale_inv); the per-token scale is RN(1 / enc), or 0 for a zero row."""
+    return clamp_flt_max(div_rn(numerator, row_amax))
+
+
 # Sign bits of eight 16-bit values, given as four packed pairs (element 2p in the low half of pair
 # p), moved to bit 3 of their codes' nibbles: element 2p's sign (bit 15 of pair p) to bit 8p + 3,
 # element 2p + 1's (bit 31) to bit 8p + 7. Two byte permutes gather the high bytes of the pairs'

@@ -384,7 +384,7 @@ class QuantizeSm90:
     def _per_token_scale(self, row_amax, numerator, mPerTokenScale, row, lane, is_data_row):
         """(`enc`, `RN(1 / enc)`) for the row, `enc = min(RN(numerator / amax), FLT_MAX)`; stores
         `pts = RN(1 / enc)` (0 for a zero row) once per row."""
-        global_scale = dev.clamp_flt_max(dev.div_rn(numerator, row_amax))
+        global_scale = dev.per_token_encode_scale(numerator, row_amax)
         if is_data_row and lane == 0:
             # Its own division: sharing the one below measured slower on the aux path (runs log).
             per_token_scale = Float32(0.0)
@@ -419,18 +419,6 @@ class QuantizeSm90:
         return row_amax
 
     @cute.jit
-    def _block_scale(self, block_max: Float32, sf_factor: Float32):
-        """(unrounded sf6 = RN(max * RN(gs / 6)), its E4M3 bits, their value): a block's scale."""
-        unrounded_sf6 = dev.mul_rn(block_max, sf_factor)
-        scale_bits = dev.to_e4m3(unrounded_sf6)
-        return unrounded_sf6, scale_bits, dev.e4m3_to_f32(scale_bits)
-
-    @cute.jit
-    def _element_scale(self, block_scale: Float32, inv_global_scale: Float32) -> Float32:
-        """`s = min(RN(1 / RN(sf * RN(1/gs))), FLT_MAX)`: the factor a block's values take before encoding."""
-        return dev.clamp_flt_max(dev.div_rn(Float32(1.0), dev.mul_rn(block_scale, inv_global_scale)))
-
-    @cute.jit
     def _exact_codes(self, values, s: Float32):
         """Codes of one block on the exact encoder: `q_i = e2m1(RN(x_i * s))`."""
         return [dev.encode_e2m1(dev.mul_rn(v, s)) for v in values]
@@ -440,16 +428,6 @@ class QuantizeSm90:
         """`_exact_codes`, all +0 if the scale is 0."""
         is_zero = block_scale == Float32(0.0)
         return [cutlass.select_(is_zero, Uint32(0), c) for c in self._exact_codes(values, s)]
-
-    @cute.jit
-    def _fast_encoder_covers(self, block_max: Float32, has_nan: Uint32, s: Float32):
-        """Whether the FMA-pipe encoder encodes the block for s: no NaN input, s not 0 and every
-        |RN(x_i * s)| below 7. RN is monotone, so the block maximum's scaled value decides (it reaches 7
-        only for saturated or subnormal E4M3 scales, or inf); a NaN s fails the comparison. Elsewhere
-        RN(x_i * s) may be NaN (a NaN input, or inf * 0), which only the exact encoder maps to +0, or
-        reach 7, which the fast encoder does not saturate."""
-        covered = (has_nan == Uint32(0)) & (s != Float32(0.0))
-        return covered & (dev.mul_rn(block_max, s) < Float32(dev.FAST_ENCODE_LIMIT))
 
     @cute.jit
     def _block_error(self, scaled, codes, block_scale: Float32) -> Float32:
@@ -477,12 +455,12 @@ class QuantizeSm90:
     def _quantize_block(self, frag, block_max, has_nan, global_scale, sf_factor, inv_global_scale):
         """(two packed code words, E4M3 scale bits) of one block: semantics §1.5 block math (+ 4-over-6, §2.3)."""
         values = self._block_values(frag)
-        unrounded_sf6, scale_bits, block_scale = self._block_scale(block_max, sf_factor)
+        unrounded_sf6, scale_bits, block_scale = dev.block_scale(block_max, sf_factor)
         if const_expr(self.four_over_six == "off"):
-            s = self._element_scale(block_scale, inv_global_scale)
-            encodes_zeros = self._encodes_zeros(block_scale, s)
+            s = dev.element_scale(block_scale, inv_global_scale)
+            encodes_zeros = dev.encodes_zeros(block_scale, s)
             words = [Uint32(0), Uint32(0)]
-            if self._fast_encoder_covers(block_max, has_nan, s):
+            if dev.fast_encoder_covers(block_max, has_nan, s):
                 words = self._encode_block_fast(frag, values, s)
             else:
                 words = self._exact_words(values, s)  # rare
@@ -493,13 +471,13 @@ class QuantizeSm90:
             )
         scale4_bits = dev.to_e4m3(dev.mul_rn(unrounded_sf6, Float32(dev.FOUR_OVER_SIX_FACTOR)))
         block_scale4 = dev.e4m3_to_f32(scale4_bits)
-        s6 = self._element_scale(block_scale, inv_global_scale)
-        s4 = self._element_scale(block_scale4, inv_global_scale)
+        s6 = dev.element_scale(block_scale, inv_global_scale)
+        s4 = dev.element_scale(block_scale4, inv_global_scale)
         words = [Uint32(0), Uint32(0)]
         pick4 = Uint32(0)
         # Common: the FMA-pipe encoder covers both candidates, whose scales are not 0.
-        both_fast = self._fast_encoder_covers(block_max, has_nan, s6)
-        both_fast = both_fast & self._fast_encoder_covers(block_max, has_nan, s4)
+        both_fast = dev.fast_encoder_covers(block_max, has_nan, s6)
+        both_fast = both_fast & dev.fast_encoder_covers(block_max, has_nan, s4)
         if both_fast & (block_scale != Float32(0.0)) & (block_scale4 != Float32(0.0)):
             words, pick4 = self._four_over_six_fast(frag, values, global_scale, block_scale, block_scale4, s6, s4)
         else:
@@ -523,11 +501,11 @@ class QuantizeSm90:
         branch, so fewer values stay live (`QuantizeSm90`)."""
         scale_bits, block_scales, element_scales = [], [], []
         for j in cutlass.range_constexpr(self.blocks_per_thread):
-            _, bits, block_scale = self._block_scale(block_maxima[j], sf_factor)
+            _, bits, block_scale = dev.block_scale(block_maxima[j], sf_factor)
             scale_bits.append(bits)
             block_scales.append(block_scale)
-            element_scales.append(self._element_scale(block_scales[j], inv_global_scale))
-            covered = self._fast_encoder_covers(block_maxima[j], block_has_nan[j], element_scales[j])
+            element_scales.append(dev.element_scale(block_scales[j], inv_global_scale))
+            covered = dev.fast_encoder_covers(block_maxima[j], block_has_nan[j], element_scales[j])
             all_covered = covered if const_expr(j == 0) else all_covered & covered
         words = [Uint32(0)] * (2 * self.blocks_per_thread)
         if all_covered:
@@ -544,7 +522,7 @@ class QuantizeSm90:
             ]
         encoded = []
         for j in cutlass.range_constexpr(self.blocks_per_thread):
-            encodes_zeros = self._encodes_zeros(block_scales[j], element_scales[j])
+            encodes_zeros = dev.encodes_zeros(block_scales[j], element_scales[j])
             encoded.append(
                 (
                     cutlass.select_(encodes_zeros, Uint32(0), words[2 * j]),
@@ -559,11 +537,6 @@ class QuantizeSm90:
         """The two code words of `_exact_codes`."""
         codes = self._exact_codes(values, s)
         return [dev.pack_nibbles(codes[0:8]), dev.pack_nibbles(codes[8:16])]
-
-    @cute.jit
-    def _encodes_zeros(self, block_scale: Float32, s: Float32):
-        """Whether a block's codes are all +0: its scale is 0, or s is NaN (every RN(x_i * s) NaN)."""
-        return (block_scale == Float32(0.0)) | (dev.is_nan(s) != Uint32(0))
 
     @cute.jit
     def _four_over_six_fast(self, frag, values, global_scale, block_scale, block_scale4, s6, s4):

@@ -129,7 +129,7 @@ def _check_size(name: str, tensor: torch.Tensor) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _per_token_numerator(global_scale_inv: float) -> float:
+def per_token_numerator(global_scale_inv: float) -> float:
     """RN(1 / global_scale_inv) in FP32, with global_scale_inv first rounded to FP32 (semantics §2.2)."""
     with np.errstate(over="ignore", divide="ignore"):
         return float(np.float32(1.0) / np.float32(global_scale_inv))
@@ -201,7 +201,7 @@ def quantize_per_token_into(
         codes,
         block_scales,
         per_token_scale,
-        _per_token_numerator(global_scale_inv),
+        per_token_numerator(global_scale_inv),
         input_amax,
         input_amax_valid_rows,
     )
@@ -250,7 +250,7 @@ def quantize_per_token_decoded(
         amax_tiles, decoded=True, launch_order=decoded_launch_order(after_plan),
     )
     kernel(
-        vector_rows(x), None, values, None, per_token_scale, _per_token_numerator(global_scale_inv), input_amax,
+        vector_rows(x), None, values, None, per_token_scale, per_token_numerator(global_scale_inv), input_amax,
         input_amax_valid_rows,
     )
     return values, per_token_scale
