@@ -27,13 +27,16 @@ FIELD_WORDS = {
     "per_token_path": "intermediate quantization path",
     "tile_m": "rows per plan tile (each expert's rows padded to it)",
     "aux_amax_tile_n": "columns per aux-amax entry (GEMM1's row maxima per tile)",
+    "intermediate_quantization": "per-token intermediate quantized by",
 }
 VALUE_WORDS = {
     dispatch.REFERENCE_BACKEND: "reference: the pure-PyTorch oracle (exact and graph-safe, not fast)",
     dispatch.CUTE_SM90_BACKEND: "cute_sm90: the CuTe DSL kernels for Hopper",
     dispatch.AUX_AMAX_PATH: "aux_amax: GEMM1 hands its row maxima to the quantizer, which does not rescan",
     dispatch.RESCAN_PATH: "rescan: the quantizer rescans each row",
-    None: "none (activations are not quantized per token)",
+    dispatch.QUANTIZATION_KERNEL: "kernel: a quantization kernel between the GEMMs",
+    dispatch.QUANTIZATION_IN_GEMM2: "gemm2: GEMM2 itself, before its MMAs",
+    None: "none (not in this mode)",
 }
 """Plain words for the dispatch's field names and values; other names print with spaces for
 underscores, other values as they are, so fields added to the dispatch print without a change here."""
@@ -126,7 +129,7 @@ def main() -> dict[str, float]:
     print(f"How fused_moe runs these {TOKENS} tokens (fp4moe.moe_dispatch):")
     for name, (_, options, _) in modes.items():
         plan = fp4moe.moe_dispatch(TOKENS, TOP_K, EXPERTS, options["quant_mode"],
-                                   options.get("per_token_activation", False))
+                                   options.get("per_token_activation", False), intermediate_size=INTERMEDIATE)
         print(f"  {name}:", *plain(plan), sep="\n")
     print(f"  the quantization ops on their own (quantize, quantize_per_token, tile_amax) on {device}:\n"
           f"    {VALUE_WORDS[fp4moe.quantize_backend(device)]}\n")

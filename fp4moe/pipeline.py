@@ -1,7 +1,8 @@
 """`fused_moe` composed once from its stages, each run by the backend `moe_dispatch` chose for it.
 
 plan -> activation quantization (W4A4) -> GEMM1 + epilogue -> intermediate quantization (per-token
-W4A4, on the host-chosen path) -> GEMM2 -> finalize (docs/semantics.md §3). Every backend module
+W4A4, on the host-chosen path) -> GEMM2 -> finalize (docs/semantics.md §3). Where `moe_dispatch` says
+so, GEMM2 quantizes the per-token intermediate itself (`quantize=`), with the same result. Every backend module
 (`fp4moe.dispatch.KERNEL_MODULES`) implements the stage functions with the same signatures, so this
 composition has no backend of its own: the plan of one backend feeds the GEMMs of another (a GEMM
 backend that multiplies bf16 takes NVFP4 activations as their decoded values, `decoded_activations`,
@@ -12,6 +13,7 @@ allocates only from host-static shapes, so it runs inside CUDA graphs and compil
 from __future__ import annotations
 
 from fp4moe import dispatch, nvfp4
+from fp4moe import weight_layout as layouts
 
 
 def decoded_activations(quantizer, gemm) -> bool:
@@ -42,14 +44,19 @@ def fused_moe(
     hidden = hidden_size(x, x_scales)
     choice = dispatch.moe_dispatch(
         num_tokens, top_k, experts, quant_mode, per_token_activation, "cpu" if reference else x.device,
-        global_num_experts,
+        global_num_experts, intermediate_size=layouts.input_k(w2, weight_layout),
     )
     if per_token_path is not None:
         if choice.per_token_path is None or per_token_path not in (dispatch.RESCAN_PATH, dispatch.AUX_AMAX_PATH):
             raise ValueError(f"per_token_path {per_token_path!r} needs per-token W4A4 and is 'rescan' or 'aux_amax'")
         if per_token_path == dispatch.AUX_AMAX_PATH and not choice.aux_amax_tile_n:
             raise ValueError(f"the {choice.gemm1} GEMM1 writes no aux-amax handoff")
-        choice = choice._replace(per_token_path=per_token_path)
+        choice = choice._replace(
+            per_token_path=per_token_path,
+            intermediate_quantization=dispatch.intermediate_quantization(
+                per_token_path, choice.gemm2, num_tokens, choice.tile_m, layouts.input_k(w2, weight_layout)
+            ),
+        )
     stages = {name: dispatch.kernel_module("moe", getattr(choice, name)) for name in ("plan", "gemm1", "gemm2", "finalize")}
 
     (permuted_to_pair, pair_to_permuted, tile_expert, _, totals), accumulator = stages["plan"].plan(
@@ -87,7 +94,10 @@ def fused_moe(
         intermediate_scales = None
     # A per-tensor NVFP4 intermediate comes as codes and scales, or (sm90) dequantized to its exact
     # bf16 values with scales None; GEMM2 takes either.
-    if w4a4 and per_token_activation:
+    gemm2_quantizes = None  # ("per_token", global_scale_inv): GEMM2 quantizes the bf16 intermediate itself
+    if choice.intermediate_quantization == dispatch.QUANTIZATION_IN_GEMM2:
+        gemm2_quantizes = ("per_token", nvfp4.DEFAULT_GLOBAL_SCALE_INV)
+    elif w4a4 and per_token_activation:
         handoff = (aux_amax, totals[1:2]) if aux_tile_n else (None, None)
         if decoded_activations(quantizer, stages["gemm2"]):
             intermediate, intermediate_per_token_scale = quantizer.quantize_per_token_decoded(
@@ -101,6 +111,6 @@ def fused_moe(
     expert_rows = stages["gemm2"].gemm2(
         intermediate, intermediate_scales, intermediate_per_token_scale, permuted_to_pair, tile_expert,
         w2, w2_scales, w2_alpha, weight_layout, None if apply_router_weight_on_input else topk_weights,
-        num_tokens, top_k, hidden, accumulator, expected_pairs=choice.expected_local_pairs,
+        num_tokens, top_k, hidden, accumulator, expected_pairs=choice.expected_local_pairs, quantize=gemm2_quantizes,
     )
     return stages["finalize"].finalize(expert_rows, pair_to_permuted if deterministic else None, num_tokens, top_k)

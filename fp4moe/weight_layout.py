@@ -246,6 +246,12 @@ def as_linear(codes, scales, layout: str, gated: bool, rows: int | None, k: int)
     return codes[:, :rows, : k // 2], scales[:, :rows, : k // nvfp4.BLOCK_SIZE]
 
 
+def input_k(codes, layout: str) -> int:
+    """K of a projection's input from its codes: `linear` [E, rows, K/2], or prepared [E, J, K/64, 2048]
+    (K padded to a multiple of 64, as the kernels compute it)."""
+    return codes.shape[2] * (K_TILE if layout == SM90 else 2)
+
+
 def as_sm90(codes, scales, layout: str, gated: bool):
     """Prepared codes / scales from either layout (`prepare_sm90` for `linear` ones)."""
     if layout == SM90:

@@ -46,7 +46,7 @@ def test_dispatch_fields_print_generically_in_plain_words():
     """Fields the dispatch does not have yet (a backend per stage) print without a change to the demo."""
     lines = demo.plain(_FutureDispatch(None, _Stages(dispatch.REFERENCE_BACKEND, dispatch.CUTE_SM90_BACKEND), 8))
     assert lines == [
-        "    intermediate quantization path: none (activations are not quantized per token)",
+        "    intermediate quantization path: none (not in this mode)",
         "    backends:",
         f"      plan: {demo.VALUE_WORDS[dispatch.REFERENCE_BACKEND]}",
         f"      gemm1: {demo.VALUE_WORDS[dispatch.CUTE_SM90_BACKEND]}",

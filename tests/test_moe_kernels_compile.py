@@ -10,15 +10,19 @@ import textwrap
 
 import pytest
 
-from fp4moe import dispatch
+from fp4moe import dispatch, nvfp4
 from fp4moe.kernels.sm90 import moe_gemm, moe_launch
+from fp4moe.kernels.sm90.quantize_launch import per_token_numerator
 from fp4moe.kernels.sm90.moe_gemm import variant_rows
 from tests.sm90_compile import compile_in_subprocess, sass
+
+PER_TOKEN_NUMERATOR = per_token_numerator(nvfp4.DEFAULT_GLOBAL_SCALE_INV)
 
 # (epilogue, (experts, prepared rows, prepared K, tile features, tile rows, row granule, tile K, stages, CTAs per SM,
 #  most CTAs),
 #  act_k, out_features, top_k, activation, swiglu (alpha, beta, limit), router weighted[, row scaled, FP32 out,
-#  aux amax, K slices, epilogue rows, output scales (GEMM1: NVFP4 global scales; GEMM2: a factor), up alpha])
+#  aux amax, K slices, epilogue rows, output scales (GEMM1: NVFP4 global scales; GEMM2: a factor), up alpha,
+#  per-token numerator (the GEMM quantizes its rows)])
 GEMM_VARIANTS = [
     ("gemm1", (256, 4096, 7168, 128, 8, 8, 128, 8, 2, 264), 7168, 2048, 8, "swiglu", (None, None, None), False),
     ("gemm1", (32, 512, 1024, 64, 16, 16, 128, 8, 2, 264), 1000, 256, 2, "swiglu", (1.702, 1.0, 7.0), True),
@@ -47,6 +51,11 @@ GEMM_VARIANTS = [
     ("gemm1", (256, 4096, 7168, 128, 8, 8, 128, 8, 2, 264), 7168, 2048, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 1, True),
     ("gemm1", (16, 1024, 6144, 128, 64, 16, 128, 8, 1, 132), 6144, 512, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 1, True),
     ("gemm2_expanded", (256, 7168, 2048, 128, 8, 8, 128, 8, 2, 264), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, 1, 32, 1),
+    # Per-token W4A4 on the rescan path at decode: GEMM2 quantizes its bf16 rows into activation panels
+    # itself (`moe_gemm.MoEGemmSm90(quantizes_rows=True)`), in CTAs of seven consumer groups (DeepSeek-V3 at
+    # T = 1) and in two CTAs per SM; stages of weights only (`moe_launch.quantizing_shape_key`).
+    ("gemm2_fused", (256, 7168, 2048, 448, 8, 8, 64, 12, 1, 132), 2048, 7168, 8, "none", (None, None, None), False, False, False, False, 2, 32, 0, False, PER_TOKEN_NUMERATOR),
+    ("gemm2_expanded", (8, 256, 128, 128, 8, 8, 128, 11, 2, 264), 128, 256, 2, "none", (None, None, None), True, False, False, False, 1, 32, 0, False, PER_TOKEN_NUMERATOR),
 ]
 
 
@@ -217,10 +226,25 @@ def test_gemms_feed_register_sourced_wgmma_from_bulk_copies_and_gathers(compiled
         # width per variant of the k loop.
         for rows in _variant_rows(key):
             assert re.search(rf"HGMMA\.64x{rows}x16\.F32\.BF16 R\d+, R\d+, gdesc", sass), (rows, GEMM_VARIANTS[i])
-        assert "UBLKCP.S.G" in sass and "LDGSTS" in sass, GEMM_VARIANTS[i]
+        assert "UBLKCP.S.G" in sass and ("LDGSTS" in sass or len(_rest) > 13), GEMM_VARIANTS[i]
         assert "USETMAXREG" in sass, GEMM_VARIANTS[i]
         # one mul.rn.bf16x2 per decoded pair: 4 per k16 step and thread
         assert sass.count("HMUL2.BF16_V2") >= 4 * key[6] // 16, GEMM_VARIANTS[i]
+
+
+def test_quantizing_gemms_fill_their_activation_panels_themselves(compiled):
+    """`moe_gemm.MoEGemmSm90(quantizes_rows=True)`: no `cp.async` gathers; the panel warps read rows with
+    16-byte loads, reduce each warp's maximum in one `REDUX`, swap block maxima with the neighbouring
+    lane, store 16 bytes per chunk and fence the panel for the async proxy. The other GEMMs gather with
+    `cp.async`, whose completion arrives on the stage's barrier."""
+    for i, (_epilogue, _key, *rest) in enumerate(GEMM_VARIANTS):
+        sass = _sass(compiled, f"gemm_{i}")
+        quantizes = len(rest) > 13 and rest[13] is not None
+        assert ("ARRIVES.LDGSTSBAR" in sass) != quantizes, GEMM_VARIANTS[i]
+        if quantizes:
+            assert "LDGSTS" not in sass, GEMM_VARIANTS[i]
+            for instruction in ("LDG.E.128", "REDUX", "SHFL.BFLY", "STS.128", "FENCE.VIEW.ASYNC.S"):
+                assert instruction in sass, (instruction, GEMM_VARIANTS[i])
 
 
 def test_decode_wgmmas_advance_one_64_bit_descriptor(compiled):

@@ -34,12 +34,20 @@ def run_prepared(p, **overrides):
     return ops.fused_moe(*prepared_args(p), **p.op_kwargs(weight_layout="sm90", **overrides))
 
 
-def run_reference(p, **overrides):
+def run_pipeline(p, *, reference, per_token_path=None, **overrides):
+    """`fp4moe.pipeline.fused_moe` on the problem's prepared weights: every stage on the reference backend
+    (`reference`) or on the device's, optionally on a forced per-token path."""
     kwargs = dict(p.op_kwargs(**overrides))
     args = dict(zip(("x", "topk_ids", "topk_weights", "w1", "w1_scales", "w1_alpha", "w2", "w2_scales", "w2_alpha"), prepared_args(p)))
     defaults = dict(swiglu_alpha=None, swiglu_beta=None, swiglu_limit=None, apply_router_weight_on_input=False,
                     deterministic=False, num_local_experts=None, x_scales=None, global_num_experts=None)
-    return pipeline.fused_moe(**args, **{**defaults, **kwargs, "weight_layout": "sm90"}, reference=True)
+    return pipeline.fused_moe(
+        **args, **{**defaults, **kwargs, "weight_layout": "sm90"}, reference=reference, per_token_path=per_token_path
+    )
+
+
+def run_reference(p, **overrides):
+    return run_pipeline(p, reference=True, **overrides)
 
 
 def test_dispatch_reports_the_kernels_of_every_stage():
@@ -51,6 +59,67 @@ def test_dispatch_reports_the_kernels_of_every_stage():
     # The sm90 GEMM1 writes the aux-amax handoff over 8-column tiles.
     assert (w4a4.per_token_path, w4a4.aux_amax_tile_n) == (dispatch.AUX_AMAX_PATH, 8)
     assert fp4moe.moe_dispatch(3, 8, 256, "w4a4", True, device="cuda").per_token_path == dispatch.RESCAN_PATH
+
+
+def test_dispatch_has_gemm2_quantize_the_rescan_paths_intermediate_at_decode_tiles():
+    # On its own rescan path (T < 4) with 8-row plan tiles and I >= 2048 GEMM2 quantizes the intermediate
+    # itself; the aux-amax path, the rescan path forced at T >= 4, smaller I and larger tiles keep the
+    # quantization kernel.
+    def quantization(tokens, intermediate=2048):
+        choice = fp4moe.moe_dispatch(tokens, 8, 256, "w4a4", True, device="cuda", intermediate_size=intermediate)
+        return choice.tile_m, choice.intermediate_quantization
+
+    assert quantization(1) == quantization(3) == (8, dispatch.QUANTIZATION_IN_GEMM2)
+    assert quantization(4) == (8, dispatch.QUANTIZATION_KERNEL)  # the aux-amax path
+    assert quantization(1, 1536) == (8, dispatch.QUANTIZATION_KERNEL)  # GLM's: items of 2-4 k tiles
+    assert quantization(1, None) == (8, dispatch.QUANTIZATION_KERNEL)  # I not given
+    forced = dispatch.intermediate_quantization(dispatch.RESCAN_PATH, dispatch.CUTE_SM90_BACKEND, 8, 8, 2048)
+    assert forced == dispatch.QUANTIZATION_KERNEL  # the rescan path forced at T >= 4
+    assert fp4moe.moe_dispatch(1, 8, 256, "w4a4", False, device="cuda").intermediate_quantization is None
+
+
+def spread_rows(rows, k, seed):
+    """bf16 [rows, k] whose rows' magnitudes spread over many binades, with (as far as there are rows
+    after the first) a zero row, a row holding a NaN, one holding an inf and one of subnormal-scale
+    values: every branch of the block math."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, k, generator=g, device="cuda") * torch.exp2(torch.randn(rows, 1, generator=g, device="cuda") * 6)
+    specials = [0.0, float("nan"), float("inf"), 1e-38]
+    for i, value in enumerate(specials[: rows - 1]):  # row 0 stays an ordinary row
+        row = i + 1
+        if value == 1e-38:
+            x[row] *= 1e-38 / x[row].abs().max()
+        elif value == 0.0:
+            x[row] = 0.0
+        else:
+            x[row, (5 * i) % k] = value
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(("tokens", "intermediate"), [(1, 128), (3, 256), (40, 128)])
+def test_gemm2_quantizing_its_rows_equals_the_quantizer_then_gemm2_bitwise(tokens, intermediate):
+    # GEMM2 of 8-row tiles quantizing the bf16 intermediate per token itself (the rescan path, into its
+    # activation panels) against the per-token quantizer followed by GEMM2 on its output: the same MMAs
+    # in the same order, so the per-pair rows (deterministic finalize) are bitwise equal. 1 and 3 tokens:
+    # one and two k slices' worth of rows per tile; 40 tokens on 8 experts: several items per CTA (both
+    # panels) and full tiles.
+    from fp4moe import nvfp4
+    from fp4moe.kernels.sm90 import moe_launch, quantize_launch
+
+    p = make_problem(tokens=tokens, hidden=256, intermediate=intermediate, num_experts=8, top_k=2,
+                     mode="w4a4_per_token", device="cuda", seed=60 + tokens)
+    w = p.weights.prepared()
+    _, w2_alpha = p.alphas
+    (permuted_to_pair, _, tile_expert, _, _), _ = moe_launch.plan(p.topk_ids, 8, 0, 8)
+    intermediate_rows = spread_rows(permuted_to_pair.shape[0], w.w2.shape[2] * 64, seed=tokens)
+    args = (permuted_to_pair, tile_expert, w.w2, w.w2_scales, w2_alpha, "sm90", p.topk_weights, tokens, 2, 256, None)
+    gsi = nvfp4.DEFAULT_GLOBAL_SCALE_INV
+    fused = moe_launch.gemm2(intermediate_rows, None, None, *args, quantize=("per_token", gsi))
+    values, per_token_scale = quantize_launch.quantize_per_token_decoded(intermediate_rows, gsi, None, None)
+    separate = moe_launch.gemm2(values, None, per_token_scale, *args)
+    live = permuted_to_pair[(permuted_to_pair >= 0) & (permuted_to_pair < 2 * tokens)].long()
+    assert_bitwise_equal(fused[live], separate[live])
+    assert separate[live].isfinite().any()
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "relu2"])
@@ -262,19 +331,36 @@ def test_wide_decode_tiles_match_the_loop_reference(mode, deterministic):
     assert_moe_close(run_prepared(p), loop_reference(p))
 
 
-def test_seven_group_decode_tiles_match_the_loop_reference():
-    # 28 row blocks of 64 and 32 expected tiles: 256-feature GEMM2 items leave a partial wave that
-    # splitting K does not balance, so the fused GEMM2 takes CTAs of seven consumer groups.
+@pytest.mark.parametrize(("mode", "tokens", "experts", "intermediate"), [("w4a16", 4, 64, 256), ("w4a4_per_token", 3, 32, 2048)])
+def test_seven_group_decode_tiles_match_the_loop_reference(mode, tokens, experts, intermediate):
+    # 28 row blocks of 64 and few expected tiles: 256-feature GEMM2 items leave a partial wave that
+    # splitting K does not balance, so the fused GEMM2 takes CTAs of seven consumer groups. Per-token
+    # W4A4 at T = 3 and I = 2048: GEMM2 quantizes its rows in those CTAs (four slices of K).
     from fp4moe.kernels.sm90 import moe_launch
 
-    p = make_problem(tokens=4, hidden=1792, intermediate=256, num_experts=64, top_k=8, mode="w4a16", device="cuda",
-                     seed=50)
+    p = make_problem(tokens=tokens, hidden=1792, intermediate=intermediate, num_experts=experts, top_k=8, mode=mode,
+                     device="cuda", seed=50)
     w2 = p.weights.prepared().w2
-    tile = dispatch.moe_tile_m(4, 8, 64)
-    shape = moe_launch.GemmShape(w2.shape, tile, moe_launch.expected_tiles(32, 64, tile), moe_launch.sm_count(0))
-    chosen, _ = moe_launch.fused_gemm2_tiling(shape)
+    tile = dispatch.moe_tile_m(tokens, 8, experts)
+    expected = moe_launch.expected_tiles(tokens * 8, experts, tile)
+    chosen, _ = moe_launch.fused_gemm2_tiling(moe_launch.GemmShape(w2.shape, tile, expected, moe_launch.sm_count(0)))
     assert chosen.tile_features == moe_launch.SEVEN_GROUP_FEATURES
+    choice = fp4moe.moe_dispatch(tokens, 8, experts, "w4a4", True, device="cuda", intermediate_size=intermediate)
+    assert (choice.intermediate_quantization == dispatch.QUANTIZATION_IN_GEMM2) == (mode == "w4a4_per_token")
     assert_moe_close(run_prepared(p), loop_reference(p))
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3])
+def test_gemm2_quantizing_its_rows_matches_the_reference_pipeline(tokens):
+    # Per-token W4A4 where `fused_moe` has GEMM2 quantize the intermediate itself (I = 2048, T < 4), in
+    # both finalize modes: bitwise against the quantization kernel's path in deterministic mode.
+    p = make_problem(tokens=tokens, hidden=256, intermediate=2048, num_experts=16, top_k=4, mode="w4a4_per_token",
+                     device="cuda", seed=80 + tokens, deterministic=True)
+    choice = fp4moe.moe_dispatch(tokens, 4, 16, "w4a4", True, device="cuda", intermediate_size=2048)
+    assert choice.intermediate_quantization == dispatch.QUANTIZATION_IN_GEMM2
+    out = run_prepared(p)
+    assert_moe_close(out, run_reference(p))
+    assert_moe_close(run_prepared(p, deterministic=False), out)
 
 
 def test_skewed_routing_all_tokens_on_one_expert_and_every_expert_once():

@@ -240,11 +240,18 @@ def moe_gemm2(
 
 def gemm2(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w2, w2_scales, w2_alpha, layout,
-    router_weights, num_tokens, top_k, hidden, accumulator, *, expected_pairs=None,
+    router_weights, num_tokens, top_k, hidden, accumulator, *, expected_pairs=None, quantize=None,
 ):
     """The pipeline's GEMM2 stage: adds every live row's FP32 output into `accumulator` [T, hidden] at
     its token (fused finalize), or, without one, returns the FP32 [T*k, hidden] per-pair rows (zeros
-    for non-local pairs). `expected_pairs` is unused, as in `gemm1`."""
+    for non-local pairs). `expected_pairs` is unused, as in `gemm1`. `quantize` = ("per_token",
+    global_scale_inv): `a` is bf16 and is first quantized per token (the rescan path, linear scales, no
+    4-over-6), as the pipeline's intermediate quantization would."""
+    if quantize is not None:
+        _, global_scale_inv = quantize
+        a, a_scales, a_per_token_scale = reference_quantize.quantize_per_token(
+            a, global_scale_inv, "linear", "off", None, None
+        )
     w2, w2_scales = weight_layout.as_linear(w2, w2_scales, layout, gated=False, rows=hidden, k=_input_k(a, a_scales))
     num_pairs = num_tokens * top_k
     live, pair, tile_expert, row_expert = plan_rows(permuted_to_pair, tile_expert, w2.shape[0], num_pairs)

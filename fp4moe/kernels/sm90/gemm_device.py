@@ -107,6 +107,36 @@ def load_shared_v2(smem_address, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def store_shared_v4(smem_address, words, *, loc=None, ip=None) -> None:
+    """Four 32-bit words to a 16-byte aligned shared-memory address."""
+    _asm(
+        None, "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r", (Int32(smem_address), *map(Uint32, words)), True,
+        loc, ip,
+    )
+
+
+@dsl_user_op
+def load_global_v4(gmem_address, loads, *, loc=None, ip=None):
+    """Four 32-bit words from a 16-byte aligned global address where `loads` is non-zero, else zeros
+    (the load predicated off), through L2 only (`.cg`: data a predecessor kernel wrote). Side-effecting,
+    so that it stays below the wait for that kernel."""
+    struct = llvm.StructType.get_literal([T.i32()] * 4)
+    ptx = (
+        "{ .reg .pred p; setp.ne.b32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;"
+        " @p ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4]; }"
+    )
+    result = _asm(struct, ptx, "=r,=r,=r,=r,l,r", (Int64(gmem_address), Int32(loads)), True, loc, ip)
+    return tuple(Uint32(llvm.extractvalue(T.i32(), result, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def bf16x2(low, high, *, loc=None, ip=None) -> Uint32:
+    """Two FP32 values rounded to bf16 and packed, `low` in the low half."""
+    ptx = "cvt.rn.bf16x2.f32 $0, $2, $1;"
+    return Uint32(_asm(T.i32(), ptx, "=r,f,f", (Float32(low), Float32(high)), False, loc, ip))
+
+
+@dsl_user_op
 def reduce_add_f32(gmem_address, value, *, loc=None, ip=None) -> None:
     """`red.global.add.f32`: an atomic FP32 addition without a returned value."""
     _asm(None, "red.global.add.f32 [$0], $1;", "l,f", (Int64(gmem_address), Float32(value)), True, loc, ip)

@@ -105,10 +105,16 @@ def variant_rows(tile_rows: int, row_granule: int) -> list[int]:
     return list(range(first, tile_rows + 1, row_granule))
 
 
-def stage_bytes(tile_features: int, tile_rows: int, tile_k: int) -> int:
-    """Shared memory of one pipeline stage: weight codes, scales and the activation tile."""
+def stage_bytes(tile_features: int, tile_rows: int, tile_k: int, with_activations: bool = True) -> int:
+    """Shared memory of one pipeline stage: weight codes, scales and (`with_activations`) the activation tile."""
     tiles = (tile_features // weight_layout.ROW_BLOCK) * (tile_k // weight_layout.K_TILE)
-    return tiles * (weight_layout.CODE_BYTES + weight_layout.SCALE_BYTES) + tile_rows * tile_k * 2
+    return tiles * (weight_layout.CODE_BYTES + weight_layout.SCALE_BYTES) + tile_rows * tile_k * 2 * with_activations
+
+
+def panel_bytes(tile_rows: int, item_k: int) -> int:
+    """Shared memory of a quantizing GEMM's activation panels (`MoEGemmSm90(quantizes_rows=True)`): an
+    item's `tile_rows` rows over its `item_k` columns, for two items."""
+    return 2 * tile_rows * item_k * 2
 
 
 MAX_REGISTERS = 248
@@ -131,9 +137,24 @@ def activation_copies(tile_rows: int, tile_k: int) -> int:
     return -(-tile_rows // (WARPGROUP_THREADS // (tile_k // CHUNK_ELEMENTS)))
 
 
-def producer_registers(tile_rows: int) -> int:
-    """Registers per producer thread (`setmaxnreg.dec`) for tiles of `tile_rows` rows."""
+def producer_registers(tile_rows: int, quantizing: bool = False) -> int:
+    """Registers per producer thread (`setmaxnreg.dec`) for tiles of `tile_rows` rows; `quantizing`: the
+    producer quantizes the activation rows it loads (`QUANTIZING_PRODUCER_REGISTERS`)."""
+    if quantizing:
+        return QUANTIZING_PRODUCER_REGISTERS
     return LOADS_AHEAD_PRODUCER_REGISTERS if tile_rows <= LOADS_AHEAD_TILE_ROWS else PRODUCER_REGISTERS
+
+
+QUANTIZING_PRODUCER_REGISTERS = 56
+"""The producer's registers in tiles that quantize their rows (`MoEGemmSm90(quantizes_rows=True)`):
+a row scan's loads in flight, a chunk's eight values and its block's scales."""
+PANEL_WARPS = 3
+"""Producer warps that quantize an item's rows into its panel (warps 1-3); warp 0 loads the weights."""
+PANEL_BARRIER = 15
+"""The named barrier of the panel warps (the row scan's exchange of warp maxima): above the consumers'
+(`EXCHANGE_BARRIER`)."""
+ROW_SCAN_LOADS = 4
+"""16-byte loads a panel thread has in flight at once while it scans a row for its maximum."""
 
 
 WIDE_CONSUMER_FEATURES = 256
@@ -154,21 +175,23 @@ def consumer_warpgroups(tile_features: int, tile_rows: int) -> int:
     return tile_features // weight_layout.ROW_BLOCK // blocks_per_consumer(tile_features, tile_rows)
 
 
-def consumer_registers(tile_features: int, tile_rows: int, ctas_per_sm: int) -> int:
+def consumer_registers(tile_features: int, tile_rows: int, ctas_per_sm: int, quantizing: bool = False) -> int:
     """Registers per consumer thread (`setmaxnreg.inc`): the CTA's share of the register file is what
     ptxas gives every thread at entry (`65536 / (CTAs x threads)`, down to a multiple of 8), and the
     consumers may take only what the producer warpgroup's decrease returns to it — asking for more
     than the pool holds never completes."""
     threads = WARPGROUP_THREADS * (1 + consumer_warpgroups(tile_features, tile_rows))
     entry = min(MAX_REGISTERS, 65536 // (ctas_per_sm * threads) // 8 * 8)
-    pool = threads * entry - WARPGROUP_THREADS * producer_registers(tile_rows)
+    pool = threads * entry - WARPGROUP_THREADS * producer_registers(tile_rows, quantizing)
     return min(MAX_CONSUMER_REGISTERS, pool // (threads - WARPGROUP_THREADS) // 8 * 8)
 
 
-def pipeline_stages(tile_features: int, tile_rows: int, tile_k: int, ctas_per_sm: int) -> int:
-    """As many stages as fit `ctas_per_sm` CTAs in an SM's shared memory, at most `MAX_STAGES`."""
+def pipeline_stages(tile_features: int, tile_rows: int, tile_k: int, ctas_per_sm: int, panel_k: int = 0) -> int:
+    """As many stages as fit `ctas_per_sm` CTAs in an SM's shared memory, at most `MAX_STAGES`; with
+    `panel_k`, beside the activation panels of items of that many columns, in stages of weights only."""
     budget = SHARED_MEMORY_BYTES // ctas_per_sm - 4096 - staged_row_bytes(tile_rows)  # barriers, alignment
-    return max(2, min(MAX_STAGES, budget // stage_bytes(tile_features, tile_rows, tile_k)))
+    budget -= panel_bytes(tile_rows, panel_k)
+    return max(2, min(MAX_STAGES, budget // stage_bytes(tile_features, tile_rows, tile_k, panel_k == 0)))
 
 
 class MoEGemmSm90:
@@ -212,6 +235,18 @@ class MoEGemmSm90:
 
     GEMM2's thread 0 prefetches its first item's weights into L2 before waiting for GEMM1
     (`prefetch_first_items`), so that the weight stream continues across the two launches.
+
+    With `quantizes_rows` (per-token W4A4 on the rescan path, decode tiles) the activation rows arrive
+    in bf16 and the producer quantizes them to NVFP4 (docs/semantics.md §2.2, §1.5) before the item's
+    MMAs, writing the codes' exact values `e2m1 * sf` — what the GEMM would read from the per-token
+    quantizer's output — into the item's activation panel, all of the item's k tiles in one B operand
+    of `2 * k_iterations` tiles (two items' panels): no quantization kernel runs between the GEMM and
+    its predecessor. The producer warpgroup splits: warp 0 loads the weights into the stages (whose
+    `full` barrier then counts their bytes only), warps 1-3 fill the panel (`quantize_panel`): they
+    scan each used row for its maximum, then quantize the item's columns of it with every lane busy,
+    and hand the panel and the rows' per-token scales to the consumers through `rows_full` /
+    `rows_empty`. Per k tile the consumers read the panel's tile instead of a stage's. Quantizing in
+    the k loop instead costs the consumers' instruction issue more than the hop it saves (runs log).
     """
 
     def __init__(
@@ -244,6 +279,8 @@ class MoEGemmSm90:
         nvfp4_out: bool = False,
         up_alpha: bool = False,
         output_scaled: bool = False,
+        quantizes_rows: bool = False,
+        per_token_numerator: float | None = None,
     ):
         assert epilogue in EPILOGUES
         assert tile_features in (64, 128, 256, 448) and prepared_rows % tile_features == 0
@@ -277,7 +314,6 @@ class MoEGemmSm90:
         self.activation = activation
         self.swiglu = (swiglu_alpha, swiglu_beta, swiglu_limit)
         self.router_weighted = router_weighted
-        self.row_scaled = row_scaled
         assert not float32_out or epilogue == "gemm1"
         assert not aux_amax or (epilogue == "gemm1" and not float32_out)
         assert not nvfp4_out or (epilogue == "gemm1" and not float32_out and not aux_amax)
@@ -295,13 +331,25 @@ class MoEGemmSm90:
         self.feature_blocks = self.row_blocks // self.cta_row_blocks
         self.threads = WARPGROUP_THREADS * (1 + self.consumer_groups)
         self.staged_rows = tile_rows > EARLY_ROWS_TILE_ROWS
+        assert not quantizes_rows or (tile_rows <= INLINE_WGMMA_TILE_ROWS and act_k % 16 == 0 and not row_scaled)
+        assert quantizes_rows == (per_token_numerator is not None)
+        self.quantizes_rows = quantizes_rows
+        self.per_token_numerator = per_token_numerator
+        self.row_scaled = row_scaled or quantizes_rows
         staged = 2 * tile_rows if self.staged_rows else 1
-        self.staged_sizes = (staged, staged if router_weighted else 1, staged if row_scaled else 1)
+        # Staged rows' scales, or a quantizing producer's per-token scales (`quantize_panel`).
+        scale_slots = 2 * tile_rows if (self.staged_rows and row_scaled) or quantizes_rows else 1
+        self.staged_sizes = (staged, staged if router_weighted else 1, scale_slots)
+        # The row scan's warp maxima: one FP32 per (row, producer warp), for two items.
+        self.row_maxima_floats = 2 * tile_rows * PANEL_WARPS if quantizes_rows else 1
         # SwiGLU's NVFP4 blocks of 16 features span two warps (8 features each): their row maxima
         # meet in shared memory, one FP32 per (consumer warp, row of an epilogue chunk).
         self.exchange_floats = 4 * self.consumer_groups * self.epilogue_rows if nvfp4_out and activation == "swiglu" else 1
         self.k_splits = k_splits
         self.k_iterations = prepared_k // tile_k // k_splits  # k tiles per work item
+        # B tiles of shared memory: one per stage, or the activation panels' (two items of k tiles each).
+        self.b_tiles = 2 * self.k_iterations if quantizes_rows else stages
+        self.rows_full_arrivals = PANEL_WARPS * WARP_SIZE if quantizes_rows else WARPGROUP_THREADS
         self.k64_per_tile = tile_k // weight_layout.K_TILE
         self.k16_per_tile = tile_k // 16
         self.code_bytes = self.k64_per_tile * weight_layout.CODE_BYTES
@@ -329,7 +377,7 @@ class MoEGemmSm90:
     ):
         tiled_mma = self.tiled_mma(self.tile_rows)
         b_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, (weight_layout.ROW_BLOCK, self.tile_rows, self.tile_k), BFloat16, self.stages
+            LayoutEnum.ROW_MAJOR, (weight_layout.ROW_BLOCK, self.tile_rows, self.tile_k), BFloat16, self.b_tiles
         )
 
         @cute.struct
@@ -345,6 +393,7 @@ class MoEGemmSm90:
             row_weights: cute.struct.MemRange[Float32, self.staged_sizes[1]]
             row_scale_values: cute.struct.MemRange[Float32, self.staged_sizes[2]]
             block_maxima: cute.struct.MemRange[Float32, self.exchange_floats]
+            row_maxima: cute.struct.MemRange[Float32, self.row_maxima_floats]
 
         fits = SM_SHARED_MEMORY_BYTES // self.ctas_per_sm - 1024
         assert SharedStorage.size_in_bytes() <= fits, f"{SharedStorage.size_in_bytes()} bytes of shared memory"
@@ -383,10 +432,11 @@ class MoEGemmSm90:
         empty = storage.empty.data_ptr()
         if tidx == 0:  # shared memory only: overlaps the predecessor's tail (PDL)
             for s in cutlass.range_constexpr(self.stages):
-                cute.arch.mbarrier_init(full + s, 1 + WARPGROUP_THREADS)
+                # Thread 0's expected bytes, and each producer thread's `cp.async` copies (not with panels).
+                cute.arch.mbarrier_init(full + s, 1 if self.quantizes_rows else 1 + WARPGROUP_THREADS)
                 cute.arch.mbarrier_init(empty + s, WARPGROUP_THREADS * self.consumer_groups)
             for b in cutlass.range_constexpr(2):
-                cute.arch.mbarrier_init(storage.rows_full.data_ptr() + b, WARPGROUP_THREADS)
+                cute.arch.mbarrier_init(storage.rows_full.data_ptr() + b, self.rows_full_arrivals)
                 cute.arch.mbarrier_init(storage.rows_empty.data_ptr() + b, WARPGROUP_THREADS * self.consumer_groups)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -396,13 +446,15 @@ class MoEGemmSm90:
         wait_for_predecessor_and_release_successor()
         num_pairs = self.pair_count(mAct, mOut)
         if group == 0:
-            cute.arch.setmaxregister_decrease(producer_registers(self.tile_rows))
+            cute.arch.setmaxregister_decrease(producer_registers(self.tile_rows, self.quantizes_rows))
             self.produce(
                 b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
                 (mRouterWeights, mRowScales),
             )
         else:
-            cute.arch.setmaxregister_increase(consumer_registers(self.tile_features, self.tile_rows, self.ctas_per_sm))
+            cute.arch.setmaxregister_increase(
+                consumer_registers(self.tile_features, self.tile_rows, self.ctas_per_sm, self.quantizes_rows)
+            )
             self.consume(
                 storage, tiled_mma, b_layout, mAlpha, (mRouterWeights, mRowScales), mPermutedToPair, mTileExpert,
                 (mOut, mAuxAmax, mOutputScale, storage.block_maxima.get_tensor(cute.make_layout(self.exchange_floats))),
@@ -521,10 +573,18 @@ class MoEGemmSm90:
             if expert >= 0:
                 if const_expr(self.staged_rows):
                     self.stage_rows(storage, row_factors, mPermutedToPair, num_pairs, tile, iteration // self.k_iterations)
-                self.produce_item(
-                    b_layout, mCodes, mScales, mAct, mPermutedToPair, num_pairs, full, empty, storage, tile,
-                    feature_block, expert, k_first, iteration,
-                )
+                if const_expr(self.quantizes_rows):
+                    if cute.arch.thread_idx()[0] < WARP_SIZE:
+                        self.load_item_weights(mCodes, mScales, full, empty, storage, feature_block, expert, k_first, iteration)
+                    else:
+                        self.quantize_panel(
+                            storage, b_layout, mAct, mPermutedToPair, num_pairs, tile, k_first, iteration // self.k_iterations
+                        )
+                else:
+                    self.produce_item(
+                        b_layout, mCodes, mScales, mAct, mPermutedToPair, num_pairs, full, empty, storage, tile,
+                        feature_block, expert, k_first, iteration,
+                    )
                 iteration += self.k_iterations
 
     def staged_view(self, storage, item_number):
@@ -570,7 +630,7 @@ class MoEGemmSm90:
         weight, scale = None, None
         if self.router_weighted:
             weight = router_weights[cutlass.select_(valid, pair, Int32(0))]
-        if self.row_scaled:
+        if self.row_scaled and not self.quantizes_rows:
             if self.epilogue == "gemm1":
                 scale = row_scales[cutlass.select_(valid, pair, Int32(0)) // self.top_k]
             else:
@@ -604,8 +664,7 @@ class MoEGemmSm90:
             if n < self.tile_rows:
                 pair = mPermutedToPair[tile * self.tile_rows + n]
                 if (pair >= 0) & (pair < num_pairs):
-                    source = pair // self.top_k if const_expr(self.epilogue == "gemm1") else tile * self.tile_rows + n
-                    row_chunks[i] = source * act_row_chunks
+                    row_chunks[i] = self.source_row(pair, tile, n) * act_row_chunks
                     row_used[i] = Int32(1)
         act_smem = storage.act.data_ptr().toint() + dev.swizzle_128b(
             cute.crd2idx((first_row, column_chunk * CHUNK_ELEMENTS, 0), b_layout.outer) * 2
@@ -613,49 +672,190 @@ class MoEGemmSm90:
         row_step_bytes = cute.crd2idx((self.copy_row_step, 0, 0), b_layout.outer) * 2
         stage_act_bytes = cute.crd2idx((0, 0, 1), b_layout.outer) * 2
 
-        codes_smem = storage.codes.data_ptr().toint()
-        scales_smem = storage.scales.data_ptr().toint()
-        first_block = self.weight_block(expert, feature_block)
-        codes_gmem = mCodes.iterator.toint()
-        scales_gmem = mScales.iterator.toint()
-        act_gmem = mAct.iterator.toint()
         stage, phase = self.stage_and_phase(iteration)
+        copies = (act_smem, row_step_bytes, stage_act_bytes, column_chunk, first_row, row_chunks, row_used)
+        weights = (mCodes, mScales, storage, self.weight_block(expert, feature_block), k_first)
         for k in cutlass.range(self.k_iterations, unroll=1):
-            cute.arch.mbarrier_wait(empty + stage, phase ^ 1)
-            if thread == 0:
-                barrier = (full + stage).toint()
-                cute.arch.mbarrier_arrive_and_expect_tx(
-                    full + stage, self.cta_row_blocks * (self.code_bytes + self.scale_bytes)
-                )
-                for g in cutlass.range_constexpr(self.cta_row_blocks):
-                    tile_index = self.weight_tile(first_block + g, k_first + k)
-                    smem_slot = stage * self.cta_row_blocks + g
-                    dev.bulk_copy_to_shared(
-                        codes_smem + smem_slot * self.code_bytes,
-                        codes_gmem + tile_index * weight_layout.CODE_BYTES,
-                        self.code_bytes,
-                        barrier,
-                    )
-                    dev.bulk_copy_to_shared(
-                        scales_smem + smem_slot * self.scale_bytes,
-                        scales_gmem + tile_index * weight_layout.SCALE_BYTES,
-                        self.scale_bytes,
-                        barrier,
-                    )
-            column = (k_first + k) * self.tile_k + column_chunk * CHUNK_ELEMENTS
-            column_address = act_gmem + Int64(column) * 2
-            # A k tile past K (prepared K above the activations') zero-fills its columns.
-            column_bytes = None if const_expr(self.act_k % self.tile_k == 0) else cutlass.select_(
-                column < self.act_k, Int32(16), Int32(0)
-            )
-            stage_smem = act_smem + stage * stage_act_bytes
-            for i in cutlass.range_constexpr(self.copies_per_thread):
-                if const_expr(self.tile_rows % self.copy_row_step == 0):
-                    self.copy_row_chunk(stage_smem + i * row_step_bytes, column_address, row_chunks[i], row_used[i], column_bytes)
-                elif first_row + i * self.copy_row_step < self.tile_rows:
-                    self.copy_row_chunk(stage_smem + i * row_step_bytes, column_address, row_chunks[i], row_used[i], column_bytes)
+            self.load_k_tile(k, stage, phase, full, empty, weights, mAct, copies)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
             stage, phase = self.next_stage(stage, phase)
+
+    @cute.jit
+    def load_item_weights(self, mCodes, mScales, full, empty, storage, feature_block, expert, k_first, iteration):
+        """The item's weights into the stages (warp 0 of a quantizing producer; thread 0 copies)."""
+        stage, phase = self.stage_and_phase(iteration)
+        weights = (mCodes, mScales, storage, self.weight_block(expert, feature_block), k_first)
+        for k in cutlass.range(self.k_iterations, unroll=1):
+            self.load_k_tile(k, stage, phase, full, empty, weights)
+            stage, phase = self.next_stage(stage, phase)
+
+    @cute.jit
+    def load_k_tile(self, k, stage, phase, full, empty, weights, mAct=None, copies=None):
+        """Item k tile `k` into pipeline `stage` once the consumers have released it: thread 0's bulk
+        copies of the weights (`full` expects their bytes) and, with `copies` (`produce_item`'s: where
+        they go, the thread's column chunk and rows), every thread's `cp.async` copies of its activation
+        chunks, whose arrival on `full` the caller adds."""
+        mCodes, mScales, storage, first_block, k_first = weights
+        cute.arch.mbarrier_wait(empty + stage, phase ^ 1)
+        if cute.arch.thread_idx()[0] == 0:
+            barrier = (full + stage).toint()
+            cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.cta_row_blocks * (self.code_bytes + self.scale_bytes))
+            for g in cutlass.range_constexpr(self.cta_row_blocks):
+                tile_index = self.weight_tile(first_block + g, k_first + k)
+                smem_slot = stage * self.cta_row_blocks + g
+                dev.bulk_copy_to_shared(
+                    storage.codes.data_ptr().toint() + smem_slot * self.code_bytes,
+                    mCodes.iterator.toint() + tile_index * weight_layout.CODE_BYTES,
+                    self.code_bytes,
+                    barrier,
+                )
+                dev.bulk_copy_to_shared(
+                    storage.scales.data_ptr().toint() + smem_slot * self.scale_bytes,
+                    mScales.iterator.toint() + tile_index * weight_layout.SCALE_BYTES,
+                    self.scale_bytes,
+                    barrier,
+                )
+        if const_expr(copies is not None):
+            self.copy_k_tile(k, stage, k_first, mAct, copies)
+
+    @cute.jit
+    def copy_k_tile(self, k, stage, k_first, mAct, copies):
+        act_smem, row_step_bytes, stage_act_bytes, column_chunk, first_row, row_chunks, row_used = copies
+        column = (k_first + k) * self.tile_k + column_chunk * CHUNK_ELEMENTS
+        column_address = mAct.iterator.toint() + Int64(column) * 2
+        # A k tile past K (prepared K above the activations') zero-fills its columns.
+        column_bytes = None if const_expr(self.act_k % self.tile_k == 0) else cutlass.select_(
+            column < self.act_k, Int32(16), Int32(0)
+        )
+        stage_smem = act_smem + stage * stage_act_bytes
+        for i in cutlass.range_constexpr(self.copies_per_thread):
+            if const_expr(self.tile_rows % self.copy_row_step == 0):
+                self.copy_row_chunk(stage_smem + i * row_step_bytes, column_address, row_chunks[i], row_used[i], column_bytes)
+            elif first_row + i * self.copy_row_step < self.tile_rows:
+                self.copy_row_chunk(stage_smem + i * row_step_bytes, column_address, row_chunks[i], row_used[i], column_bytes)
+
+    @cute.jit
+    def quantize_panel(self, storage, b_layout, mAct, mPermutedToPair, num_pairs, tile, k_first, item_number):
+        """Producer warps 1-3: the item's rows, quantized per token, into panel `item_number % 2`
+        (`quantizes_rows`), once the consumers have released it (`rows_empty`).
+
+        First each row holding a pair is scanned for its maximum magnitude (NaN ignored, from +0: the
+        per-token quantizer's rescan): its 16-byte chunks spread over the 96 threads, `ROW_SCAN_LOADS`
+        loads in flight each, a packed bf16 maximum (exact), one `redux.sync` per warp, the warps' maxima
+        into shared memory, one barrier of the three warps. Then per such row its encode scale
+        `enc = min(RN(numerator / amax), FLT_MAX)`, its per-token scale RN(1 / enc) (0 for a zero row)
+        for the epilogue, and the item's chunks of it, again over all the threads (a block's two chunks
+        on neighbouring lanes), quantized (`quantized_chunk`) and stored where the k tile's B operand
+        reads them. Columns past the activations' K are zeros. Rows without a pair are left as they
+        are: only their own accumulator columns read them. The stores are fenced for the `wgmma`s'
+        async proxy before the warps arrive on `rows_full`."""
+        thread = cute.arch.thread_idx()[0] - WARP_SIZE
+        threads = PANEL_WARPS * WARP_SIZE
+        warp = thread // WARP_SIZE
+        buffer = item_number % 2
+        maxima = storage.row_maxima.get_tensor(cute.make_layout(self.row_maxima_floats))
+        act = mAct.iterator.toint()
+        row_bytes = Int64(mAct.stride[0]) * 2
+        row_chunks = self.act_k // CHUNK_ELEMENTS
+        cute.arch.mbarrier_wait(storage.rows_empty.data_ptr() + buffer, ((item_number // 2) & 1) ^ 1)
+        for n in cutlass.range_constexpr(self.tile_rows):
+            pair = mPermutedToPair[tile * self.tile_rows + n]
+            if (pair >= 0) & (pair < num_pairs):  # the same row on every panel thread
+                row_address = act + Int64(self.source_row(pair, tile, n)) * row_bytes + Int64(thread) * 16
+                magnitudes = Uint32(0)
+                loads = -(-row_chunks // threads)
+                for first in cutlass.range_constexpr(0, loads, ROW_SCAN_LOADS):
+                    batch = []
+                    for j in cutlass.range_constexpr(first, min(first + ROW_SCAN_LOADS, loads)):
+                        present = Int32(1) if const_expr((j + 1) * threads <= row_chunks) else Int32(
+                            thread + j * threads < row_chunks
+                        )
+                        batch.append(dev.load_global_v4(row_address + j * threads * 16, present))
+                    for words in batch:
+                        for word in words:
+                            magnitudes = dev.max_bf16x2(magnitudes, word & Uint32(0x7FFF7FFF))
+                row_max = nv.max_num(nv.bf16_low_to_f32(magnitudes), nv.bf16_high_to_f32(magnitudes))
+                row_max = nv.warp_max_of_magnitudes(row_max)
+                if cute.arch.lane_idx() == 0:
+                    maxima[(buffer * self.tile_rows + n) * PANEL_WARPS + warp] = row_max
+        cute.arch.barrier(barrier_id=PANEL_BARRIER, number_of_threads=threads)
+
+        _, _, scales, offset = self.staged_view(storage, item_number)
+        tile_bytes = cute.crd2idx((0, 0, 1), b_layout.outer) * 2
+        panel = storage.act.data_ptr().toint() + buffer * self.k_iterations * tile_bytes
+        item_chunks = self.k_iterations * self.copy_columns
+        first_column = k_first * self.tile_k
+        numerator = Float32(self.per_token_numerator)
+        for n in cutlass.range_constexpr(self.tile_rows):
+            pair = mPermutedToPair[tile * self.tile_rows + n]
+            if (pair >= 0) & (pair < num_pairs):
+                row_max = maxima[(buffer * self.tile_rows + n) * PANEL_WARPS]
+                for w in cutlass.range_constexpr(1, PANEL_WARPS):
+                    row_max = nv.max_num(row_max, maxima[(buffer * self.tile_rows + n) * PANEL_WARPS + w])
+                encode_scale = nv.per_token_encode_scale(numerator, row_max)
+                inverse = nv.div_rn(Float32(1.0), encode_scale)
+                if thread == 0:
+                    scales[offset + n] = Float32(cutlass.select_(row_max == Float32(0.0), Float32(0.0), inverse))
+                factors = (nv.mul_rn(encode_scale, nv.f32_from_bits(nv.ONE_SIXTH_BITS)), inverse)
+                row_address = act + Int64(self.source_row(pair, tile, n)) * row_bytes
+                chunks = []
+                for j in cutlass.range_constexpr(-(-item_chunks // threads)):
+                    c = thread + j * threads
+                    column = first_column + c * CHUNK_ELEMENTS
+                    present = Int32((c < item_chunks) & (column < self.act_k))
+                    chunks.append((c, dev.load_global_v4(row_address + Int64(column) * 2, present)))
+                for c, words in chunks:
+                    values = self.quantized_chunk(words, factors)
+                    if c < item_chunks:
+                        k_tile = c // self.copy_columns
+                        within = cute.crd2idx(((n, (c % self.copy_columns) * CHUNK_ELEMENTS, 0)), b_layout.outer) * 2
+                        dev.store_shared_v4(panel + k_tile * tile_bytes + dev.swizzle_128b(within), values)
+        cute.arch.fence_view_async_shared()
+        cute.arch.mbarrier_arrive(storage.rows_full.data_ptr() + buffer)
+
+    def source_row(self, pair, tile, n):
+        """The activation row of plan row `n` of `tile` holding `pair`: the token's (GEMM1) or the plan
+        row itself (GEMM2). Plain Python, run while the kernel is traced."""
+        return pair // self.top_k if self.epilogue == "gemm1" else tile * self.tile_rows + n
+
+    @cute.jit
+    def quantized_chunk(self, words, factors):
+        """A 16-byte chunk (8 bf16 values, half of a 16-value block whose other half is the neighbouring
+        lane's: every lane of the warp takes part) as the exact bf16 values `e2m1(q_i) * sf` of its NVFP4
+        quantization, as the quantizers write them (`quantize.QuantizeSm90`, `decoded`): the block
+        maximum with NaN ignored and whether the block holds a NaN (packed bf16 maxima, one shuffle
+        each), the E4M3 block scale, the element factor s, then per value the E2M1 grid point of
+        RN(x * s) — from the FMA-pipe grids (`nvfp4_device.e2m1_value_magnitude`, the sign of x) where
+        they cover the block, else from the exact encoder — times sf; +0 times sf where the block
+        encodes as zeros. `factors`: (RN(enc * RN(1/6)), RN(1 / enc)) of the row's encode scale."""
+        sf_factor, inverse_scale = factors
+        with_nan = Uint32(0)
+        without_nan = Uint32(0)
+        for word in words:
+            with_nan = nv.abs_max_nan_bf16x2(with_nan, word)
+            without_nan = dev.max_bf16x2(without_nan, word & Uint32(0x7FFF7FFF))
+        with_nan = nv.abs_max_nan_bf16x2(with_nan, cute.arch.shuffle_sync_bfly(with_nan, 1))
+        without_nan = dev.max_bf16x2(without_nan, cute.arch.shuffle_sync_bfly(without_nan, 1))
+        has_nan = nv.is_nan(nv.abs_max_nan_f32(nv.bf16_low_to_f32(with_nan), nv.bf16_high_to_f32(with_nan)))
+        block_max = nv.max_num(nv.bf16_low_to_f32(without_nan), nv.bf16_high_to_f32(without_nan))
+        _, _, block_scale = nv.block_scale(block_max, sf_factor)
+        s = nv.element_scale(block_scale, inverse_scale)
+        zeros = nv.encodes_zeros(block_scale, s)
+        values = []
+        for word in words:
+            values += [nv.bf16_low_to_f32(word), nv.bf16_high_to_f32(word)]
+        grid = [Float32(0.0)] * CHUNK_ELEMENTS
+        if nv.fast_encoder_covers(block_max, has_nan, s):
+            grid = [
+                nv.f32_from_bits(
+                    nv.bits_from_f32(nv.e2m1_value_magnitude(nv.mul_rn(v, s))) | (nv.bits_from_f32(v) & Uint32(0x80000000))
+                )
+                for v in values
+            ]
+        else:
+            grid = [nv.decode_e2m1(nv.encode_e2m1(nv.mul_rn(v, s))) for v in values]
+        out = [nv.mul_rn(Float32(cutlass.select_(zeros, Float32(0.0), g)), block_scale) for g in grid]
+        return [dev.bf16x2(out[2 * p], out[2 * p + 1]) for p in range(4)]
 
     @cute.jit
     def copy_row_chunk(self, smem_address, column_address, row_chunk, row_used, column_bytes):
@@ -723,18 +923,22 @@ class MoEGemmSm90:
                 alpha = None if const_expr(self.staged_rows) else self.item_alpha(mAlpha, expert)
                 item_factors = row_factors
                 item_number = iteration // self.k_iterations
-                if const_expr(self.staged_rows):
+                if const_expr(self.staged_rows or self.quantizes_rows):
                     item_factors = (*row_factors, self.staged_view(storage, item_number))
                     cute.arch.mbarrier_wait(storage.rows_full.data_ptr() + item_number % 2, (item_number // 2) & 1)
-                else:
+                if const_expr(not self.staged_rows):
                     early_rows = self.chunk_rows(
-                        coordinates, tile * self.tile_rows, 0, row_factors, mPermutedToPair, num_pairs
+                        coordinates, tile * self.tile_rows, 0, item_factors, mPermutedToPair, num_pairs
                     )
                 for acc in accs:
                     acc.fill(0.0)
                 if const_expr(self.first_variant == self.row_variants):
+                    item_b_operand = b_operand
+                    if const_expr(self.quantizes_rows):  # the item's panel, rebuilt per item (one register fewer)
+                        item_b_operand = self.b_descriptors(storage, b_layout, (item_number % 2) * self.k_iterations)
                     self.mainloop(
-                        variants[self.row_variants], iteration, fragments, b_operand, full, empty, codes_smem, scales_smem
+                        variants[self.row_variants], iteration, fragments, item_b_operand, full, empty, codes_smem,
+                        scales_smem, self.quantizes_rows,
                     )
                 else:
                     granules = self.used_row_granules(item_factors, mPermutedToPair, num_pairs, tile, thread, group)
@@ -745,6 +949,10 @@ class MoEGemmSm90:
                             )
                 iteration += self.k_iterations
                 cute.arch.mbarrier_arrive(empty + (iteration - 1) % self.stages)
+                # The item's number again from the count (one register fewer across the k loop).
+                done = iteration // self.k_iterations - 1
+                if const_expr(self.quantizes_rows):
+                    early_rows = self.with_producer_scales(early_rows, coordinates, storage, done)
                 if const_expr(self.staged_rows):
                     alpha = self.item_alpha(mAlpha, expert)
                 for j in cutlass.range_constexpr(self.blocks_per_consumer):
@@ -752,8 +960,8 @@ class MoEGemmSm90:
                         accs[j], coordinates, alpha, item_factors, mPermutedToPair, num_pairs, outputs, tile,
                         feature_block, expert, group, first_block + j, early_rows,
                     )
-                if const_expr(self.staged_rows):
-                    cute.arch.mbarrier_arrive(storage.rows_empty.data_ptr() + item_number % 2)
+                if const_expr(self.staged_rows or self.quantizes_rows):
+                    cute.arch.mbarrier_arrive(storage.rows_empty.data_ptr() + done % 2)
 
     @cute.jit
     def used_row_granules(self, row_factors, mPermutedToPair, num_pairs, tile, thread, group):
@@ -783,11 +991,13 @@ class MoEGemmSm90:
         return granules
 
     @cute.jit
-    def mainloop(self, variant, iteration, fragments, b_operand, full, empty, codes_smem, scales_smem):
+    def mainloop(self, variant, iteration, fragments, b_operand, full, empty, codes_smem, scales_smem, panel=False):
+        """`panel`: k tile k's B tile is the k-th from `b_operand`'s (the item's activation panel,
+        `quantizes_rows`), not its stage's."""
         if const_expr(self.blocks_per_consumer == 2):
             self.mainloop_two_blocks(variant, iteration, fragments[0], b_operand, full, empty, codes_smem, scales_smem)
         else:
-            self.mainloop_one_block(variant, iteration, fragments, b_operand, full, empty, codes_smem, scales_smem)
+            self.mainloop_one_block(variant, iteration, fragments, b_operand, full, empty, codes_smem, scales_smem, panel)
 
     @cute.jit
     def mainloop_two_blocks(self, variant, iteration, fragments, b_operand, full, empty, codes_smem, scales_smem):
@@ -814,7 +1024,7 @@ class MoEGemmSm90:
         warpgroup.wait_group(0)
 
     @cute.jit
-    def mainloop_one_block(self, variant, iteration, fragments, b_operand, full, empty, codes_smem, scales_smem):
+    def mainloop_one_block(self, variant, iteration, fragments, b_operand, full, empty, codes_smem, scales_smem, panel=False):
         """The k loop of one item with one `variant` (its `wgmma` and the accumulator prefix it
         computes), to the completion of its last `wgmma`. The variant is static and no `wgmma` is in
         flight where the variants' branches meet: ptxas serializes every `wgmma` otherwise.
@@ -835,12 +1045,12 @@ class MoEGemmSm90:
             for j in cutlass.range_constexpr(2):
                 previous, stage, phase, words = self.mma_step(
                     variant, stage, phase, 2 * k2 + j, fragments[j], b_operand, full, empty, codes_smem, scales_smem,
-                    words, self.loads_next(j, 2 * k2 + 2 < steps), previous,
+                    words, self.loads_next(j, 2 * k2 + 2 < steps), previous, panel,
                 )
         if const_expr(steps % 2 == 1):
             self.mma_step(
                 variant, stage, phase, steps - 1, fragments[0], b_operand, full, empty, codes_smem, scales_smem, words,
-                False, previous,
+                False, previous, panel,
             )
         warpgroup.wait_group(0)
 
@@ -871,7 +1081,7 @@ class MoEGemmSm90:
     @cute.jit
     def mma_step(
         self, variant, stage, phase, k, fragment, b_operand, full, empty, codes_smem, scales_smem, words=None,
-        load_next=False, previous=None,
+        load_next=False, previous=None, panel=False,
     ):
         """k tile `k` of an item, in pipeline `stage` (barrier `phase`): decode the A fragment, issue
         the MMAs, release the previous k tile's stage once its MMAs are done (the item's last stage is
@@ -883,7 +1093,8 @@ class MoEGemmSm90:
         without them the step waits for its stage and loads them itself. With `load_next` (True, or a
         run-time condition) the step waits for the next k tile and loads its words between the decode
         and the `wgmma`s, where their latency hides behind the MMAs' issue and the wait for the
-        previous k tile's, and returns them as well, last (None where `load_next` is False)."""
+        previous k tile's, and returns them as well, last (None where `load_next` is False). With `panel`
+        the B tile is the panel's k-th, not the stage's."""
         next_stage, next_phase = self.next_stage(stage, phase)
         if const_expr(words is None):
             cute.arch.mbarrier_wait(full + stage, phase)
@@ -898,7 +1109,7 @@ class MoEGemmSm90:
             if load_next:
                 cute.arch.mbarrier_wait(full + next_stage, next_phase)
                 next_words = self.load_words(codes_smem, scales_smem, next_stage)
-        self.issue_mmas(variant, fragment, b_operand, stage)
+        self.issue_mmas(variant, fragment, b_operand, k if const_expr(panel) else stage)
         warpgroup.wait_group(1)
         if k > 0:
             if const_expr(self.inline_wgmma):
@@ -907,9 +1118,9 @@ class MoEGemmSm90:
                 cute.arch.mbarrier_arrive(empty + self.previous_stage(stage))
         return stage, next_stage, next_phase, next_words
 
-    def b_descriptors(self, storage, b_layout):
-        """(the B tile's descriptor low word at stage 0 and k 0, its high word, the descriptor units of
-        one stage, of each k16 step): `issue_mmas`' operands with `inline_wgmma`. The tile is K-major bf16
+    def b_descriptors(self, storage, b_layout, first_tile=0):
+        """(the B tile's descriptor low word at B tile `first_tile` and k 0, its high word, the descriptor
+        units of one B tile, of each k16 step): `issue_mmas`' operands with `inline_wgmma`. The tile is K-major bf16
         with the 128-byte swizzle (`sm90_utils.make_smem_layout_b` of a 128 K tile); offsets are the
         unswizzled layout's, in 16-byte units. Plain Python, run while the kernel is traced."""
         assert self.tile_k * 2 >= 128
@@ -918,20 +1129,21 @@ class MoEGemmSm90:
         high = Uint32(dev.SW128_K_MAJOR_DESCRIPTOR >> 32)
         stage_units = cute.crd2idx((0, 0, 1), b_layout.outer) * 2 // 16
         k_units = [cute.crd2idx((0, b * 16, 0), b_layout.outer) * 2 // 16 for b in range(self.k16_per_tile)]
-        return Uint32(low), high, stage_units, k_units
+        return Uint32(low) + Uint32(first_tile) * Uint32(stage_units), high, stage_units, k_units
 
     @cute.jit
-    def issue_mmas(self, variant, fragments, b_operand, stage, blocks=None):
+    def issue_mmas(self, variant, fragments, b_operand, b_tile, blocks=None):
         """The k tile's `wgmma`s (one per 16 K and weight block; of `blocks` only, where given) against
-        the B tile of `stage`, committed as one group. With `inline_wgmma`, inline PTX whose
-        descriptors are one 64-bit base per k tile plus an immediate per `wgmma`."""
+        B tile `b_tile` (a stage's, or the activation panel's), committed as one group. With
+        `inline_wgmma`, inline PTX whose descriptors are one 64-bit base per k tile plus an immediate per
+        `wgmma`."""
         warpgroup.fence()
         variant_mma, accs = variant
         if const_expr(self.inline_wgmma):
             acc = accs[0]  # decode tiles: one block per group
             fragment = fragments[0]
             low, high, stage_units, k_units = b_operand
-            stage_descriptor = dev.pack_descriptor(low + Uint32(stage) * Uint32(stage_units), high)
+            stage_descriptor = dev.pack_descriptor(low + Uint32(b_tile) * Uint32(stage_units), high)
             fragment_words = cute.recast_tensor(fragment, Uint32)
             rows = cute.size(acc) * 2
             for b in cutlass.range_constexpr(self.k16_per_tile):
@@ -948,7 +1160,7 @@ class MoEGemmSm90:
         else:
             for b in cutlass.range_constexpr(self.k16_per_tile):
                 for j in self.issued_blocks(blocks):
-                    cute.gemm(variant_mma, accs[j], fragments[j][None, None, b], b_operand[None, None, b, stage], accs[j])
+                    cute.gemm(variant_mma, accs[j], fragments[j][None, None, b], b_operand[None, None, b, b_tile], accs[j])
         warpgroup.commit_group()
 
     def issued_blocks(self, blocks):
@@ -1082,8 +1294,20 @@ class MoEGemmSm90:
                 pairs[v], weight, scale = self.load_row(row_factors, mPermutedToPair, num_pairs, first_row + n)
                 if const_expr(self.router_weighted):
                     weights[v] = weight
-                if const_expr(self.row_scaled):
+                if const_expr(self.row_scaled and not self.quantizes_rows):  # else `with_producer_scales`
                     scales[v] = scale
+        return pairs, weights, scales
+
+    def with_producer_scales(self, early_rows, coordinates, storage, item_number):
+        """`early_rows` with the rows' per-token scales that the producer wrote for item `item_number`
+        (`quantize_panel`), read after the k loop: they hold no registers across it. Plain Python, run
+        while the kernel is traced."""
+        pairs, weights, _ = early_rows
+        _, _, staged_scales, offset = self.staged_view(storage, item_number)
+        scales = {}
+        for v in pairs:
+            _, n = coordinates[v, 0, 0]
+            scales[v] = staged_scales[offset + n]
         return pairs, weights, scales
 
     def epilogue_rows_of(self, early_rows, coordinates, first_row, c, row_factors, mPermutedToPair, num_pairs):

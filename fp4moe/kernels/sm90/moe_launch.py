@@ -35,7 +35,8 @@ import cutlass.cute as cute
 import torch
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
-from fp4moe import weight_layout
+from fp4moe import dispatch, weight_layout
+from fp4moe.kernels.sm90 import quantize_launch
 from fp4moe.kernels.sm90.arguments import VECTOR_BYTES, compact_copy, standard_strides, vector_rows
 from fp4moe.kernels.sm90.compiler import compile_function, compile_kernel
 from fp4moe.kernels.sm90.moe_finalize import VECTOR, MoEFinalizeSm90
@@ -211,13 +212,16 @@ def compile_gemm(
     epilogue: str, shape_key: tuple, act_k: int, out_features: int, top_k: int, activation: str,
     swiglu: tuple, router_weighted: bool, row_scaled: bool = False, float32_out: bool = False,
     aux_amax: bool = False, k_splits: int = 1, epilogue_rows: int = EPILOGUE_ROWS, output_scales: int = 0,
-    up_alpha: bool = False,
+    up_alpha: bool = False, per_token_numerator: float | None = None,
 ):
     """The grouped GEMM of `MoEGemmSm90`'s static configuration, compiled once per process (and cached
     on disk). `output_scales`: GEMM1 writes its intermediate quantized to NVFP4 and dequantized
     (`nvfp4_out`) with that many global scales (1, or one per expert); GEMM2 (1) multiplies by a
     factor read from the device after the router weight (`output_scaled`, the aligned MoE's routed
-    scaling factor); 0: neither. `up_alpha`: the alpha is [2E], SwiGLU's up half taking the second E."""
+    scaling factor); 0: neither. `up_alpha`: the alpha is [2E], SwiGLU's up half taking the second E.
+    `per_token_numerator` (RN(1 / global_scale_inv)): the activations are bf16 and the GEMM quantizes
+    them to NVFP4 per token itself (`moe_gemm.MoEGemmSm90(quantizes_rows=True)`; `shape_key` then has
+    the stages of `quantizing_shape_key`)."""
     experts, rows, k, tile_features, tile_rows, granule, tile_k, stages, ctas_per_sm, max_ctas = shape_key
     kernel = MoEGemmSm90(
         epilogue=epilogue, num_experts=experts, prepared_rows=rows, prepared_k=k, act_k=act_k,
@@ -226,7 +230,8 @@ def compile_gemm(
         swiglu_alpha=swiglu[0], swiglu_beta=swiglu[1], swiglu_limit=swiglu[2], router_weighted=router_weighted,
         row_scaled=row_scaled, float32_out=float32_out, aux_amax=aux_amax, k_splits=k_splits,
         epilogue_rows=epilogue_rows, nvfp4_out=output_scales > 0 and epilogue == "gemm1", up_alpha=up_alpha,
-        output_scaled=output_scales > 0 and epilogue != "gemm1",
+        output_scaled=output_scales > 0 and epilogue != "gemm1", quantizes_rows=per_token_numerator is not None,
+        per_token_numerator=per_token_numerator,
     )
     tiles = (experts, rows // weight_layout.ROW_BLOCK, k // weight_layout.K_TILE)
     codes = make_fake_compact_tensor(
@@ -252,7 +257,7 @@ def compile_gemm(
     output_scale = make_fake_compact_tensor(cutlass.Float32, (output_scales,)) if output_scales else None
     key = (
         "moe_gemm", epilogue, shape_key, act_k, out_features, top_k, activation, swiglu, router_weighted, row_scaled,
-        float32_out, aux_amax, k_splits, epilogue_rows, output_scales, up_alpha,
+        float32_out, aux_amax, k_splits, epilogue_rows, output_scales, up_alpha, per_token_numerator,
     )
     return compile_kernel(
         kernel, codes, scales, act, _i32(rows_dim), _i32(_dynamic()), alpha, router, row_scales, out, aux,
@@ -395,6 +400,21 @@ def decoded(a: torch.Tensor, a_scales: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
+def quantizing_shape_key(shape: GemmShape, k_splits: int) -> tuple:
+    """`shape`'s key for a GEMM that quantizes its rows per token itself: the stages that fit beside its
+    activation panels (`moe_gemm.panel_bytes`), which replace the activation tiles of its stages."""
+    if shape.tile_rows > dispatch.QUANTIZING_GEMM_MAX_TILE_M[dispatch.CUTE_SM90_BACKEND]:
+        raise NotImplementedError(
+            f"the sm90 GEMM2 quantizes its rows itself in plan tiles of at most "
+            f"{dispatch.QUANTIZING_GEMM_MAX_TILE_M[dispatch.CUTE_SM90_BACKEND]} rows, not {shape.tile_rows}"
+        )
+    stages = pipeline_stages(
+        shape.tile_features, shape.tile_rows, shape.tile_k, shape.ctas_per_sm, panel_k=shape.prepared_k // k_splits
+    )
+    key = shape.key()
+    return (*key[:7], stages, *key[8:])
+
+
 def _check_aux_amax_tile(aux_amax_tile_n: int) -> None:
     if aux_amax_tile_n not in (0, AUX_AMAX_COLUMNS):
         raise NotImplementedError(
@@ -468,12 +488,14 @@ def gemm1_values(
 
 def gemm2(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w2, w2_scales, w2_alpha, layout,
-    router_weights, num_tokens, top_k, hidden, accumulator, *, expected_pairs=None,
+    router_weights, num_tokens, top_k, hidden, accumulator, *, expected_pairs=None, quantize=None,
 ):
     """GEMM2 (`fp4moe.reference.moe.gemm2`'s contract) on a bf16 (W4A16) or NVFP4 (W4A4) intermediate:
     adds into the FP32 `accumulator` [T, hidden] (fused finalize), or, without one, returns the FP32
     [T*k, hidden] per-pair rows (rows of non-local pairs unwritten: the deterministic finalize skips
-    them)."""
+    them). `quantize` = ("per_token", global_scale_inv): the intermediate is bf16 and GEMM2 quantizes
+    it to NVFP4 per token itself (`quantizing_shape_key`; decode plan tiles), as the rescan path of the
+    per-token quantizer would."""
     w2, w2_scales = _prepared(w2, w2_scales, layout, gated=False)
     epilogue = "gemm2_fused" if accumulator is not None else "gemm2_expanded"
     out = accumulator if accumulator is not None else a.new_empty((num_tokens * top_k, hidden), dtype=torch.float32)
@@ -486,9 +508,15 @@ def gemm2(
     k_splits = 1
     if accumulator is not None:
         shape, k_splits = fused_gemm2_tiling(shape)
+    key, numerator = shape.key(), None
+    if quantize is not None:
+        mode, global_scale_inv = quantize
+        if mode != "per_token" or a_scales is not None or a_per_token_scale is not None or a.dtype != torch.bfloat16:
+            raise NotImplementedError("the sm90 GEMM2 quantizes a bf16 intermediate per token, nothing else")
+        key, numerator = quantizing_shape_key(shape, k_splits), quantize_launch.per_token_numerator(global_scale_inv)
     kernel = compile_gemm(
-        epilogue, shape.key(), a.shape[1], hidden, top_k, "none", (None, None, None), router_weights is not None,
-        row_scaled=a_per_token_scale is not None, k_splits=k_splits,
+        epilogue, key, a.shape[1], hidden, top_k, "none", (None, None, None), router_weights is not None,
+        row_scaled=a_per_token_scale is not None, k_splits=k_splits, per_token_numerator=numerator,
     )
     launch_gemm(kernel, w2, w2_scales, a, permuted_to_pair, tile_expert, w2_alpha, router_weights, out, a_per_token_scale)
     return out
