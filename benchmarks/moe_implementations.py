@@ -19,7 +19,7 @@ import torch
 
 import fp4moe
 from benchmarks.moe_cases import ALIGNED_MOE, QUANT_CONFIGS, W4A4_PER_TOKEN, W4A16, MoECase, MoEShape, QuantConfig
-from fp4moe import dispatch, pipeline, weight_layout
+from fp4moe import dispatch, pipeline
 
 FUSED_MOE_TOLERANCE = 1e-3
 """fused_moe against the reference in its own mode: the same math up to the order of FP32 additions
@@ -119,7 +119,7 @@ def fused_moe_implementation(config: QuantConfig) -> Implementation:
         choice = fp4moe.moe_dispatch(
             case.num_tokens, shape.top_k, shape.local_experts, config.quant_mode, config.per_token_activation,
             case.x.device, global_num_experts=shape.num_experts,
-            intermediate_size=weight_layout.prepared_k(shape.intermediate_size),
+            hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
         )
         return {"backend": choice.gemm1, **choice._asdict()}  # the GEMMs are where the time goes
 

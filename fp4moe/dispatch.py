@@ -117,40 +117,38 @@ AUX_AMAX_TILE_N_BY_BACKEND = {REFERENCE_BACKEND: AUX_AMAX_TILE_N, CUTE_SM90_BACK
 The per-token quantizer takes any tiling that covers the row."""
 
 
-QUANTIZING_GEMM_MAX_TILE_M = {CUTE_SM90_BACKEND: 8}
-"""Backends whose GEMM2 quantizes per-token W4A4's bf16 intermediate itself on the rescan path (below
-`AUX_AMAX_MIN_TOKENS` tokens), in plan tiles of at most this many rows: there no quantization kernel
-runs between the GEMMs. GEMM2 scans and quantizes each work item's rows into shared memory before the
-item's MMAs (`fp4moe.kernels.sm90.moe_gemm`), two L2 round trips that the previous item's k loop must
-hide; with more rows per tile (the aux-amax path's token counts, forced onto the rescan path) the
-quantization kernel measured faster (runs log)."""
-QUANTIZING_GEMM_MIN_INTERMEDIATE = {CUTE_SM90_BACKEND: 2048}
-"""...and only for intermediate sizes of at least this: GEMM2's decode items then run 8 or more k
-tiles (at most two slices of K at 128 columns per k tile), which hide the next item's quantization.
-DeepSeek-V3 (I = 2048) measured 1-3% faster at T = 1-3; GLM (I = 1536: items of 2 to 4 k tiles) 5-10%
-slower (runs log)."""
+QUANTIZING_GEMM2_BACKENDS = (CUTE_SM90_BACKEND,)
+"""Backends whose GEMM2 can quantize per-token W4A4's bf16 intermediate itself on the rescan path, so
+that no quantization kernel runs between the GEMMs. Their `moe` module's `gemm2_quantizes_itself` says
+for which shapes it pays (`fp4moe.kernels.sm90.moe_launch`'s: decode tiles whose GEMM2 items are long
+enough to hide the quantization)."""
 QUANTIZATION_KERNEL = "kernel"
 """Per-token W4A4's intermediate quantized by the quantization kernel between the GEMMs."""
 QUANTIZATION_IN_GEMM2 = "gemm2"
-"""Per-token W4A4's intermediate quantized by GEMM2 itself (`QUANTIZING_GEMM_MAX_TILE_M`)."""
+"""Per-token W4A4's intermediate quantized by GEMM2 itself (`QUANTIZING_GEMM2_BACKENDS`)."""
 
 
 def intermediate_quantization(
-    per_token_path: str | None, backend: str, num_tokens: int, tile_m: int, intermediate_size: int | None
+    per_token_path: str | None, backend: str, num_tokens: int, tile_m: int, local_experts: int, expected_pairs: int,
+    hidden_size: int | None, intermediate_size: int | None, device,
 ) -> str | None:
     """Where per-token W4A4's intermediate is quantized: on the rescan path below `AUX_AMAX_MIN_TOKENS`
-    tokens by GEMM2 itself where its backend does so for this plan tile and intermediate size
-    (`QUANTIZING_GEMM_MAX_TILE_M`, `QUANTIZING_GEMM_MIN_INTERMEDIATE`; None: not known), scanning each
-    row for its maximum; otherwise, and on the aux-amax path (which reduces GEMM1's tile maxima), by the
-    quantization kernel. None when the activations are not per-token."""
+    tokens by GEMM2 itself where its backend does so for these sizes (`QUANTIZING_GEMM2_BACKENDS`; both
+    sizes needed, None: not known), scanning each row for its maximum; otherwise, and on the aux-amax path
+    (which reduces GEMM1's tile maxima), by the quantization kernel. None without per-token activations.
+    With more rows per tile (the aux-amax path's token counts, forced onto the rescan path) the quantization
+    kernel measured faster (runs log)."""
     if per_token_path is None:
         return None
     if (
         per_token_path == RESCAN_PATH
         and num_tokens < AUX_AMAX_MIN_TOKENS
-        and tile_m <= QUANTIZING_GEMM_MAX_TILE_M.get(backend, 0)
+        and backend in QUANTIZING_GEMM2_BACKENDS
+        and hidden_size is not None
         and intermediate_size is not None
-        and intermediate_size >= QUANTIZING_GEMM_MIN_INTERMEDIATE[backend]
+        and kernel_module("moe", backend).gemm2_quantizes_itself(
+            local_experts, hidden_size, intermediate_size, tile_m, expected_pairs, device
+        )
     ):
         return QUANTIZATION_IN_GEMM2
     return QUANTIZATION_KERNEL
@@ -196,20 +194,20 @@ def moe_tile_m(num_tokens: int, top_k: int, num_experts: int, local_pairs: int |
 
 def moe_dispatch(
     num_tokens: int, top_k: int, num_local_experts: int, quant_mode: str, per_token_activation: bool, device="cpu",
-    global_num_experts: int | None = None, intermediate_size: int | None = None,
+    global_num_experts: int | None = None, hidden_size: int | None = None, intermediate_size: int | None = None,
 ) -> MoEDispatch:
     """The host-static choices of `fused_moe` for these shapes on `device` (semantics §4): the
     per-token path, the plan tile, the pairs the kernels size their tiles for, and the backend of
     every stage. Reads no device data. `global_num_experts`: the experts the router chooses among, where
     this rank holds `num_local_experts` of them (expert parallelism); None: all are local.
-    `intermediate_size`: the experts' I (as the kernels compute it: prepared weights pad it to a multiple
-    of 64), which `fused_moe` passes; None: not known, and no choice depends on it.
+    `hidden_size`, `intermediate_size`: the experts' H and I, which `fused_moe` passes; where either is
+    None (not known), no choice depends on them.
 
     On a kernel backend (`device_backend`) every stage runs its kernels. The per-token path is the
     aux-amax handoff only where the GEMM1 backend writes it (`AUX_AMAX_TILE_N_BY_BACKEND`), with that
     backend's tile; elsewhere per-token W4A4 rescans at every token count. On the rescan path GEMM2
-    quantizes the intermediate itself where the backend does so at the plan tile
-    (`QUANTIZING_GEMM_MAX_TILE_M`).
+    quantizes the intermediate itself where its backend does so for these sizes
+    (`intermediate_quantization`).
     """
     per_token = quant_mode == "w4a4" and per_token_activation
     backend = device_backend(device)
@@ -219,6 +217,10 @@ def moe_dispatch(
     routed_experts = num_local_experts if global_num_experts is None else global_num_experts
     local_pairs = ceil_div(num_tokens * top_k * num_local_experts, routed_experts)
     tile_m = moe_tile_m(num_tokens, top_k, routed_experts, local_pairs)
+    quantization = intermediate_quantization(
+        per_token_path, backend, num_tokens, tile_m, num_local_experts, local_pairs, hidden_size, intermediate_size,
+        device,
+    )
     return MoEDispatch(
         per_token_path=per_token_path,
         tile_m=tile_m,
@@ -229,7 +231,5 @@ def moe_dispatch(
         gemm1=backend,
         gemm2=backend,
         finalize=backend,
-        intermediate_quantization=intermediate_quantization(
-            per_token_path, backend, num_tokens, tile_m, intermediate_size
-        ),
+        intermediate_quantization=quantization,
     )

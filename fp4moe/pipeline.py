@@ -44,7 +44,7 @@ def fused_moe(
     hidden = hidden_size(x, x_scales)
     choice = dispatch.moe_dispatch(
         num_tokens, top_k, experts, quant_mode, per_token_activation, "cpu" if reference else x.device,
-        global_num_experts, intermediate_size=layouts.input_k(w2, weight_layout),
+        global_num_experts, hidden_size=hidden, intermediate_size=layouts.input_k(w2, weight_layout),
     )
     if per_token_path is not None:
         if choice.per_token_path is None or per_token_path not in (dispatch.RESCAN_PATH, dispatch.AUX_AMAX_PATH):
@@ -54,7 +54,8 @@ def fused_moe(
         choice = choice._replace(
             per_token_path=per_token_path,
             intermediate_quantization=dispatch.intermediate_quantization(
-                per_token_path, choice.gemm2, num_tokens, choice.tile_m, layouts.input_k(w2, weight_layout)
+                per_token_path, choice.gemm2, num_tokens, choice.tile_m, experts, choice.expected_local_pairs, hidden,
+                layouts.input_k(w2, weight_layout), "cpu" if reference else x.device,
             ),
         )
     stages = {name: dispatch.kernel_module("moe", getattr(choice, name)) for name in ("plan", "gemm1", "gemm2", "finalize")}

@@ -258,7 +258,8 @@ def test_dispatch_pins_the_per_token_path_at_three_and_four_tokens():
     assert fp4moe.moe_dispatch(4096, 8, 256, "w4a16", False).per_token_path is None
     assert fp4moe.moe_dispatch(1, 8, 256, "w4a4", True).tile_m == 8
     # The reference backend's GEMM2 takes its intermediate quantized by the quantization stage.
-    quantization = fp4moe.moe_dispatch(1, 8, 256, "w4a4", True, intermediate_size=2048).intermediate_quantization
+    choice = fp4moe.moe_dispatch(1, 8, 256, "w4a4", True, hidden_size=7168, intermediate_size=2048)
+    quantization = choice.intermediate_quantization
     assert quantization == dispatch.QUANTIZATION_KERNEL
     assert fp4moe.moe_dispatch(1, 8, 256, "w4a16", False).intermediate_quantization is None
 

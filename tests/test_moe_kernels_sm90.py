@@ -61,19 +61,27 @@ def test_dispatch_reports_the_kernels_of_every_stage():
     assert fp4moe.moe_dispatch(3, 8, 256, "w4a4", True, device="cuda").per_token_path == dispatch.RESCAN_PATH
 
 
-def test_dispatch_has_gemm2_quantize_the_rescan_paths_intermediate_at_decode_tiles():
-    # On its own rescan path (T < 4) with 8-row plan tiles and I >= 2048 GEMM2 quantizes the intermediate
-    # itself; the aux-amax path, the rescan path forced at T >= 4, smaller I and larger tiles keep the
-    # quantization kernel.
-    def quantization(tokens, intermediate=2048):
-        choice = fp4moe.moe_dispatch(tokens, 8, 256, "w4a4", True, device="cuda", intermediate_size=intermediate)
+def test_dispatch_has_gemm2_quantize_the_rescan_paths_intermediate_where_its_items_are_long():
+    # On its own rescan path (T < 4), with 8-row plan tiles, GEMM2 quantizes the intermediate itself where
+    # its items run at least `MIN_QUANTIZING_K_TILES` k tiles (DeepSeek-V3); not on the aux-amax path, the
+    # rescan path forced at T >= 4, shapes of short items (the harness's GLM shape, the 32-expert shard of
+    # DeepSeek-V3 at T = 1), or where the sizes are not given.
+    from fp4moe.kernels.sm90 import moe_launch
+
+    def quantization(tokens, hidden=7168, intermediate=2048, local_experts=256, **options):
+        choice = fp4moe.moe_dispatch(tokens, 8, local_experts, "w4a4", True, device="cuda", hidden_size=hidden,
+                                     intermediate_size=intermediate, **options)
         return choice.tile_m, choice.intermediate_quantization
 
+    assert moe_launch.sm_count(0) == 132  # the tilings below are an H200's
     assert quantization(1) == quantization(3) == (8, dispatch.QUANTIZATION_IN_GEMM2)
     assert quantization(4) == (8, dispatch.QUANTIZATION_KERNEL)  # the aux-amax path
-    assert quantization(1, 1536) == (8, dispatch.QUANTIZATION_KERNEL)  # GLM's: items of 2-4 k tiles
-    assert quantization(1, None) == (8, dispatch.QUANTIZATION_KERNEL)  # I not given
-    forced = dispatch.intermediate_quantization(dispatch.RESCAN_PATH, dispatch.CUTE_SM90_BACKEND, 8, 8, 2048)
+    assert quantization(1, 6144, 512) == (8, dispatch.QUANTIZATION_KERNEL)
+    assert quantization(1, local_experts=32, global_num_experts=256) == (8, dispatch.QUANTIZATION_KERNEL)
+    assert quantization(1, None, None) == (8, dispatch.QUANTIZATION_KERNEL)  # sizes not given
+    forced = dispatch.intermediate_quantization(
+        dispatch.RESCAN_PATH, dispatch.CUTE_SM90_BACKEND, 8, 8, 256, 64, 7168, 2048, "cuda"
+    )
     assert forced == dispatch.QUANTIZATION_KERNEL  # the rescan path forced at T >= 4
     assert fp4moe.moe_dispatch(1, 8, 256, "w4a4", False, device="cuda").intermediate_quantization is None
 
@@ -345,18 +353,22 @@ def test_seven_group_decode_tiles_match_the_loop_reference(mode, tokens, experts
     expected = moe_launch.expected_tiles(tokens * 8, experts, tile)
     chosen, _ = moe_launch.fused_gemm2_tiling(moe_launch.GemmShape(w2.shape, tile, expected, moe_launch.sm_count(0)))
     assert chosen.tile_features == moe_launch.SEVEN_GROUP_FEATURES
-    choice = fp4moe.moe_dispatch(tokens, 8, experts, "w4a4", True, device="cuda", intermediate_size=intermediate)
+    choice = fp4moe.moe_dispatch(tokens, 8, experts, "w4a4", True, device="cuda", hidden_size=1792,
+                                 intermediate_size=intermediate)
     assert (choice.intermediate_quantization == dispatch.QUANTIZATION_IN_GEMM2) == (mode == "w4a4_per_token")
     assert_moe_close(run_prepared(p), loop_reference(p))
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 3])
-def test_gemm2_quantizing_its_rows_matches_the_reference_pipeline(tokens):
-    # Per-token W4A4 where `fused_moe` has GEMM2 quantize the intermediate itself (I = 2048, T < 4), in
-    # both finalize modes: bitwise against the quantization kernel's path in deterministic mode.
+def test_gemm2_quantizing_its_rows_matches_the_reference_pipeline(tokens, monkeypatch):
+    # Per-token W4A4 where `fused_moe` has GEMM2 quantize the intermediate itself (T < 4; the bound on its
+    # items' k tiles lowered so that this small shape takes it), in both finalize modes.
+    from fp4moe.kernels.sm90 import moe_launch
+
+    monkeypatch.setattr(moe_launch, "MIN_QUANTIZING_K_TILES", 1)
     p = make_problem(tokens=tokens, hidden=256, intermediate=2048, num_experts=16, top_k=4, mode="w4a4_per_token",
                      device="cuda", seed=80 + tokens, deterministic=True)
-    choice = fp4moe.moe_dispatch(tokens, 4, 16, "w4a4", True, device="cuda", intermediate_size=2048)
+    choice = fp4moe.moe_dispatch(tokens, 4, 16, "w4a4", True, device="cuda", hidden_size=256, intermediate_size=2048)
     assert choice.intermediate_quantization == dispatch.QUANTIZATION_IN_GEMM2
     out = run_prepared(p)
     assert_moe_close(out, run_reference(p))

@@ -35,7 +35,7 @@ import cutlass.cute as cute
 import torch
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
-from fp4moe import dispatch, weight_layout
+from fp4moe import weight_layout
 from fp4moe.kernels.sm90 import quantize_launch
 from fp4moe.kernels.sm90.arguments import VECTOR_BYTES, compact_copy, standard_strides, vector_rows
 from fp4moe.kernels.sm90.compiler import compile_function, compile_kernel
@@ -43,6 +43,7 @@ from fp4moe.kernels.sm90.moe_finalize import VECTOR, MoEFinalizeSm90
 from fp4moe.kernels.sm90.moe_gemm import (
     AUX_AMAX_COLUMNS,
     EPILOGUE_ROWS,
+    INLINE_WGMMA_TILE_ROWS,
     MoEGemmSm90,
     blocks_per_consumer,
     pipeline_stages,
@@ -400,13 +401,37 @@ def decoded(a: torch.Tensor, a_scales: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
+MIN_QUANTIZING_K_TILES = 8
+"""GEMM2 quantizes its rows itself (`gemm2_quantizes_itself`) where its items run at least this many k
+tiles: the next item's quantization (two L2 round trips) then hides behind an item's k loop. DeepSeek-V3
+at T = 1-3 (8 and 16 k tiles) measured 0.7-2.9% faster whole calls, the harness's GLM shape (2 to 4)
+5-10% slower (runs log)."""
+
+
+def gemm2_quantizes_itself(
+    num_local_experts: int, hidden_size: int, intermediate_size: int, tile_m: int, expected_pairs: int, device
+) -> bool:
+    """Whether the fused GEMM2 quantizes per-token W4A4's intermediate itself (`fp4moe.dispatch`'s
+    `intermediate_quantization`): plan tiles of at most `moe_gemm.INLINE_WGMMA_TILE_ROWS` rows (the
+    decode k loop, whose B operand may be the activation panel) whose items, as `fused_gemm2_tiling` slices
+    K, run at least `MIN_QUANTIZING_K_TILES` k tiles. The deterministic finalize's GEMM2 does not slice
+    K, so its items are as long or longer."""
+    if tile_m > INLINE_WGMMA_TILE_ROWS:
+        return False
+    codes_shape, _ = weight_layout.prepared_shapes(num_local_experts, hidden_size, intermediate_size, gated=False)
+    sms = sm_count(torch.device(device).index)  # an index of None: the current device, as for the launches
+    shape = GemmShape(codes_shape, tile_m, expected_tiles(expected_pairs, num_local_experts, tile_m), sms)
+    shape, k_splits = fused_gemm2_tiling(shape)
+    return shape.prepared_k // shape.tile_k // k_splits >= MIN_QUANTIZING_K_TILES
+
+
 def quantizing_shape_key(shape: GemmShape, k_splits: int) -> tuple:
     """`shape`'s key for a GEMM that quantizes its rows per token itself: the stages that fit beside its
     activation panels (`moe_gemm.panel_bytes`), which replace the activation tiles of its stages."""
-    if shape.tile_rows > dispatch.QUANTIZING_GEMM_MAX_TILE_M[dispatch.CUTE_SM90_BACKEND]:
+    if shape.tile_rows > INLINE_WGMMA_TILE_ROWS:
         raise NotImplementedError(
-            f"the sm90 GEMM2 quantizes its rows itself in plan tiles of at most "
-            f"{dispatch.QUANTIZING_GEMM_MAX_TILE_M[dispatch.CUTE_SM90_BACKEND]} rows, not {shape.tile_rows}"
+            f"the sm90 GEMM2 quantizes its rows itself in plan tiles of at most {INLINE_WGMMA_TILE_ROWS} rows, "
+            f"not {shape.tile_rows}"
         )
     stages = pipeline_stages(
         shape.tile_features, shape.tile_rows, shape.tile_k, shape.ctas_per_sm, panel_k=shape.prepared_k // k_splits
