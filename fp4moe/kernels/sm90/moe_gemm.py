@@ -949,10 +949,10 @@ class MoEGemmSm90:
                             )
                 iteration += self.k_iterations
                 cute.arch.mbarrier_arrive(empty + (iteration - 1) % self.stages)
-                # The item's number again from the count (one register fewer across the k loop).
-                done = iteration // self.k_iterations - 1
                 if const_expr(self.quantizes_rows):
-                    early_rows = self.with_producer_scales(early_rows, coordinates, storage, done)
+                    # The item's number again from the count (one register fewer across the k loop).
+                    item_number = iteration // self.k_iterations - 1
+                    early_rows = self.with_producer_scales(early_rows, coordinates, storage, item_number)
                 if const_expr(self.staged_rows):
                     alpha = self.item_alpha(mAlpha, expert)
                 for j in cutlass.range_constexpr(self.blocks_per_consumer):
@@ -961,7 +961,7 @@ class MoEGemmSm90:
                         feature_block, expert, group, first_block + j, early_rows,
                     )
                 if const_expr(self.staged_rows or self.quantizes_rows):
-                    cute.arch.mbarrier_arrive(storage.rows_empty.data_ptr() + done % 2)
+                    cute.arch.mbarrier_arrive(storage.rows_empty.data_ptr() + item_number % 2)
 
     @cute.jit
     def used_row_granules(self, row_factors, mPermutedToPair, num_pairs, tile, thread, group):
