@@ -131,8 +131,9 @@ for _config in QUANT_CONFIGS:
 
 
 def fused_moe_rescan_implementation(config: QuantConfig) -> Implementation:
-    """Per-token W4A4 with the intermediate quantizer rescanning rows at every T (the path `fused_moe`
-    takes below `dispatch.AUX_AMAX_MIN_TOKENS`): the baseline of the aux-amax handoff. It calls
+    """Per-token W4A4 with the intermediate's rows rescanned at every T (the path `fused_moe` takes below
+    `dispatch.AUX_AMAX_MIN_TOKENS`, where GEMM2 may quantize them itself: `intermediate_quantization`;
+    forced at larger T, the quantization kernel rescans): the baseline of the aux-amax handoff. It calls
     `fp4moe.pipeline.fused_moe`, the op's composition, with the path forced; the op's host-side checks
     are not part of what a CUDA graph replays."""
 
