@@ -302,6 +302,7 @@ def fused_gemm2_k_splits(shape: GemmShape) -> int:
     return (balanced or filling)[0]
 
 
+@functools.lru_cache(maxsize=1024)
 def fused_gemm2_tiling(shape: GemmShape) -> tuple[GemmShape, int]:
     """The fused GEMM2's shape and slices of K: `shape` with `fused_gemm2_k_splits`' slices, unless those
     leave the waves unbalanced (below `WAVE_BALANCE`) and CTAs of seven consumer groups
@@ -325,16 +326,21 @@ def expected_tiles(num_pairs: int, num_local_experts: int, tile_rows: int) -> in
     return max(-(-num_pairs // tile_rows), min(num_local_experts, num_pairs))
 
 
+@functools.lru_cache(maxsize=1024)
+def gemm_shape(prepared_shape: tuple, tile_rows: int, expected_pairs: int, sms: int) -> GemmShape:
+    """The `GemmShape` of a grouped GEMM over prepared codes of `prepared_shape`, plan tiles of `tile_rows`
+    rows and `expected_pairs` local pairs, on a GPU of `sms` multiprocessors: built once per such key,
+    since eager calls ask for it on every call (the same object then keys `fused_gemm2_tiling`'s cache)."""
+    return GemmShape(prepared_shape, tile_rows, expected_tiles(expected_pairs, prepared_shape[0], tile_rows), sms)
+
+
 def plan_gemm_shape(
     weights: torch.Tensor, permuted_to_pair: torch.Tensor, tile_expert: torch.Tensor, expected_pairs: int
 ):
     """The `GemmShape` of a grouped GEMM over prepared `weights` and a plan whose local pairs are
     expected to number `expected_pairs`: its tile from the plan's host-static sizes, on the weights' GPU."""
     tile_rows = permuted_to_pair.shape[0] // tile_expert.shape[0]
-    return GemmShape(
-        weights.shape, tile_rows, expected_tiles(expected_pairs, weights.shape[0], tile_rows),
-        sm_count(weights.device.index),
-    )
+    return gemm_shape(tuple(weights.shape), tile_rows, expected_pairs, sm_count(weights.device.index))
 
 
 def _prepared(codes, scales, layout, gated):
@@ -420,8 +426,7 @@ def gemm2_quantizes_itself(
         return False
     codes_shape, _ = weight_layout.prepared_shapes(num_local_experts, hidden_size, intermediate_size, gated=False)
     sms = sm_count(torch.device(device).index)  # an index of None: the current device, as for the launches
-    shape = GemmShape(codes_shape, tile_m, expected_tiles(expected_pairs, num_local_experts, tile_m), sms)
-    shape, k_splits = fused_gemm2_tiling(shape)
+    shape, k_splits = fused_gemm2_tiling(gemm_shape(codes_shape, tile_m, expected_pairs, sms))
     return shape.prepared_k // shape.tile_k // k_splits >= MIN_QUANTIZING_K_TILES
 
 
