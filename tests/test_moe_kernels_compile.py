@@ -162,6 +162,33 @@ def test_fused_gemm2_takes_seven_groups_where_they_remove_a_partial_wave():
     assert tiling((256, 80, 24, 2048), 1)[0] != moe_launch.SEVEN_GROUP_FEATURES
 
 
+def test_gemm2_quantizes_itself_where_its_fused_items_are_long(monkeypatch):
+    """`moe_launch.gemm2_quantizes_itself` on an H200's 132 SMs: the decode items of the fused GEMM2 run at
+    least `MIN_QUANTIZING_K_TILES` k tiles for DeepSeek-V3 at T = 1-3 (16, 8 and 8) and for its 32-expert
+    shard at T = 2-3, not for the shard at T = 1 (split into four slices), the harness's GLM or Qwen3-30B-A3B
+    shapes, or tiles of more than 8 rows; `moe_dispatch` asks it on the rescan path only."""
+    monkeypatch.setattr(moe_launch, "sm_count", lambda device_index: 132)
+
+    def quantizes(tokens, hidden=7168, intermediate=2048, local=256, experts=256, top_k=8):
+        tile = dispatch.moe_tile_m(tokens, top_k, experts)
+        pairs = -(-tokens * top_k * local // experts)
+        return moe_launch.gemm2_quantizes_itself(local, hidden, intermediate, tile, pairs, "cuda:0")
+
+    assert [quantizes(t) for t in (1, 2, 3)] == [True, True, True]
+    assert [quantizes(t, local=32) for t in (1, 2, 3)] == [False, True, True]
+    assert not any(quantizes(t, 6144, 512) or quantizes(t, 2048, 768, 128, 128) for t in (1, 2, 3))
+    assert not moe_launch.gemm2_quantizes_itself(256, 7168, 2048, 16, 16, "cuda:0")
+    monkeypatch.setattr(dispatch, "device_backend", lambda device: dispatch.CUTE_SM90_BACKEND)
+
+    def quantization(tokens, per_token=True):
+        choice = dispatch.moe_dispatch(tokens, 8, 256, "w4a4", per_token, "cuda:0", hidden_size=7168,
+                                       intermediate_size=2048)
+        return choice.intermediate_quantization
+
+    assert [quantization(t) for t in (1, 3, 4)] == [dispatch.QUANTIZATION_IN_GEMM2] * 2 + [dispatch.QUANTIZATION_KERNEL]
+    assert quantization(1, per_token=False) is None
+
+
 PLAN_VARIANTS = [(256, 8, 7168), (32, 128, None)]
 DECODE_VARIANTS = [7168, 2048, 272]
 ALIGNED_PLAN_VARIANTS = [(256, 8), (16, 64)]
