@@ -365,6 +365,31 @@ def test_the_pipeline_takes_either_per_token_path_with_the_same_result(device, t
         pipeline.fused_moe(*args, per_token_path="legacy")
 
 
+def test_the_gemm2_stage_quantizing_its_input_equals_the_quantizer_then_the_stage():
+    # The GEMM2 stage's `quantize` ("per_token", global_scale_inv), which the pipeline passes where
+    # `moe_dispatch` reports `intermediate_quantization == "gemm2"`: on the reference backend, the per-token
+    # quantizer's rescan path followed by the stage on its outputs, bitwise.
+    from fp4moe import nvfp4
+    from fp4moe.reference import moe as reference
+    from fp4moe.reference import quantize as reference_quantize
+
+    p = make_problem(tokens=9, top_k=2, num_experts=4, hidden=64, intermediate=64, mode="w4a4_per_token", seed=21)
+    w1_alpha, w2_alpha = p.alphas
+    permuted_to_pair, _, tile_expert, _, _ = reference.moe_plan(p.topk_ids, 4, 0, 8)
+    intermediate, _, _ = reference.gemm1(
+        p.x, None, None, permuted_to_pair, tile_expert, p.weights.w1, p.weights.w1_scales, w1_alpha, "linear", 2,
+        "swiglu", None, None, None, None, None, 0,
+    )
+    intermediate = intermediate.to(torch.bfloat16)
+    args = (permuted_to_pair, tile_expert, p.weights.w2, p.weights.w2_scales, w2_alpha, "linear", p.topk_weights, 9, 2,
+            64, None)
+    gsi = nvfp4.DEFAULT_GLOBAL_SCALE_INV
+    quantized = reference_quantize.quantize_per_token(intermediate, gsi, "linear", "off", None, None)
+    expected = reference.gemm2(*quantized, *args)
+    assert_bitwise_equal(reference.gemm2(intermediate, None, None, *args, quantize=("per_token", gsi)), expected)
+    assert expected.ne(0).any()
+
+
 def test_only_gemms_that_multiply_bf16_take_decoded_activations_from_quantizers_that_write_them():
     # The sm90 GEMMs take NVFP4 activations as their exact bf16 values, which the sm90 quantizers
     # write in their quantization pass; the reference takes codes and scales.
