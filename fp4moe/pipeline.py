@@ -2,8 +2,8 @@
 
 plan -> activation quantization (W4A4) -> GEMM1 + epilogue -> intermediate quantization (per-token
 W4A4, on the host-chosen path) -> GEMM2 -> finalize (docs/semantics.md §3). Where `moe_dispatch` says
-so, GEMM2 quantizes the per-token intermediate itself (`quantize=`), with the same result. Every backend module
-(`fp4moe.dispatch.KERNEL_MODULES`) implements the stage functions with the same signatures, so this
+so, GEMM2 quantizes the per-token intermediate itself (`quantize=`), with the same result. Every backend
+module (`fp4moe.dispatch.KERNEL_MODULES`) implements the stage functions with the same signatures, so this
 composition has no backend of its own: the plan of one backend feeds the GEMMs of another (a GEMM
 backend that multiplies bf16 takes NVFP4 activations as their decoded values, `decoded_activations`,
 from quantizers that write them). It adds no host synchronization (the counts stay on the device) and
@@ -42,9 +42,11 @@ def fused_moe(
     num_tokens, top_k = topk_ids.shape
     experts = w1.shape[0]
     hidden = hidden_size(x, x_scales)
+    intermediate_size = layouts.input_k(w2, weight_layout)
+    device = "cpu" if reference else x.device
     choice = dispatch.moe_dispatch(
-        num_tokens, top_k, experts, quant_mode, per_token_activation, "cpu" if reference else x.device,
-        global_num_experts, hidden_size=hidden, intermediate_size=layouts.input_k(w2, weight_layout),
+        num_tokens, top_k, experts, quant_mode, per_token_activation, device, global_num_experts,
+        hidden_size=hidden, intermediate_size=intermediate_size,
     )
     if per_token_path is not None:
         if choice.per_token_path is None or per_token_path not in (dispatch.RESCAN_PATH, dispatch.AUX_AMAX_PATH):
@@ -55,7 +57,7 @@ def fused_moe(
             per_token_path=per_token_path,
             intermediate_quantization=dispatch.intermediate_quantization(
                 per_token_path, choice.gemm2, num_tokens, choice.tile_m, experts, choice.expected_local_pairs, hidden,
-                layouts.input_k(w2, weight_layout), "cpu" if reference else x.device,
+                intermediate_size, device,
             ),
         )
     stages = {name: dispatch.kernel_module("moe", getattr(choice, name)) for name in ("plan", "gemm1", "gemm2", "finalize")}

@@ -248,7 +248,9 @@ def gemm2(
     global_scale_inv): `a` is bf16 and is first quantized per token (the rescan path, linear scales, no
     4-over-6), as the pipeline's intermediate quantization would."""
     if quantize is not None:
-        _, global_scale_inv = quantize
+        mode, global_scale_inv = quantize
+        if mode != "per_token" or a_scales is not None or a_per_token_scale is not None:
+            raise ValueError(f"GEMM2 quantizes a bf16 input per token only, not {mode!r} or a quantized input")
         a, a_scales, a_per_token_scale = reference_quantize.quantize_per_token(
             a, global_scale_inv, "linear", "off", None, None
         )

@@ -201,10 +201,11 @@ class GemmShape:
             return None
         return GemmShape(*self.arguments, seven_groups=True)
 
-    def key(self):
+    def key(self, stages: int | None = None):
+        """The compile key of this configuration; `stages`: with that many pipeline stages instead."""
         return (
             self.num_experts, self.prepared_rows, self.prepared_k, self.tile_features, self.tile_rows, self.row_granule,
-            self.tile_k, self.stages, self.ctas_per_sm, self.max_ctas,
+            self.tile_k, self.stages if stages is None else stages, self.ctas_per_sm, self.max_ctas,
         )
 
 
@@ -438,11 +439,11 @@ def quantizing_shape_key(shape: GemmShape, k_splits: int) -> tuple:
             f"the sm90 GEMM2 quantizes its rows itself in plan tiles of at most {INLINE_WGMMA_TILE_ROWS} rows, "
             f"not {shape.tile_rows}"
         )
-    stages = pipeline_stages(
-        shape.tile_features, shape.tile_rows, shape.tile_k, shape.ctas_per_sm, panel_k=shape.prepared_k // k_splits
+    return shape.key(
+        stages=pipeline_stages(
+            shape.tile_features, shape.tile_rows, shape.tile_k, shape.ctas_per_sm, panel_k=shape.prepared_k // k_splits
+        )
     )
-    key = shape.key()
-    return (*key[:7], stages, *key[8:])
 
 
 def _check_aux_amax_tile(aux_amax_tile_n: int) -> None:
