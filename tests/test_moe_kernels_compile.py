@@ -186,6 +186,8 @@ def test_gemm2_quantizes_itself_where_its_fused_items_are_long(monkeypatch):
         return choice.intermediate_quantization
 
     assert [quantization(t) for t in (1, 3, 4)] == [dispatch.QUANTIZATION_IN_GEMM2] * 2 + [dispatch.QUANTIZATION_KERNEL]
+    # No tokens: no items, whose tiling (every slice count balances zero waves) gives one-tile slices of K.
+    assert quantization(0) == dispatch.QUANTIZATION_KERNEL
     assert quantization(1, per_token=False) is None
 
 

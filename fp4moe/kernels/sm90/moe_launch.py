@@ -279,7 +279,10 @@ at T = 1, balanced only by four slices, runs slower with them (runs log)."""
 
 
 def wave_efficiency(items: int, slots: int) -> float:
-    """The busy share of `slots` CTA slots over the waves that `items` equal work items take."""
+    """The busy share of `slots` CTA slots over the waves that `items` equal work items take; 1 for no
+    items (no wave, so no slot left idle: a call of zero tokens asks this of the tilings too)."""
+    if items == 0:
+        return 1.0
     return items / (-(-items // slots) * slots)
 
 
