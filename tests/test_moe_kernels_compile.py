@@ -363,3 +363,26 @@ def test_no_kernel_spills_to_local_memory(compiled):
             assert len(re.findall(r"\bSTL\b", sass)) <= 1 and len(re.findall(r"\bLDL\b", sass)) <= 1, name
         else:
             assert not LOCAL_MEMORY.search(sass), name
+
+
+
+def test_gemm2_writes_four_features_per_instruction_in_decode_tiles(compiled):
+    """GEMM2's epilogue in decode tiles (at most `INLINE_WGMMA_TILE_ROWS` rows, `MoEGemmSm90.quad_stores`):
+    one vector reduction (fused finalize) or 16-byte store (expanded rows) per four features of a row,
+    after `quad_transpose`'s butterfly shuffles; in larger tiles one scalar reduction or store per element.
+    Both reductions round to nearest and flush subnormals, as `red.global.add.f32` does."""
+    checked = 0
+    for i, (epilogue, key, *_rest) in enumerate(GEMM_VARIANTS):
+        if epilogue == "gemm1":
+            continue
+        sass = _sass(compiled, f"gemm_{i}")
+        quad = key[4] <= moe_gemm.INLINE_WGMMA_TILE_ROWS
+        if epilogue == "gemm2_fused":
+            assert ("REDG.E.ADD.F32x4.FTZ.RN" in sass) == quad, GEMM_VARIANTS[i]
+            assert ("REDG.E.ADD.F32.FTZ.RN" in sass) != quad, GEMM_VARIANTS[i]
+        else:
+            assert ("STG.E.128" in sass) == quad, GEMM_VARIANTS[i]
+            assert bool(re.search(r"STG\.E ", sass)) != quad, GEMM_VARIANTS[i]
+        assert ("SHFL.BFLY" in sass) == (quad or "REDUX.MAX" in sass), GEMM_VARIANTS[i]
+        checked += quad
+    assert checked >= 5

@@ -143,6 +143,25 @@ def reduce_add_f32(gmem_address, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def reduce_add_v4_f32(gmem_address, values, *, loc=None, ip=None) -> None:
+    """`red.global.v4.f32.add`: four FP32 atomic additions to consecutive words (16-byte aligned) in one
+    instruction, each rounded and flushed as `red.global.add.f32` is (RN, subnormals to zero)."""
+    _asm(
+        None, "red.global.v4.f32.add [$0], {$1, $2, $3, $4};", "l,f,f,f,f",
+        (Int64(gmem_address), *map(Float32, values)), True, loc, ip,
+    )
+
+
+@dsl_user_op
+def store_global_v4_f32(gmem_address, values, *, loc=None, ip=None) -> None:
+    """Four FP32 values to consecutive words (16-byte aligned) of global memory."""
+    _asm(
+        None, "st.global.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f",
+        (Int64(gmem_address), *map(Float32, values)), True, loc, ip,
+    )
+
+
+@dsl_user_op
 def magnitudes_bf16x2(low, high, *, loc=None, ip=None) -> Uint32:
     """|low| and |high| (FP32 values exact in bf16) as a bf16 pair, `low` in the low half: one
     conversion and a mask of the sign bits (so -0 becomes +0)."""

@@ -194,6 +194,25 @@ def pipeline_stages(tile_features: int, tile_rows: int, tile_k: int, ctas_per_sm
     return max(2, min(MAX_STAGES, budget // stage_bytes(tile_features, tile_rows, tile_k, panel_k == 0)))
 
 
+@cute.jit
+def quad_transpose(values, quad_lane):
+    """The 4 x 4 transpose of `values` over the four lanes `lane ^ 4`, `lane ^ 8` apart (`quad_lane`:
+    `(lane >> 2) & 3`): lane k's element i becomes lane i's element k. Two butterfly steps, each
+    swapping the two elements of the lane's pair that the partner needs: four shuffles in all."""
+    x = list(values)
+    for step in cutlass.range_constexpr(2):
+        bit, offset = 1 << step, 4 << step
+        mine = (quad_lane & bit) != 0
+        for low in cutlass.range_constexpr(4):
+            if const_expr(low & bit == 0):
+                high = low | bit
+                sent = cutlass.select_(mine, x[low], x[high])
+                received = cute.arch.shuffle_sync_bfly(sent, offset)
+                x[low] = cutlass.select_(mine, received, x[low])
+                x[high] = cutlass.select_(mine, x[high], received)
+    return x
+
+
 class MoEGemmSm90:
     """`acc[f, r] = sum_k W_e[f, k] * A[src(r), k]` for every used plan tile (`tile_rows` rows of one
     expert `e`) and every block of `tile_features` output features, then the epilogue.
@@ -291,6 +310,10 @@ class MoEGemmSm90:
         assert tile_rows % row_granule == 0 and row_granule % 8 == 0
         assert k_splits == 1 or (epilogue == "gemm2_fused" and (prepared_k // tile_k) % k_splits == 0)
         self.epilogue = epilogue
+        # GEMM2's decode tiles write four features per instruction (`finish_gemm2`); larger tiles measured
+        # no faster that way (runs log).
+        self.quad_stores = epilogue != "gemm1" and tile_rows <= INLINE_WGMMA_TILE_ROWS
+        assert not self.quad_stores or out_features % 4 == 0
         self.num_experts = num_experts
         self.row_blocks = prepared_rows // weight_layout.ROW_BLOCK
         self.k_tiles64 = prepared_k // weight_layout.K_TILE
@@ -1475,28 +1498,60 @@ class MoEGemmSm90:
         self, acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, mOut, early_rows,
         mOutputScale,
     ):
+        """Per output element `alpha`, the row's activation scale, the router weight and (`output_scaled`)
+        the factor, then the element into the token's output row (`red.global.add.f32`, fused finalize)
+        or the pair's (expanded). Decode tiles (`quad_stores`) write four consecutive features of a row
+        per instruction instead: `red.global.v4.f32.add` or a 16-byte store, after the four lanes that
+        hold features m .. m + 3 of rows n and n + 1 exchange their elements (`quad_transpose`)."""
         out_address = mOut.iterator.toint()
         factor = Float32(1.0)
         if const_expr(self.output_scaled):
             factor = mOutputScale[0]
         row_bytes = Int64(mOut.stride[0]) * 4
+        quad_lane = (cute.arch.lane_idx() >> 2) & 3  # which of the four lanes of features m .. m + 3
         for c in cutlass.range_constexpr(self.tile_rows // self.epilogue_rows):
             pairs, weights, scales = self.epilogue_rows_of(
                 early_rows, coordinates, first_row, c, row_factors, mPermutedToPair, num_pairs
             )
-            for v in cutlass.range_constexpr(self.chunk_values(c).start, self.chunk_values(c).stop):
-                m, _ = coordinates[v, 0, 0]
-                feature = block * 64 + m
-                same_row = v - 2 * ((v // 2) % 2)
-                pair = pairs[same_row]
-                if (pair >= 0) & (feature < self.out_features):
-                    y = self.row_scale(acc[v, 0, 0] * alpha, scales.get(same_row))
-                    if const_expr(self.router_weighted):
-                        y = y * weights[same_row]
-                    if const_expr(self.output_scaled):
-                        y = y * factor
-                    if const_expr(self.epilogue == "gemm2_fused"):
-                        token = pair // self.top_k
-                        dev.reduce_add_f32(out_address + Int64(token) * row_bytes + Int64(feature) * 4, y)
-                    else:
-                        mOut[pair, feature] = y
+            if const_expr(self.quad_stores):
+                for first in cutlass.range_constexpr(self.chunk_values(c).start, self.chunk_values(c).stop, 4):
+                    # Elements first + 2h + b: feature m + 8h of row n + b (the row of element first + b).
+                    values = [
+                        self.gemm2_output(acc[first + e, 0, 0], alpha, first + e % 2, weights, scales, factor)
+                        for e in range(4)
+                    ]
+                    values = quad_transpose(values, quad_lane)
+                    m, _ = coordinates[first, 0, 0]
+                    # This lane's four: element quad_lane's (h, b) of the quad's lanes, features base .. base + 3.
+                    feature = block * 64 + m - quad_lane + 8 * (quad_lane >> 1)
+                    pair = cutlass.select_((quad_lane & 1) == 1, pairs[first + 1], pairs[first])
+                    if (pair >= 0) & (feature < self.out_features):
+                        if const_expr(self.epilogue == "gemm2_fused"):
+                            token = pair // self.top_k
+                            dev.reduce_add_v4_f32(out_address + Int64(token) * row_bytes + Int64(feature) * 4, values)
+                        else:
+                            dev.store_global_v4_f32(out_address + Int64(pair) * row_bytes + Int64(feature) * 4, values)
+            else:
+                for v in cutlass.range_constexpr(self.chunk_values(c).start, self.chunk_values(c).stop):
+                    m, _ = coordinates[v, 0, 0]
+                    feature = block * 64 + m
+                    same_row = v - 2 * ((v // 2) % 2)
+                    pair = pairs[same_row]
+                    if (pair >= 0) & (feature < self.out_features):
+                        y = self.gemm2_output(acc[v, 0, 0], alpha, same_row, weights, scales, factor)
+                        if const_expr(self.epilogue == "gemm2_fused"):
+                            token = pair // self.top_k
+                            dev.reduce_add_f32(out_address + Int64(token) * row_bytes + Int64(feature) * 4, y)
+                        else:
+                            mOut[pair, feature] = y
+
+    def gemm2_output(self, value, alpha, row, weights, scales, factor):
+        """An accumulator element of row `row` of the epilogue's chunk, as GEMM2 writes it: times `alpha`,
+        the row's activation scale, the router weight (output side) and the `output_scaled` factor.
+        Plain Python, run while the kernel is traced."""
+        y = self.row_scale(value * alpha, scales.get(row))
+        if self.router_weighted:
+            y = y * weights[row]
+        if self.output_scaled:
+            y = y * factor
+        return y
