@@ -15,6 +15,8 @@ One kernel class serves both projections; `MoEGemmSm90`'s static parameters choo
   partial sums (split-K, for grids that would leave SMs idle: the reduction is linear, and adds in
   FP32 either way).
 - ``"gemm2_expanded"``: the same, written to the (token, slot) row instead (deterministic finalize).
+  In decode tiles both GEMM2 epilogues write four consecutive features of a row per instruction
+  (`quad_stores`).
 
 W4A4 runs the same kernels on activations given as their codes' exact bf16 values (written so by the
 quantizers, or by `nvfp4_decode` for NVFP4 inputs): `e2m1 * scale` is exact in bf16, and the factor
