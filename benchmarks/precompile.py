@@ -34,12 +34,14 @@ LAUNCH_MODULES = (moe_launch, quantize_launch, aligned_launch)
 
 
 @contextlib.contextmanager
-def compile_without_launching(sms: int):
+def compile_without_launching(sms: int, compile_kernels: bool = True):
     """Inside: every device is an sm90 GPU of `sms` multiprocessors to the dispatch and the launch
-    layers, and their compiled kernels are stubs that launch nothing (the real ones go to the cache)."""
+    layers, and their compiled kernels are stubs that launch nothing (the real ones go to the cache;
+    without `compile_kernels` none is compiled: the host path alone runs)."""
 
     def compile_only(*args, **kwargs):
-        compiler.compile_kernel(*args, **kwargs)
+        if compile_kernels:
+            compiler.compile_kernel(*args, **kwargs)
         return lambda *_args, **_kwargs: None
 
     with contextlib.ExitStack() as stack:

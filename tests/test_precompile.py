@@ -1,5 +1,6 @@
 """`python -m benchmarks.precompile` (no GPU needed) compiles a cell's kernels into the disk cache, and a
-second run of the same sources finds every one of them there."""
+second run of the same sources finds every one of them there; its meta-tensor calls also run the sm90
+host path of every harness cell without a GPU."""
 
 import os
 import re
@@ -8,6 +9,8 @@ import sys
 from pathlib import Path
 
 import fp4moe
+from benchmarks import precompile
+from benchmarks.moe_cases import SHAPES
 
 
 def _precompile(cache: Path) -> str:
@@ -26,3 +29,22 @@ def test_precompile_fills_the_cache_that_a_second_run_finds(tmp_path):
     assert re.search(r"qwen3_30b_a3b T=1 fused_moe_w4a16: 4 compiled", _precompile(tmp_path))
     assert len(list(tmp_path.glob("*.o"))) == 4
     assert re.search(r"qwen3_30b_a3b T=1 fused_moe_w4a16: 0 compiled", _precompile(tmp_path))
+
+
+def test_the_sm90_host_path_of_every_cell_runs_at_ragged_and_boundary_token_counts():
+    """The dispatch, the tilings and the launch layers' host code (no kernel compiled or launched) for
+    every harness shape and fp4moe implementation at T = 0, around the aux-amax bound and at ragged
+    sizes: host-side errors that only a GPU run would otherwise meet (per-token W4A4 at T = 0 once divided
+    by zero in the fused GEMM2's tiling)."""
+    failures = []
+    with precompile.compile_without_launching(132, compile_kernels=False):
+        for name, shape in SHAPES.items():
+            for tokens in (0, 1, 2, 3, 4, 5, 17, 100, 1000, 4099):
+                for implementation in precompile.REGISTRY:
+                    if implementation == "bf16_grouped_mm":
+                        continue
+                    try:
+                        precompile.compile_cell(shape, tokens, implementation)
+                    except Exception as error:
+                        failures.append(f"{name} T={tokens} {implementation}: {type(error).__name__}: {error}")
+    assert not failures, "\n".join(failures)
