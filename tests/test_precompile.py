@@ -10,7 +10,7 @@ from pathlib import Path
 
 import fp4moe
 from benchmarks import precompile
-from benchmarks.moe_cases import SHAPES
+from benchmarks.moe_cases import SHAPES, MoEShape
 
 
 def _precompile(cache: Path) -> str:
@@ -33,12 +33,18 @@ def test_precompile_fills_the_cache_that_a_second_run_finds(tmp_path):
 
 def test_the_sm90_host_path_of_every_cell_runs_at_ragged_and_boundary_token_counts():
     """The dispatch, the tilings and the launch layers' host code (no kernel compiled or launched) for
-    every harness shape and fp4moe implementation at T = 0, around the aux-amax bound and at ragged
-    sizes: host-side errors that only a GPU run would otherwise meet (per-token W4A4 at T = 0 once divided
-    by zero in the fused GEMM2's tiling)."""
+    every harness shape and three of ragged sizes (experts, top-k, H, I; an expert-parallel shard), each
+    fp4moe implementation, at T = 0, around the aux-amax bound and at ragged token counts: host-side
+    errors that only a GPU run would otherwise meet (per-token W4A4 at T = 0 once divided by zero in the
+    fused GEMM2's tiling)."""
+    ragged = [
+        MoEShape("ragged", 10, 2, 272, 80, "softmax"),
+        MoEShape("top1", 33, 1, 2064, 336, "softmax"),
+        MoEShape("ragged_ep", 40, 6, 528, 208, "softmax", num_local_experts=9, local_expert_offset=31),
+    ]
     failures = []
     with precompile.compile_without_launching(132, compile_kernels=False):
-        for name, shape in SHAPES.items():
+        for shape in [*SHAPES.values(), *ragged]:
             for tokens in (0, 1, 2, 3, 4, 5, 17, 100, 1000, 4099):
                 for implementation in precompile.REGISTRY:
                     if implementation == "bf16_grouped_mm":
@@ -46,5 +52,5 @@ def test_the_sm90_host_path_of_every_cell_runs_at_ragged_and_boundary_token_coun
                     try:
                         precompile.compile_cell(shape, tokens, implementation)
                     except Exception as error:
-                        failures.append(f"{name} T={tokens} {implementation}: {type(error).__name__}: {error}")
+                        failures.append(f"{shape.name} T={tokens} {implementation}: {type(error).__name__}: {error}")
     assert not failures, "\n".join(failures)
