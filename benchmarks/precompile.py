@@ -31,6 +31,8 @@ from fp4moe.op_outputs import align_block_size_outputs
 DEFAULT_TOKENS = [2**i for i in range(13)]
 LAUNCH_MODULES = (moe_launch, quantize_launch, aligned_launch)
 """The modules that compile sm90 kernels through `compiler.compile_kernel`."""
+FP4MOE_IMPLEMENTATIONS = [name for name in REGISTRY if name != "bf16_grouped_mm"]
+"""The harness's implementations that call fp4moe (the others compile no kernel of ours)."""
 
 
 @contextlib.contextmanager
@@ -95,8 +97,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=int, default=DEFAULT_TOKENS)
-    fp4moe_impls = [name for name in REGISTRY if name != "bf16_grouped_mm"]
-    parser.add_argument("--impls", nargs="+", choices=fp4moe_impls, default=fp4moe_impls)
+    parser.add_argument("--impls", nargs="+", choices=FP4MOE_IMPLEMENTATIONS, default=FP4MOE_IMPLEMENTATIONS)
     parser.add_argument("--sms", type=int, default=132, help="the GPU's multiprocessors (H200: 132)")
     args = parser.parse_args(argv)
     print(f"kernel cache: {compiler.cache_directory()}", flush=True)

@@ -186,7 +186,8 @@ def test_gemm2_quantizes_itself_where_its_fused_items_are_long(monkeypatch):
         return choice.intermediate_quantization
 
     assert [quantization(t) for t in (1, 3, 4)] == [dispatch.QUANTIZATION_IN_GEMM2] * 2 + [dispatch.QUANTIZATION_KERNEL]
-    # No tokens: no items, whose tiling (every slice count balances zero waves) gives one-tile slices of K.
+    # No tokens: no items, which every slice count balances; the most slices of K (`MAX_K_SPLITS`) leave
+    # items too short for GEMM2 to quantize.
     assert quantization(0) == dispatch.QUANTIZATION_KERNEL
     assert quantization(1, per_token=False) is None
 
@@ -363,7 +364,6 @@ def test_no_kernel_spills_to_local_memory(compiled):
             assert len(re.findall(r"\bSTL\b", sass)) <= 1 and len(re.findall(r"\bLDL\b", sass)) <= 1, name
         else:
             assert not LOCAL_MEMORY.search(sass), name
-
 
 
 def test_gemm2_writes_four_features_per_instruction_in_decode_tiles(compiled):
