@@ -135,8 +135,10 @@ def check_dense_experts(w1: torch.Tensor, w2: torch.Tensor, activation: str) -> 
 
 
 def _quantize_experts(weights: torch.Tensor):
-    """Per-expert global scale from the expert's amax, then NVFP4 codes and linear scales."""
-    global_scale = nvfp4.global_scale_from_amax(weights.float().abs().amax(dim=(1, 2)))
+    """Per-expert global scale from the expert's amax (NaN ignored, semantics §1.6), then NVFP4 codes and
+    linear scales. Weights that require grad (a model's parameters) are quantized as their values."""
+    weights = weights.detach()
+    global_scale = nvfp4.global_scale_from_amax(nvfp4.nan_ignoring_abs(weights.float()).amax(dim=(1, 2)))
     codes, scales = [], []
     for expert, gs in zip(weights, global_scale):
         c, s = torch.ops.fp4moe.quantize(expert, gs.reshape(1), sf_layout="linear")

@@ -165,3 +165,26 @@ def test_per_expert_fc2_scales_give_per_expert_alphas():
     assert torch.equal(w2_alpha, expected)
     _, shared = weights.alphas(fc2_input_scale=fc2[:1])
     assert torch.equal(shared, (1.0 / weights.w2_global_scale) * (1.0 / fc2[0]))
+
+
+def test_a_nan_weight_is_ignored_by_its_experts_global_scale():
+    # Every maximum ignores NaN (semantics §1.6): the NaN element encodes as +0, the rest of its expert
+    # quantizes as if it were a zero.
+    w1, w2 = _experts(seed=7)
+    poisoned = w1.clone()
+    poisoned[0, 0, 0] = float("nan")
+    zeroed = w1.clone()
+    zeroed[0, 0, 0] = 0.0
+    got, want = fp4moe.quantize_moe_weights(poisoned, w2), fp4moe.quantize_moe_weights(zeroed, w2)
+    assert torch.isfinite(got.w1_global_scale).all()
+    assert_bitwise_equal(got.w1_global_scale, want.w1_global_scale)
+    assert_bitwise_equal(got.w1, want.w1)
+    assert_bitwise_equal(got.w1_scales.view(torch.uint8), want.w1_scales.view(torch.uint8))
+
+
+def test_parameters_are_quantized_as_their_values():
+    w1, w2 = _experts(seed=8)
+    got = fp4moe.quantize_moe_weights(torch.nn.Parameter(w1), torch.nn.Parameter(w2))
+    want = fp4moe.quantize_moe_weights(w1, w2)
+    assert_bitwise_equal(got.w1, want.w1)
+    assert_bitwise_equal(got.w2_global_scale, want.w2_global_scale)
