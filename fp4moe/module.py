@@ -30,19 +30,30 @@ _PYTHON_OPTIONS = {
     "apply_router_weight_on_input": (bool, False),
     "deterministic": (bool, False),
     "local_expert_offset": (int, False),
+    "weight_layout": (str, False),
 }
 """The module's Python-valued arguments: (type, whether None is allowed)."""
 
 
-def _check_options(router_weight: torch.Tensor | None, num_local_experts: int, hidden_size: int, options: dict) -> None:
+def _check_options(
+    router_weight: torch.Tensor | None, num_local_experts: int, hidden_size: int, device: torch.device, options: dict
+) -> None:
     """Everything about the module's arguments that needs no quantized weights: their Python types,
     the router's shape, and the routing, checked by the routing op's own validation on an empty
-    batch of the FP32 logits `forward` routes (without a router of its own, logits over the experts
-    up to the last local one)."""
+    batch of the FP32 logits `forward` routes, on the experts' `device`. Without a router of its own
+    the router's expert count is unknown until `forward`: the logits checked here span the experts up
+    to the last local one, or the `correction_bias`'s (DeepSeek-V3 routing), or `top_k` (softmax:
+    `forward`'s routing op checks `top_k` against the logits it gets)."""
     for name, (kind, optional) in _PYTHON_OPTIONS.items():
         validation.check_python_scalar(name, options[name], kind, optional)
     if router_weight is None:
-        _check_routing(options, options["local_expert_offset"] + num_local_experts, torch.device("cpu"))
+        experts = options["local_expert_offset"] + num_local_experts
+        bias = options["correction_bias"]
+        if options["routing"] == "deepseek_v3" and isinstance(bias, torch.Tensor) and bias.dim() == 1:
+            experts = max(experts, bias.shape[0])
+        elif options["routing"] == "softmax":
+            experts = max(experts, options["top_k"])
+        _check_routing(options, experts, device)
         return
     validation.check_tensor("router_weight", router_weight)
     if not router_weight.is_floating_point():
@@ -122,8 +133,9 @@ class FusedMoE(nn.Module):
     `correction_bias`, `n_group`, `topk_group` and `routed_scaling_factor` (default 1.0) apply to
     `routing="deepseek_v3"` only. Every argument is checked here, before the first forward.
     `router_weight=None` builds the block without a router of its own: `forward` then takes the
-    `router_logits [..., E]` of a router that stays outside, in its own precision (`fp4moe.hf` passes the
-    model's own router module's logits).
+    `router_logits [..., E]` (or `[N, E]` over the tokens flattened) of a router that stays outside, in its
+    own precision (`fp4moe.hf` passes the model's own router module's logits); the router's E is then
+    known from them only. Tensors passed in are kept detached (buffers, not parameters).
     """
 
     FIXED_DTYPE_BUFFERS = (
@@ -164,9 +176,9 @@ class FusedMoE(nn.Module):
             topk_group=topk_group, routed_scaling_factor=routed_scaling_factor, quant_mode=quant_mode,
             per_token_activation=per_token_activation, swiglu_alpha=swiglu_alpha, swiglu_beta=swiglu_beta,
             swiglu_limit=swiglu_limit, apply_router_weight_on_input=apply_router_weight_on_input,
-            deterministic=deterministic, local_expert_offset=local_expert_offset,
+            deterministic=deterministic, local_expert_offset=local_expert_offset, weight_layout=weight_layout,
         )
-        _check_options(router_weight, weights.num_experts, weights.hidden_size, options)
+        _check_options(router_weight, weights.num_experts, weights.hidden_size, weights.w1.device, options)
         if router_weight is not None:
             validation.check_same_device("router_weight", router_weight, "w1", weights.w1)
         validation.check_choice("weight_layout", weight_layout, weight_layouts.WEIGHT_LAYOUTS)
@@ -198,10 +210,15 @@ class FusedMoE(nn.Module):
         self.deterministic = deterministic
         self.local_expert_offset = local_expert_offset
         self.hidden_size = weights.hidden_size
-        self.register_buffer("router_weight", None if router_weight is None else router_weight.to(torch.bfloat16))
-        self.register_buffer("correction_bias", None if correction_bias is None else correction_bias.float())
-        self.register_buffer("fc1_input_scale", fc1_input_scale)
-        self.register_buffer("fc2_input_scale", fc2_input_scale)
+        # Buffers, not parameters: detached, so that a `nn.Parameter` passed in (a model's own router
+        # weight) neither makes the inference-only ops see a tensor that requires grad nor blocks deepcopy.
+        def buffer(tensor, dtype=None):
+            return None if tensor is None else tensor.detach().to(dtype or tensor.dtype)
+
+        self.register_buffer("router_weight", buffer(router_weight, torch.bfloat16))
+        self.register_buffer("correction_bias", buffer(correction_bias, torch.float32))
+        self.register_buffer("fc1_input_scale", buffer(fc1_input_scale))
+        self.register_buffer("fc2_input_scale", buffer(fc2_input_scale))
         for name in ("w1", "w1_scales", "w2", "w2_scales"):
             self.register_buffer(name, getattr(weights, name))
         self.register_buffer("w1_alpha", w1_alpha)
@@ -235,7 +252,7 @@ class FusedMoE(nn.Module):
         check_dense_experts(w1, w2, activation)
         # The constructor's checks that need no quantized weights, with its defaults, before quantizing.
         all_options = {name: options.get(name, parameters[name].default) for name in accepted}
-        _check_options(router_weight, w1.shape[0], w1.shape[2], {**all_options, "top_k": top_k})
+        _check_options(router_weight, w1.shape[0], w1.shape[2], w1.device, {**all_options, "top_k": top_k})
         per_tensor_w4a4 = all_options["quant_mode"] == "w4a4" and not all_options["per_token_activation"]
         for name, amax in (("fc1_input_amax", fc1_input_amax), ("fc2_input_amax", fc2_input_amax)):
             if per_tensor_w4a4 and amax is None:
@@ -264,6 +281,32 @@ class FusedMoE(nn.Module):
                 self._buffers[name] = before.to(after.device)
         return self
 
+    def _check_router_logits(self, router_logits: torch.Tensor, hidden_shape: torch.Size) -> None:
+        """`router_logits` must be over the same tokens as the hidden states: `[..., E]` with their leading
+        dimensions, or `[N, E]` over them flattened (as transformers' routers return them); logits laid
+        out otherwise would route other tokens. Floating-point, on their device, E covering the local
+        experts."""
+        validation.check_tensor("router_logits", router_logits)
+        if not router_logits.is_floating_point():
+            raise TypeError(f"router_logits must have a floating-point dtype, got {router_logits.dtype}")
+        leading = tuple(hidden_shape[:-1])
+        tokens = math.prod(leading)
+        same_tokens = router_logits.dim() >= 1 and (
+            tuple(router_logits.shape[:-1]) == leading or tuple(router_logits.shape[:-1]) == (tokens,)
+        )
+        if not same_tokens:
+            raise ValueError(
+                f"router_logits must be [..., E] with hidden_states' leading dimensions {leading}, or [{tokens}, E], "
+                f"got {tuple(router_logits.shape)}"
+            )
+        end = self.local_expert_offset + self.w1.shape[0]
+        if router_logits.shape[-1] < end:
+            raise ValueError(
+                f"router_logits has {router_logits.shape[-1]} experts, but this block holds experts "
+                f"[{self.local_expert_offset}, {end}) of the router's: it needs at least {end}"
+            )
+        validation.check_same_device("router_logits", router_logits, "the module's w1", self.w1)
+
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
         validation.check_tensor("hidden_states", hidden_states)
         validation.check_dtype("hidden_states", hidden_states, validation.ACTIVATION_DTYPES)
@@ -274,7 +317,8 @@ class FusedMoE(nn.Module):
         tokens = hidden_states.reshape(-1, shape[-1])
         x = tokens.to(torch.bfloat16)
         if router_logits is not None:
-            logits = router_logits.reshape(tokens.shape[0], -1).float()
+            self._check_router_logits(router_logits, shape)
+            logits = router_logits.reshape(tokens.shape[0], router_logits.shape[-1]).float()
         elif self.router_weight is None:
             raise ValueError("this FusedMoE has no router (router_weight=None): pass router_logits to forward")
         else:  # in the router's own dtype (bf16 unless the module was converted)

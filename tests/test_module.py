@@ -121,6 +121,9 @@ BAD_CONSTRUCTOR_CALLS = [
     (ValueError, "local_expert_offset must be in", construct(**PER_TOKEN, local_expert_offset=-1)),
     (ValueError, r"router_weight has 8 rows .* experts \[4, 12\)", construct(**PER_TOKEN, local_expert_offset=4)),
     (ValueError, "router_weight is on meta but w1 is on cpu", construct(router=_R.to("meta"), **PER_TOKEN)),
+    (TypeError, "weight_layout must be a Python str, got int", construct(**PER_TOKEN, weight_layout=1)),
+    (ValueError, "correction_bias is on meta", construct(router=None, **PER_TOKEN, **{**DEEPSEEK,
+     "correction_bias": torch.zeros(EXPERTS, device="meta")})),
 ]
 
 
@@ -141,6 +144,60 @@ def test_forward_refuses_inputs_it_would_silently_cast():
         moe(np.zeros((3, HIDDEN), dtype=np.float32))
     # float32 and float16 hidden states are rounded to bf16 like the module's own computation
     assert torch.equal(moe(tokens), moe(tokens.to(torch.bfloat16)))
+
+
+def test_forward_checks_the_router_logits_it_is_given():
+    moe = fp4moe.FusedMoE(None, WEIGHTS, TOP_K, **PER_TOKEN)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, HIDDEN, generator=g).to(torch.bfloat16)
+    logits = torch.randn(2, 3, EXPERTS, generator=g)
+    out = moe(x, logits)
+    assert out.shape == x.shape and out.abs().sum() > 0
+    # flattened over the tokens, as transformers' routers return them: the same tokens, the same result
+    assert torch.equal(moe(x, logits.reshape(6, EXPERTS)), out)
+    with pytest.raises(ValueError, match=r"router_logits must be \[\.\.\., E\] with hidden_states' leading dimensions \(2, 3\)"):
+        moe(x, logits.transpose(0, 1))  # other tokens' logits
+    with pytest.raises(ValueError, match=r"got \(3, 16\)"):
+        moe(x, logits.reshape(3, 2 * EXPERTS))
+    with pytest.raises(TypeError, match="router_logits must have a floating-point dtype, got torch.int64"):
+        moe(x, logits.to(torch.int64))
+    with pytest.raises(TypeError, match="router_logits must be a Tensor, got list"):
+        moe(x, logits.tolist())
+    with pytest.raises(ValueError, match=r"router_logits has 4 experts, but this block holds experts \[0, 8\)"):
+        moe(x, logits[..., :4])
+    empty = moe(x[:0], logits[:0])
+    assert empty.shape == (0, 3, HIDDEN)
+
+
+def test_without_a_router_of_its_own_the_routers_expert_count_comes_with_the_logits():
+    # Expert parallelism without a router module: this block holds experts [0, 8) of 32, top-9 over them
+    # (more than the block holds, which only the logits' expert count can refuse).
+    moe = fp4moe.FusedMoE(None, WEIGHTS, 9, **PER_TOKEN)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, HIDDEN, generator=g).to(torch.bfloat16)
+    out = moe(x, torch.randn(5, 32, generator=g))
+    assert out.shape == x.shape
+    with pytest.raises(ValueError, match="top_k"):
+        moe(x, torch.randn(5, EXPERTS, generator=g))
+    deepseek = fp4moe.FusedMoE(None, WEIGHTS, 4, **PER_TOKEN, **{**DEEPSEEK, "correction_bias": torch.zeros(32)})
+    assert deepseek(x, torch.randn(5, 32, generator=g)).shape == x.shape
+    # on the meta device (the weights there too) it builds and its checks follow the weights' device
+    meta = fp4moe.quantize_moe_weights(_W1.to("meta"), _W2.to("meta"))
+    fp4moe.FusedMoE(None, meta, TOP_K, **PER_TOKEN, **{**DEEPSEEK, "correction_bias": torch.zeros(EXPERTS, device="meta")})
+
+
+def test_parameters_are_taken_as_their_values():
+    # A model's own router and expert weights are nn.Parameters that require grad: the block keeps
+    # detached buffers, runs with grad mode on and deep-copies.
+    import copy
+
+    router = torch.nn.Parameter(_R.clone())
+    moe = fp4moe.FusedMoE.from_dense(router, torch.nn.Parameter(_W1.clone()), _W2, TOP_K, **PER_TOKEN)
+    reference = fp4moe.FusedMoE.from_dense(_R, _W1, _W2, TOP_K, **PER_TOKEN)
+    x = torch.randn(3, HIDDEN).to(torch.bfloat16)
+    assert not moe.router_weight.requires_grad
+    assert torch.equal(moe(x), reference(x))
+    assert torch.equal(copy.deepcopy(moe)(x), reference(x))
 
 
 def test_expert_parallel_router_and_routing_defaults():
