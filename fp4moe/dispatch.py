@@ -201,7 +201,32 @@ def moe_dispatch(
     every stage. Reads no device data. `global_num_experts`: the experts the router chooses among, where
     this rank holds `num_local_experts` of them (expert parallelism); None: all are local.
     `hidden_size`, `intermediate_size`: the experts' H and I, which `fused_moe` passes; where either is
-    None (not known), no choice depends on them.
+    None (not known), no choice depends on them. Every argument is checked (TypeError, ValueError);
+    `fused_moe`, whose op has checked them already, asks `moe_choices`."""
+    from fp4moe import validation  # it imports this module
+
+    for name, value, kind, optional, least in (
+        ("num_tokens", num_tokens, int, False, 0), ("top_k", top_k, int, False, 1),
+        ("num_local_experts", num_local_experts, int, False, 1), ("quant_mode", quant_mode, str, False, None),
+        ("per_token_activation", per_token_activation, bool, False, None),
+        ("global_num_experts", global_num_experts, int, True, num_local_experts),
+        ("hidden_size", hidden_size, int, True, 1), ("intermediate_size", intermediate_size, int, True, 1),
+    ):
+        validation.check_python_scalar(name, value, kind, optional)
+        if least is not None and value is not None and value < least:
+            raise ValueError(f"{name} must be at least {least}, got {value}")
+    validation.check_choice("quant_mode", quant_mode, validation.MOE_QUANT_MODES)
+    return moe_choices(
+        num_tokens, top_k, num_local_experts, quant_mode, per_token_activation, device, global_num_experts,
+        hidden_size, intermediate_size,
+    )
+
+
+def moe_choices(
+    num_tokens: int, top_k: int, num_local_experts: int, quant_mode: str, per_token_activation: bool, device,
+    global_num_experts: int | None, hidden_size: int | None, intermediate_size: int | None,
+) -> MoEDispatch:
+    """`moe_dispatch` without its argument checks, for callers that have checked them.
 
     On a kernel backend (`device_backend`) every stage runs its kernels. The per-token path is the
     aux-amax handoff only where the GEMM1 backend writes it (`AUX_AMAX_TILE_N_BY_BACKEND`), with that

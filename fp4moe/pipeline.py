@@ -44,9 +44,9 @@ def fused_moe(
     hidden = hidden_size(x, x_scales)
     intermediate_size = layouts.input_k(w2, weight_layout)
     device = "cpu" if reference else x.device
-    choice = dispatch.moe_dispatch(
-        num_tokens, top_k, experts, quant_mode, per_token_activation, device, global_num_experts,
-        hidden_size=hidden, intermediate_size=intermediate_size,
+    choice = dispatch.moe_choices(
+        num_tokens, top_k, experts, quant_mode, per_token_activation, device, global_num_experts, hidden,
+        intermediate_size,
     )
     if per_token_path is not None:
         if choice.per_token_path is None or per_token_path not in (dispatch.RESCAN_PATH, dispatch.AUX_AMAX_PATH):

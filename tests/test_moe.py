@@ -305,6 +305,20 @@ def test_dispatch_reports_the_backend_of_every_stage_on_the_cpu():
     assert fp4moe.moe_dispatch(4, 8, 256, "w4a16", False).quantize is None
 
 
+@pytest.mark.parametrize(("error", "match", "arguments"), [
+    (ValueError, "quant_mode must be one of 'w4a4', 'w4a16', got 'W4A4'", (8, 2, 8, "W4A4", True)),
+    (ValueError, "num_local_experts must be at least 1, got 0", (8, 2, 0, "w4a4", True)),
+    (ValueError, "num_tokens must be at least 0, got -8", (-8, 2, 8, "w4a4", True)),
+    (TypeError, "top_k must be a Python int, got bool", (8, True, 8, "w4a4", True)),
+    (TypeError, "per_token_activation must be a Python bool, got int", (8, 2, 8, "w4a4", 1)),
+])
+def test_dispatch_refuses_bad_arguments(error, match, arguments):
+    with pytest.raises(error, match=match):
+        fp4moe.moe_dispatch(*arguments)
+    with pytest.raises(ValueError, match="global_num_experts must be at least 8, got 2"):
+        fp4moe.moe_dispatch(8, 2, 8, "w4a4", False, global_num_experts=2)
+
+
 def test_the_backend_override_forces_the_reference(monkeypatch):
     monkeypatch.setenv(dispatch.BACKEND_VARIABLE, "reference")
     assert dispatch.device_backend("cpu") == dispatch.REFERENCE_BACKEND
