@@ -122,6 +122,8 @@ def nan_ignoring_abs(values: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------
 def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """Encode-direction global scale ``gs = 2688 / amax`` in FP32; ``amax == 0`` gives FLT_MAX."""
+    if not isinstance(amax, torch.Tensor):
+        raise TypeError(f"amax must be a Tensor (e.g. torch.tensor([amax])), got {type(amax).__name__}")
     amax = amax.float()
     scale = fp32_constant(GLOBAL_SCALE_NUMERATOR, amax) / amax
     return torch.where(amax == 0, fp32_constant(FLT_MAX, amax), scale)
@@ -219,6 +221,7 @@ def swizzle_128x4(linear: torch.Tensor) -> torch.Tensor:
 
     Element (r, c) lands at flat offset (c%4) + (c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + (r//128)*128*P.
     """
+    _check_scale_tensor("linear", linear)
     rows, cols = linear.shape
     padded_rows, padded_cols = swizzled_shape(rows, cols)
     raw = linear.view(torch.uint8)
@@ -231,10 +234,32 @@ def swizzle_128x4(linear: torch.Tensor) -> torch.Tensor:
 
 def unswizzle_128x4(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """Inverse of `swizzle_128x4`: the [rows, cols] linear scales (padding dropped)."""
+    _check_scale_tensor("swizzled", swizzled)
+    for name, value in (("rows", rows), ("cols", cols)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be a Python int, got {type(value).__name__} {value!r}")
+        if value < 0:
+            raise ValueError(f"{name} must be non-negative, got {value}")
+    if tuple(swizzled.shape) != swizzled_shape(rows, cols):
+        raise ValueError(
+            f"swizzled must have shape {swizzled_shape(rows, cols)} (the 128x4 layout of {rows} x {cols} scales), "
+            f"got {tuple(swizzled.shape)}"
+        )
     padded_rows, padded_cols = swizzled.shape
     tiles = swizzled.contiguous().view(torch.uint8).view(padded_rows // 128, padded_cols // 4, 32, 4, 4)
     linear = tiles.permute(0, 3, 2, 1, 4).reshape(padded_rows, padded_cols)[:rows, :cols]
     return linear.contiguous().view(swizzled.dtype)
+
+
+def _check_scale_tensor(name: str, scales) -> None:
+    """A 2-D tensor of one-byte elements (E4M3 scales, or their uint8 bytes)."""
+    if not isinstance(scales, torch.Tensor):
+        raise TypeError(f"{name} must be a Tensor, got {type(scales).__name__}")
+    if scales.element_size() != 1 or scales.dim() != 2:
+        raise ValueError(
+            f"{name} must be a 2-D tensor of one-byte scales (float8_e4m3fn or uint8), got {scales.dtype} "
+            f"of shape {tuple(scales.shape)}"
+        )
 
 
 def to_layout(linear: torch.Tensor, sf_layout: str) -> torch.Tensor:

@@ -176,3 +176,18 @@ def test_swizzle_matches_the_spec_offset_formula():
     assert torch.equal(flat, expected)  # pads are zero
     back = nvfp4.unswizzle_128x4(swizzled.view(torch.float8_e4m3fn), rows, cols)
     assert torch.equal(back.view(torch.uint8), linear)
+
+
+def test_the_swizzle_helpers_refuse_what_they_cannot_lay_out():
+    linear = torch.rand(5, 3).to(torch.float8_e4m3fn)
+    swizzled = nvfp4.swizzle_128x4(linear)
+    with pytest.raises(ValueError, match=r"swizzled must have shape \(256, 12\) \(the 128x4 layout of 200 x 9 scales\)"):
+        nvfp4.unswizzle_128x4(swizzled, 200, 9)
+    with pytest.raises(ValueError, match="rows must be non-negative, got -1"):
+        nvfp4.unswizzle_128x4(swizzled, -1, 3)
+    with pytest.raises(TypeError, match="cols must be a Python int, got float"):
+        nvfp4.unswizzle_128x4(swizzled, 5, 3.0)
+    with pytest.raises(ValueError, match="linear must be a 2-D tensor of one-byte scales"):
+        nvfp4.swizzle_128x4(torch.rand(5, 3))
+    with pytest.raises(TypeError, match="amax must be a Tensor"):
+        nvfp4.global_scale_from_amax(3.0)
