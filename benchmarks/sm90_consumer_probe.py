@@ -3,6 +3,8 @@ the consumers' k step removed.
 
     python -m benchmarks.sm90_consumer_probe [--tokens 1,8] [--l2-flush write read] [--replays 50]
     python -m benchmarks.sm90_consumer_probe --whole-call [--shapes deepseek_v3 glm] [--tokens 2048,4096]
+    python -m benchmarks.sm90_consumer_probe --whole-call --impl fused_moe_w4a4_token --shapes deepseek_v3 \
+        --tokens 1,2,3 --variants default panel_no_scan panel_no_quantize panel_none
     python -m benchmarks.sm90_consumer_probe [--whole-call ...] --compile-only      # no GPU needed
 
 For diagnosis only: the variants compute garbage, and only their times mean anything.
@@ -13,12 +15,15 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
 - `barriers_only` keeps only the consumers' waits and releases (and the `wgmma` group waits, with no
   group in flight). The producer, its bulk copies and gathers are unchanged, so its time is the
   pipeline's own (memory and producer).
+- `panel_no_scan`, `panel_no_quantize`, `panel_none` (chosen with `--variants`) change only a GEMM that
+  quantizes its own activation rows (per-token W4A4 on the rescan path, DeepSeek-V3 at T = 1-3): every
+  row's maximum taken as 1 instead of scanned, the rows stored unquantized, or no panel work at all.
 
 By default each token count times the two GEMMs alone (DeepSeek-V3 shape, softmax routing), every
 variant interleaved in CUDA graphs with a cold L2, once per flush of `--l2-flush`
 (`benchmarks.timing.L2_FLUSHES`); a `torch.sum` over as many bytes as the touched experts' GEMM1 weights
-is timed next to GEMM1 as a yardstick. With `--whole-call` it times the benchmark's W4A16 `fused_moe`
-call (`benchmarks.moe`'s shapes, routing and tokens) with both GEMMs built from each variant, after a
+is timed next to GEMM1 as a yardstick. With `--whole-call` it times the benchmark's `fused_moe` call of
+`--impl` (default W4A16) (`benchmarks.moe`'s shapes, routing and tokens) with both GEMMs built from each variant, after a
 read flush: how much of a whole call (prefill, say) each part of the consumers' work costs. The
 variants' kernels go to the disk kernel cache under keys that name the variant, so `--compile-only`
 (with the same `--whole-call`, shapes and tokens) fills it on a CPU for a later GPU run.
@@ -51,7 +56,7 @@ from benchmarks.timing import L2_FLUSHES, PreparedCall, time_interleaved
 from fp4moe import weight_layout
 from fp4moe.kernels.sm90 import gemm_device as dev
 from fp4moe.kernels.sm90 import moe_launch
-from fp4moe.kernels.sm90.moe_gemm import MoEGemmSm90
+from fp4moe.kernels.sm90.moe_gemm import PANEL_BARRIER, PANEL_WARPS, MoEGemmSm90
 
 
 class NoDecode(MoEGemmSm90):
@@ -93,7 +98,46 @@ class BarriersOnly(MoEGemmSm90):
         pass
 
 
-VARIANTS = {"default": MoEGemmSm90, "no_decode": NoDecode, "no_mma": NoMma, "barriers_only": BarriersOnly}
+class PanelNoScan(MoEGemmSm90):
+    """A GEMM that quantizes its rows (per-token W4A4, `quantizes_rows`) takes every row's maximum as 1
+    instead of scanning the rows: the panel without its first pass over the rows."""
+
+    @cute.jit
+    def scan_panel_rows(self, storage, mAct, mPermutedToPair, num_pairs, tile, buffer):
+        maxima = storage.row_maxima.get_tensor(cute.make_layout(self.row_maxima_floats))
+        warp = (cute.arch.thread_idx()[0] - 32) // 32
+        if cute.arch.lane_idx() == 0:
+            for n in cutlass.range_constexpr(self.tile_rows):
+                maxima[(buffer * self.tile_rows + n) * PANEL_WARPS + warp] = cutlass.Float32(1.0)
+        cute.arch.barrier(barrier_id=PANEL_BARRIER, number_of_threads=PANEL_WARPS * 32)
+
+
+class PanelNoQuantize(MoEGemmSm90):
+    """The panel's chunks stored as loaded: the rows scanned and read, no quantization arithmetic."""
+
+    @cute.jit
+    def quantized_chunk(self, words, factors):
+        return list(words)
+
+
+class PanelNone(MoEGemmSm90):
+    """No panel work at all: the producer warps release each panel to the consumers at once."""
+
+    @cute.jit
+    def quantize_panel(self, storage, b_layout, mAct, mPermutedToPair, num_pairs, tile, k_first, item_number):
+        buffer = item_number % 2
+        cute.arch.mbarrier_wait(storage.rows_empty.data_ptr() + buffer, ((item_number // 2) & 1) ^ 1)
+        cute.arch.mbarrier_arrive(storage.rows_full.data_ptr() + buffer)
+
+
+VARIANTS = {
+    "default": MoEGemmSm90, "no_decode": NoDecode, "no_mma": NoMma, "barriers_only": BarriersOnly,
+    "panel_no_scan": PanelNoScan, "panel_no_quantize": PanelNoQuantize, "panel_none": PanelNone,
+}
+CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]
+"""The variants of the consumers' k step, timed by default. The `panel_*` variants change only GEMMs
+that quantize their rows (per-token W4A4 on the rescan path, `--whole-call --impl fused_moe_w4a4_token`
+at DeepSeek-V3 T = 1-3): the panel's scan, its quantization, or all of it removed."""
 
 
 @contextlib.contextmanager
@@ -128,7 +172,7 @@ def compile_variant(name: str, epilogue: str, key: tuple):
         )
 
 
-def run(tokens: int, weights, flushes, replays: int, g) -> None:
+def run(tokens: int, weights, flushes, replays: int, g, variants) -> None:
     w1_alpha, w2_alpha = weights.alphas()
     x, topk_ids, topk_weights, _, configs1, configs2, permuted_to_pair, tile_expert = routed_tokens(tokens, g)
     inter = torch.empty(permuted_to_pair.shape[0], INTERMEDIATE, dtype=torch.bfloat16, device="cuda")
@@ -152,7 +196,7 @@ def run(tokens: int, weights, flushes, replays: int, g) -> None:
     for name, epilogue, key, launch in (
         ("gemm1", "gemm1", configs1[0][0], gemm1), ("gemm2", "gemm2_fused", configs2[0][0], gemm2)
     ):
-        labels = list(VARIANTS)
+        labels = list(variants)
         kernels = [compile_variant(v, epilogue, key) for v in labels]
         with contextlib.ExitStack() as stack:
             calls = [stack.enter_context(PreparedCall(lambda k=k: launch(k), "cuda")) for k in kernels]
@@ -165,8 +209,9 @@ def run(tokens: int, weights, flushes, replays: int, g) -> None:
                 print(f"T={tokens} {name} ({flush} flush): {cells}", flush=True)
 
 
-def run_whole_call(shape_names, token_counts, replays: int) -> None:
-    """The benchmark's W4A16 `fused_moe` call per shape and T, with each variant's GEMMs, interleaved."""
+def run_whole_call(shape_names, token_counts, replays: int, implementation: str, variants) -> None:
+    """The benchmark's `fused_moe` call (`implementation`) per shape and T, with each variant's GEMMs,
+    interleaved."""
     device = torch.device("cuda")
     for shape_name in shape_names:
         problem = MoEProblem(SHAPES[shape_name], max(token_counts), device, seed=0)
@@ -174,32 +219,32 @@ def run_whole_call(shape_names, token_counts, replays: int) -> None:
             case = problem.case(tokens)
             with contextlib.ExitStack() as stack:
                 calls = []
-                for name in VARIANTS:
+                for name in variants:
                     with variant_kernels(name):  # the graph captures this variant's kernels
-                        calls.append(stack.enter_context(PreparedCall(REGISTRY["fused_moe_w4a16"].build(case), device)))
+                        calls.append(stack.enter_context(PreparedCall(REGISTRY[implementation].build(case), device)))
                 timings = time_interleaved(calls, device, replays, warmup=2, cold_l2=True, l2_flush="read")
-            cells = "  ".join(f"{name} {t.median_s * 1e6:.0f} us" for name, t in zip(VARIANTS, timings))
-            print(f"{shape_name} T={tokens} fused_moe W4A16 (read flush): {cells}", flush=True)
+            cells = "  ".join(f"{name} {t.median_s * 1e6:.1f} us" for name, t in zip(variants, timings))
+            print(f"{shape_name} T={tokens} {implementation} (read flush): {cells}", flush=True)
         del problem
 
 
-def compile_only(token_counts, sms: int) -> None:
+def compile_only(token_counts, sms: int, variants) -> None:
     for tokens in token_counts:
         _, configs1, configs2 = gemm_configurations(tokens, sms)
         for epilogue, key in (("gemm1", configs1[0][0]), ("gemm2_fused", configs2[0][0])):
-            for name in VARIANTS:
+            for name in variants:
                 compile_variant(name, epilogue, key)
                 print(f"T={tokens} {epilogue} {name}: compiled", flush=True)
 
 
-def compile_whole_call(shape_names, token_counts, sms: int) -> None:
+def compile_whole_call(shape_names, token_counts, sms: int, implementation: str, variants) -> None:
     with precompile.compile_without_launching(sms):
         for shape_name in shape_names:
             for tokens in token_counts:
-                for name in VARIANTS:
+                for name in variants:
                     with variant_kernels(name):
-                        precompile.compile_cell(SHAPES[shape_name], tokens, "fused_moe_w4a16")
-                    print(f"{shape_name} T={tokens} {name}: compiled", flush=True)
+                        precompile.compile_cell(SHAPES[shape_name], tokens, implementation)
+                    print(f"{shape_name} T={tokens} {implementation} {name}: compiled", flush=True)
 
 
 def main() -> int:
@@ -209,6 +254,9 @@ def main() -> int:
                         help="with --whole-call: the benchmark's shapes")
     parser.add_argument("--tokens", help="token counts (default 1,8; with --whole-call 2048,4096)")
     parser.add_argument("--l2-flush", nargs="+", choices=L2_FLUSHES, default=list(L2_FLUSHES))
+    parser.add_argument("--impl", default="fused_moe_w4a16", choices=precompile.FP4MOE_IMPLEMENTATIONS,
+                        help="with --whole-call: the benchmark's fused_moe column")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=CONSUMER_VARIANTS)
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--compile-only", action="store_true", help="compile every variant; no GPU needed")
     parser.add_argument("--sms", type=int, default=132, help="with --compile-only: the GPU's multiprocessors")
@@ -216,22 +264,22 @@ def main() -> int:
     token_counts = [int(t) for t in (args.tokens or ("2048,4096" if args.whole_call else "1,8")).split(",")]
     if args.compile_only:
         if args.whole_call:
-            compile_whole_call(args.shapes, token_counts, args.sms)
+            compile_whole_call(args.shapes, token_counts, args.sms, args.impl, args.variants)
         else:
-            compile_only(token_counts, args.sms)
+            compile_only(token_counts, args.sms, args.variants)
         return 0
     if args.whole_call:
         if not hopper_gpu("sm90_consumer_probe"):
             return 2
         print(torch.cuda.get_device_name(), flush=True)
-        run_whole_call(args.shapes, token_counts, args.replays)
+        run_whole_call(args.shapes, token_counts, args.replays, args.impl, args.variants)
         return 0
     problem = hopper_weights("sm90_consumer_probe")
     if problem is None:
         return 2
     weights, g = problem
     for tokens in token_counts:
-        run(tokens, weights, args.l2_flush, args.replays, g)
+        run(tokens, weights, args.l2_flush, args.replays, g, args.variants)
     return 0
 
 

@@ -1,5 +1,7 @@
 """The consumer probe's variants (`benchmarks.sm90_consumer_probe`, no GPU needed) remove what they say
-they remove from the default GEMM1 of DeepSeek-V3 decode, and nothing of the producer."""
+they remove: the consumer variants from the default GEMM1 of DeepSeek-V3 decode, and nothing of the
+producer; the panel variants from the GEMM2 that quantizes its rows (per-token W4A4, T = 1), and nothing
+of its consumers or its weight stream."""
 
 import textwrap
 
@@ -14,7 +16,7 @@ _SCRIPT = textwrap.dedent(
     from benchmarks import sm90_consumer_probe as probe
     out = Path(sys.argv[1])
     _, configs1, _ = probe.gemm_configurations(1, 132)
-    for name in probe.VARIANTS:
+    for name in probe.CONSUMER_VARIANTS:
         compiled = probe.compile_variant(name, "gemm1", configs1[0][0])
         (out / f"{name}.cubin").write_bytes(compiled.__cubin__)
     """
@@ -37,3 +39,37 @@ def test_each_variant_drops_its_part_of_the_consumer_k_step(variants):
     assert count("barriers_only", "HGMMA") == 0 and count("barriers_only", "HMUL2.BF16_V2") == 0
     for name in variants:  # the producer's bulk copies and gathers are every variant's
         assert "UBLKCP.S.G" in variants[name] and "LDGSTS" in variants[name], name
+
+
+_PANEL_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    from benchmarks import sm90_consumer_probe as probe
+    from fp4moe.kernels.sm90 import moe_launch
+    out = Path(sys.argv[1])
+    arguments = json.loads(sys.argv[2])["gemm2"]
+    arguments[1], arguments[6] = tuple(arguments[1]), tuple(arguments[6])
+    for name in ("default", "panel_no_scan", "panel_no_quantize", "panel_none"):
+        with probe.variant_kernels(name):
+            compiled = moe_launch.compile_gemm(*arguments)
+        (out / f"{name}.cubin").write_bytes(compiled.__cubin__)
+    """
+)
+
+
+def test_each_panel_variant_drops_its_part_of_the_panel(tmp_path):
+    from fp4moe import nvfp4
+    from fp4moe.kernels.sm90.quantize_launch import per_token_numerator
+
+    # DeepSeek-V3's fused GEMM2 at T = 1 on the rescan path: seven-group CTAs, two slices of K, quantizing.
+    gemm2 = ["gemm2_fused", (256, 7168, 2048, 448, 8, 8, 64, 12, 1, 132), 2048, 7168, 8, "none", (None, None, None),
+             False, False, False, False, 2, 32, 0, False, per_token_numerator(nvfp4.DEFAULT_GLOBAL_SCALE_INV)]
+    out = compile_in_subprocess(_PANEL_SCRIPT, {"gemm2": gemm2}, tmp_path)
+    code = {name: sass(out / f"{name}.cubin") for name in ("default", "panel_no_scan", "panel_no_quantize", "panel_none")}
+    row_loads = {name: text.count("LDG.E.128") for name, text in code.items()}  # the rows' 16-byte chunks
+    assert row_loads["default"] > row_loads["panel_no_scan"] > row_loads["panel_none"]
+    assert row_loads["panel_no_quantize"] == row_loads["default"]
+    assert len(code["panel_no_quantize"]) < len(code["default"]) / 2  # the quantization is most of the code
+    for name, text in code.items():  # the consumers' MMAs and the weight stream are every variant's
+        assert text.count("HGMMA") == code["default"].count("HGMMA") > 0 and "UBLKCP.S.G" in text, name

@@ -774,15 +774,24 @@ class MoEGemmSm90:
         reads them. Columns past the activations' K are zeros. Rows without a pair are left as they
         are: only their own accumulator columns read them. The stores are fenced for the `wgmma`s'
         async proxy before the warps arrive on `rows_full`."""
+        buffer = item_number % 2
+        cute.arch.mbarrier_wait(storage.rows_empty.data_ptr() + buffer, ((item_number // 2) & 1) ^ 1)
+        self.scan_panel_rows(storage, mAct, mPermutedToPair, num_pairs, tile, buffer)
+        self.fill_panel(storage, b_layout, mAct, mPermutedToPair, num_pairs, tile, k_first, item_number)
+        cute.arch.fence_view_async_shared()
+        cute.arch.mbarrier_arrive(storage.rows_full.data_ptr() + buffer)
+
+    @cute.jit
+    def scan_panel_rows(self, storage, mAct, mPermutedToPair, num_pairs, tile, buffer):
+        """`quantize_panel`'s first part: each used row's maximum magnitude, per panel warp, into the
+        shared `row_maxima` of panel `buffer`, then the panel warps' barrier."""
         thread = cute.arch.thread_idx()[0] - WARP_SIZE
         threads = PANEL_WARPS * WARP_SIZE
         warp = thread // WARP_SIZE
-        buffer = item_number % 2
         maxima = storage.row_maxima.get_tensor(cute.make_layout(self.row_maxima_floats))
         act = mAct.iterator.toint()
         row_bytes = Int64(mAct.stride[0]) * 2
         row_chunks = self.act_k // CHUNK_ELEMENTS
-        cute.arch.mbarrier_wait(storage.rows_empty.data_ptr() + buffer, ((item_number // 2) & 1) ^ 1)
         for n in cutlass.range_constexpr(self.tile_rows):
             pair = mPermutedToPair[tile * self.tile_rows + n]
             if (pair >= 0) & (pair < num_pairs):  # the same row on every panel thread
@@ -805,6 +814,16 @@ class MoEGemmSm90:
                     maxima[(buffer * self.tile_rows + n) * PANEL_WARPS + warp] = row_max
         cute.arch.barrier(barrier_id=PANEL_BARRIER, number_of_threads=threads)
 
+    @cute.jit
+    def fill_panel(self, storage, b_layout, mAct, mPermutedToPair, num_pairs, tile, k_first, item_number):
+        """`quantize_panel`'s second part: from the rows' maxima (`scan_panel_rows`), their per-token
+        scales for the epilogue and the item's chunks of each used row, quantized, into the panel."""
+        thread = cute.arch.thread_idx()[0] - WARP_SIZE
+        threads = PANEL_WARPS * WARP_SIZE
+        buffer = item_number % 2
+        maxima = storage.row_maxima.get_tensor(cute.make_layout(self.row_maxima_floats))
+        act = mAct.iterator.toint()
+        row_bytes = Int64(mAct.stride[0]) * 2
         _, _, scales, offset = self.staged_view(storage, item_number)
         tile_bytes = cute.crd2idx((0, 0, 1), b_layout.outer) * 2
         panel = storage.act.data_ptr().toint() + buffer * self.k_iterations * tile_bytes
@@ -835,8 +854,6 @@ class MoEGemmSm90:
                         k_tile = c // self.copy_columns
                         within = cute.crd2idx(((n, (c % self.copy_columns) * CHUNK_ELEMENTS, 0)), b_layout.outer) * 2
                         dev.store_shared_v4(panel + k_tile * tile_bytes + dev.swizzle_128b(within), values)
-        cute.arch.fence_view_async_shared()
-        cute.arch.mbarrier_arrive(storage.rows_full.data_ptr() + buffer)
 
     def source_row(self, pair, tile, n):
         """The activation row of plan row `n` of `tile` holding `pair`: the token's (GEMM1) or the plan
