@@ -33,7 +33,8 @@ def test_precompile_fills_the_cache_that_a_second_run_finds(tmp_path):
 
 def test_the_sm90_host_path_of_every_cell_runs_at_ragged_and_boundary_token_counts():
     """The dispatch, the tilings and the launch layers' host code (no kernel compiled or launched) for
-    every harness shape and three of ragged sizes (experts, top-k, H, I; an expert-parallel shard), each
+    every harness shape and seven of ragged or extreme sizes (experts, top-k, H, I; expert-parallel shards,
+    one of a single local expert; one expert; top-k of every expert; H = 16384), each
     fp4moe implementation, at T = 0, around the aux-amax bound and at ragged token counts: host-side
     errors that only a GPU run would otherwise meet (per-token W4A4 at T = 0 once divided by zero in the
     fused GEMM2's tiling)."""
@@ -41,6 +42,10 @@ def test_the_sm90_host_path_of_every_cell_runs_at_ragged_and_boundary_token_coun
         MoEShape("ragged", 10, 2, 272, 80, "softmax"),
         MoEShape("top1", 33, 1, 2064, 336, "softmax"),
         MoEShape("ragged_ep", 40, 6, 528, 208, "softmax", num_local_experts=9, local_expert_offset=31),
+        MoEShape("one_expert", 1, 1, 128, 128, "softmax"),
+        MoEShape("top_k_all", 8, 8, 272, 48, "softmax"),
+        MoEShape("one_local", 64, 8, 512, 256, "softmax", num_local_experts=1, local_expert_offset=63),
+        MoEShape("wide", 16, 4, 16384, 4096, "softmax"),
     ]
     failures = []
     with precompile.compile_without_launching(132, compile_kernels=False):
