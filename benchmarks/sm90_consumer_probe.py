@@ -23,8 +23,9 @@ By default each token count times the two GEMMs alone (DeepSeek-V3 shape, softma
 variant interleaved in CUDA graphs with a cold L2, once per flush of `--l2-flush`
 (`benchmarks.timing.L2_FLUSHES`); a `torch.sum` over as many bytes as the touched experts' GEMM1 weights
 is timed next to GEMM1 as a yardstick. With `--whole-call` it times the benchmark's `fused_moe` call of
-`--impl` (default W4A16) (`benchmarks.moe`'s shapes, routing and tokens) with both GEMMs built from each variant, after a
-read flush: how much of a whole call (prefill, say) each part of the consumers' work costs. The
+`--impl` (W4A16 by default; `benchmarks.moe`'s shapes, routing and tokens) with both GEMMs built from
+each variant, after a read flush: how much of a whole call (prefill, say) each part of the GEMMs' work
+costs. The
 variants' kernels go to the disk kernel cache under keys that name the variant, so `--compile-only`
 (with the same `--whole-call`, shapes and tokens) fills it on a CPU for a later GPU run.
 """
