@@ -122,8 +122,9 @@ def nan_ignoring_abs(values: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------
 def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """Encode-direction global scale ``gs = 2688 / amax`` in FP32; ``amax == 0`` gives FLT_MAX."""
-    if not isinstance(amax, torch.Tensor):
-        raise TypeError(f"amax must be a Tensor (e.g. torch.tensor([amax])), got {type(amax).__name__}")
+    from fp4moe import validation  # it imports this module
+
+    validation.check_tensor("amax", amax)
     amax = amax.float()
     scale = fp32_constant(GLOBAL_SCALE_NUMERATOR, amax) / amax
     return torch.where(amax == 0, fp32_constant(FLT_MAX, amax), scale)
@@ -234,10 +235,11 @@ def swizzle_128x4(linear: torch.Tensor) -> torch.Tensor:
 
 def unswizzle_128x4(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """Inverse of `swizzle_128x4`: the [rows, cols] linear scales (padding dropped)."""
+    from fp4moe import validation  # it imports this module
+
     _check_scale_tensor("swizzled", swizzled)
     for name, value in (("rows", rows), ("cols", cols)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be a Python int, got {type(value).__name__} {value!r}")
+        validation.check_python_scalar(name, value, int)
         if value < 0:
             raise ValueError(f"{name} must be non-negative, got {value}")
     if tuple(swizzled.shape) != swizzled_shape(rows, cols):
@@ -253,8 +255,9 @@ def unswizzle_128x4(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tenso
 
 def _check_scale_tensor(name: str, scales) -> None:
     """A 2-D tensor of one-byte elements (E4M3 scales, or their uint8 bytes)."""
-    if not isinstance(scales, torch.Tensor):
-        raise TypeError(f"{name} must be a Tensor, got {type(scales).__name__}")
+    from fp4moe import validation  # it imports this module
+
+    validation.check_tensor(name, scales)
     if scales.element_size() != 1 or scales.dim() != 2:
         raise ValueError(
             f"{name} must be a 2-D tensor of one-byte scales (float8_e4m3fn or uint8), got {scales.dtype} "
