@@ -57,7 +57,7 @@ from benchmarks.timing import L2_FLUSHES, PreparedCall, time_interleaved
 from fp4moe import weight_layout
 from fp4moe.kernels.sm90 import gemm_device as dev
 from fp4moe.kernels.sm90 import moe_launch
-from fp4moe.kernels.sm90.moe_gemm import PANEL_BARRIER, PANEL_WARPS, MoEGemmSm90
+from fp4moe.kernels.sm90.moe_gemm import PANEL_BARRIER, PANEL_WARPS, WARP_SIZE, MoEGemmSm90
 
 
 class NoDecode(MoEGemmSm90):
@@ -106,11 +106,11 @@ class PanelNoScan(MoEGemmSm90):
     @cute.jit
     def scan_panel_rows(self, storage, mAct, mPermutedToPair, num_pairs, tile, buffer):
         maxima = storage.row_maxima.get_tensor(cute.make_layout(self.row_maxima_floats))
-        warp = (cute.arch.thread_idx()[0] - 32) // 32
+        warp = (cute.arch.thread_idx()[0] - WARP_SIZE) // WARP_SIZE  # of the panel warps, after warp 0
         if cute.arch.lane_idx() == 0:
             for n in cutlass.range_constexpr(self.tile_rows):
                 maxima[(buffer * self.tile_rows + n) * PANEL_WARPS + warp] = cutlass.Float32(1.0)
-        cute.arch.barrier(barrier_id=PANEL_BARRIER, number_of_threads=PANEL_WARPS * 32)
+        cute.arch.barrier(barrier_id=PANEL_BARRIER, number_of_threads=PANEL_WARPS * WARP_SIZE)
 
 
 class PanelNoQuantize(MoEGemmSm90):
