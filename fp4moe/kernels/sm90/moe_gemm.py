@@ -781,16 +781,22 @@ class MoEGemmSm90:
         cute.arch.fence_view_async_shared()
         cute.arch.mbarrier_arrive(storage.rows_full.data_ptr() + buffer)
 
+    def panel_operands(self, storage, mAct):
+        """What both parts of `quantize_panel` work with: (the thread's index among the panel warps, their
+        thread count, the shared `row_maxima`, the activations' address, an activation row's bytes). Plain
+        Python, run while the kernel is traced."""
+        return (
+            cute.arch.thread_idx()[0] - WARP_SIZE, PANEL_WARPS * WARP_SIZE,
+            storage.row_maxima.get_tensor(cute.make_layout(self.row_maxima_floats)), mAct.iterator.toint(),
+            Int64(mAct.stride[0]) * 2,
+        )
+
     @cute.jit
     def scan_panel_rows(self, storage, mAct, mPermutedToPair, num_pairs, tile, buffer):
         """`quantize_panel`'s first part: each used row's maximum magnitude, per panel warp, into the
         shared `row_maxima` of panel `buffer`, then the panel warps' barrier."""
-        thread = cute.arch.thread_idx()[0] - WARP_SIZE
-        threads = PANEL_WARPS * WARP_SIZE
+        thread, threads, maxima, act, row_bytes = self.panel_operands(storage, mAct)
         warp = thread // WARP_SIZE
-        maxima = storage.row_maxima.get_tensor(cute.make_layout(self.row_maxima_floats))
-        act = mAct.iterator.toint()
-        row_bytes = Int64(mAct.stride[0]) * 2
         row_chunks = self.act_k // CHUNK_ELEMENTS
         for n in cutlass.range_constexpr(self.tile_rows):
             pair = mPermutedToPair[tile * self.tile_rows + n]
@@ -818,12 +824,8 @@ class MoEGemmSm90:
     def fill_panel(self, storage, b_layout, mAct, mPermutedToPair, num_pairs, tile, k_first, item_number):
         """`quantize_panel`'s second part: from the rows' maxima (`scan_panel_rows`), their per-token
         scales for the epilogue and the item's chunks of each used row, quantized, into the panel."""
-        thread = cute.arch.thread_idx()[0] - WARP_SIZE
-        threads = PANEL_WARPS * WARP_SIZE
+        thread, threads, maxima, act, row_bytes = self.panel_operands(storage, mAct)
         buffer = item_number % 2
-        maxima = storage.row_maxima.get_tensor(cute.make_layout(self.row_maxima_floats))
-        act = mAct.iterator.toint()
-        row_bytes = Int64(mAct.stride[0]) * 2
         _, _, scales, offset = self.staged_view(storage, item_number)
         tile_bytes = cute.crd2idx((0, 0, 1), b_layout.outer) * 2
         panel = storage.act.data_ptr().toint() + buffer * self.k_iterations * tile_bytes
