@@ -105,12 +105,11 @@ class PanelNoScan(MoEGemmSm90):
 
     @cute.jit
     def scan_panel_rows(self, storage, mAct, mPermutedToPair, num_pairs, tile, buffer):
-        maxima = storage.row_maxima.get_tensor(cute.make_layout(self.row_maxima_floats))
-        warp = (cute.arch.thread_idx()[0] - WARP_SIZE) // WARP_SIZE  # of the panel warps, after warp 0
+        thread, threads, maxima, _, _ = self.panel_operands(storage, mAct)
         if cute.arch.lane_idx() == 0:
             for n in cutlass.range_constexpr(self.tile_rows):
-                maxima[(buffer * self.tile_rows + n) * PANEL_WARPS + warp] = cutlass.Float32(1.0)
-        cute.arch.barrier(barrier_id=PANEL_BARRIER, number_of_threads=PANEL_WARPS * WARP_SIZE)
+                maxima[(buffer * self.tile_rows + n) * PANEL_WARPS + thread // WARP_SIZE] = cutlass.Float32(1.0)
+        cute.arch.barrier(barrier_id=PANEL_BARRIER, number_of_threads=threads)
 
 
 class PanelNoQuantize(MoEGemmSm90):
