@@ -35,7 +35,9 @@ from fp4moe.kernels.sm90.moe_gemm import (
     EARLY_ROWS_TILE_ROWS,
     EPILOGUE_ROWS,
     MAX_COPIES,
+    SMALL_TILE_ROWS,
     activation_copies,
+    blocks_per_consumer,
     pipeline_stages,
 )
 
@@ -78,6 +80,9 @@ def configurations(default: moe_launch.GemmShape, default_k_splits: int | None =
     ):
         if features == 256 and ctas > 1:  # four consumer groups take one CTA's share of an SM
             continue
+        two_block_tall = rows > SMALL_TILE_ROWS and blocks_per_consumer(features, rows) == 2
+        if two_block_tall and granule != moe_launch.row_granule(rows, features):
+            continue  # their variants are `moe_gemm.TWO_BLOCK_TALL_TILE_ROWS`, in its granule only
         stages = pipeline_stages(features, rows, tile_k, ctas)
         k_splits = first[1] if (default.prepared_k // tile_k) % first[1] == 0 else 1
         configs.append(((

@@ -315,7 +315,7 @@ def test_decode_left_shifts_on_the_fma_pipe(compiled):
 
 def _variant_rows(key) -> list[int]:
     """The rows of each variant of a GEMM's k loop (`moe_gemm.variant_rows`)."""
-    return variant_rows(key[4], key[5])
+    return variant_rows(key[4], key[5], key[3])
 
 
 def _serializes(key) -> bool:

@@ -398,7 +398,7 @@ def test_every_k_loop_variant_of_a_large_tile_matches_the_reference(tile_m, wide
     features = 256 if wide else 64
     if wide:
         monkeypatch.setattr(moe_launch, "sm_count", lambda device_index: 1)
-    widths = moe_gemm.variant_rows(tile_m, moe_launch.row_granule(tile_m, features))
+    widths = moe_gemm.variant_rows(tile_m, moe_launch.row_granule(tile_m, features), features)
     counts = sorted({1, widths[0] - 1, tile_m + 1} | {w for w in widths} | {w + 1 for w in widths[:-1]})
     experts = len(counts)
     p = make_problem(tokens=sum(counts), top_k=1, num_experts=experts, hidden=256, intermediate=128, mode="w4a16",

@@ -97,12 +97,27 @@ hold for a row, so a row's maximum over them is three butterfly shuffles (of two
 no shared memory."""
 
 
-def variant_rows(tile_rows: int, row_granule: int) -> list[int]:
+TWO_BLOCK_TALL_TILE_ROWS = (32, 80, 128)
+"""The variants of a 128-row tile of two weight blocks per consumer (`blocks_per_consumer`, the prefill's
+256-feature CTAs): ptxas keeps the `wgmma`s of three variants in flight there, not of four (C7512: too
+few registers). Under skewed prefill routing many experts' last tiles hold a few dozen pairs (the
+harness's DeepSeek-V3 routing at T = 4096: median 47 pairs per expert), and of the sets of three widths
+this one nearly minimizes the rows the MMAs cover, 1.15 per pair there against 1.21 for (64, 96, 128):
+the prefill is bound by the GPU's power as much as by time, so rows computed for padding cost even
+where the weight stream hides their time."""
+
+
+def variant_rows(tile_rows: int, row_granule: int, tile_features: int = 128) -> list[int]:
     """The rows of each variant of the k loop, narrowest first: every multiple of the granule, from
-    `MIN_VARIANT_ROWS` for a tile of more than `SMALL_TILE_ROWS` rows. ptxas keeps these variants'
+    `MIN_VARIANT_ROWS` for a tile of more than `SMALL_TILE_ROWS` rows; a 128-row tile of two weight blocks
+    per consumer takes `TWO_BLOCK_TALL_TILE_ROWS` (multiples of its granule). ptxas keeps these variants'
     `wgmma`s in flight (the SASS: one wait per variant) only within limits seen on sm_90a: a 128-row tile's
-    six at 64 K per k tile, not four at 128 K (`moe_launch.GemmShape` gives it 64 K); a 192-row tile's
-    five at 32-row granules from 64, not six (16-row granules, or 32 from 32)."""
+    six at 64 K per k tile, not four at 128 K (`moe_launch.GemmShape` gives it 64 K), and three with two
+    weight blocks per consumer; a 192-row tile's five at 32-row granules from 64, not six (16-row
+    granules, or 32 from 32)."""
+    if tile_rows > SMALL_TILE_ROWS and blocks_per_consumer(tile_features, tile_rows) == 2:
+        assert tile_rows == TWO_BLOCK_TALL_TILE_ROWS[-1] and all(w % row_granule == 0 for w in TWO_BLOCK_TALL_TILE_ROWS)
+        return list(TWO_BLOCK_TALL_TILE_ROWS)
     first = row_granule if tile_rows <= SMALL_TILE_ROWS else -(-MIN_VARIANT_ROWS // row_granule) * row_granule
     return list(range(first, tile_rows + 1, row_granule))
 
@@ -245,8 +260,8 @@ class MoEGemmSm90:
       of after its wait on `full`, so the decode never waits for shared memory. A fragments alternate
       between two register sets (k tiles unrolled by two) so decoding tile k + 1 overlaps the tensor-core
       work of tile k; with two blocks per consumer, each block's decode overlaps the other block's `wgmma`s
-      instead (`mainloop_two_blocks`). An item's MMAs cover its rows up to the last `row_granule` rows that
-      hold a pair, as one `wgmma` of that many rows per 16 K (`used_row_granules`, `mainloop`): the rows of
+      instead (`mainloop_two_blocks`). An item's MMAs cover its rows up to the narrowest variant of the k loop
+      (`variant_rows`) that holds its pairs, as one `wgmma` of that many rows per 16 K (`used_row_granules`, `mainloop`): the rows of
       one accumulator, of which a partly filled tile computes a prefix. One wide `wgmma` keeps the tensor
       core busier than several narrow ones over the same rows. Decode tiles issue their `wgmma`s as inline
       PTX with 64-bit descriptors (`INLINE_WGMMA_TILE_ROWS`).
@@ -324,8 +339,7 @@ class MoEGemmSm90:
         self.tile_features = tile_features
         self.tile_rows = tile_rows
         self.row_granule = row_granule
-        self.row_variants = tile_rows // row_granule
-        self.first_variant = variant_rows(tile_rows, row_granule)[0] // row_granule
+        self.variant_rows = variant_rows(tile_rows, row_granule, tile_features)
         self.epilogue_rows = min(tile_rows, epilogue_rows)
         assert self.epilogue_rows % 8 == 0 and tile_rows % self.epilogue_rows == 0
         self.tile_k = tile_k
@@ -940,14 +954,14 @@ class MoEGemmSm90:
             thr_mma.make_fragment_C(thr_mma.partition_shape_C((weight_layout.ROW_BLOCK, self.tile_rows)))
             for _ in range(self.blocks_per_consumer)
         ]
-        # Variant v computes the first v granules of rows: the accumulator's registers are ordered by
-        # 8-row groups, so its rows are a prefix of the whole tile's accumulator.
+        # The variant of `rows` rows computes the tile's first `rows` rows: the accumulator's registers are
+        # ordered by 8-row groups, so its rows are a prefix of the whole tile's accumulator.
         variants = {}
-        for v in cutlass.range_constexpr(self.first_variant, self.row_variants + 1):
-            variant_mma = self.tiled_mma(v * self.row_granule)
+        for rows in self.variant_rows:
+            variant_mma = self.tiled_mma(rows)
             variant_mma.set(warpgroup.Field.ACCUMULATE, True)
-            variant_shape = variant_mma.get_slice(thread).partition_shape_C((weight_layout.ROW_BLOCK, v * self.row_granule))
-            variants[v] = (variant_mma, [cute.make_tensor(acc.iterator, cute.make_layout(variant_shape)) for acc in accs])
+            variant_shape = variant_mma.get_slice(thread).partition_shape_C((weight_layout.ROW_BLOCK, rows))
+            variants[rows] = (variant_mma, [cute.make_tensor(acc.iterator, cute.make_layout(variant_shape)) for acc in accs])
         coordinates = thr_mma.partition_C(cute.make_identity_tensor((weight_layout.ROW_BLOCK, self.tile_rows)))
         first_block = group * self.blocks_per_consumer  # the group's first weight block in the CTA
         codes_smem = storage.codes.data_ptr().toint() + first_block * self.code_bytes + thread * 16
@@ -976,20 +990,20 @@ class MoEGemmSm90:
                     )
                 for acc in accs:
                     acc.fill(0.0)
-                if const_expr(self.first_variant == self.row_variants):
+                if const_expr(len(self.variant_rows) == 1):
                     item_b_operand = b_operand
                     if const_expr(self.quantizes_rows):  # the item's panel, rebuilt per item (one register fewer)
                         item_b_operand = self.b_descriptors(storage, b_layout, (item_number % 2) * self.k_iterations)
                     self.mainloop(
-                        variants[self.row_variants], iteration, fragments, item_b_operand, full, empty, codes_smem,
+                        variants[self.tile_rows], iteration, fragments, item_b_operand, full, empty, codes_smem,
                         scales_smem, self.quantizes_rows,
                     )
                 else:
                     granules = self.used_row_granules(item_factors, mPermutedToPair, num_pairs, tile, thread, group)
-                    for v in cutlass.range_constexpr(self.first_variant, self.row_variants + 1):
-                        if granules == v:
+                    for rows in self.variant_rows:
+                        if granules == rows // self.row_granule:
                             self.mainloop(
-                                variants[v], iteration, fragments, b_operand, full, empty, codes_smem, scales_smem
+                                variants[rows], iteration, fragments, b_operand, full, empty, codes_smem, scales_smem
                             )
                 iteration += self.k_iterations
                 cute.arch.mbarrier_arrive(empty + (iteration - 1) % self.stages)
@@ -1009,19 +1023,20 @@ class MoEGemmSm90:
 
     @cute.jit
     def used_row_granules(self, row_factors, mPermutedToPair, num_pairs, tile, thread, group):
-        """The granules of `row_granule` rows to compute: up to the last one holding a pair (at least
-        `first_variant`). Trailing granules of padding rows only are left out of the MMAs (their
-        accumulators stay zero), so the partly filled last tile of an expert costs tensor-core time for
-        its used rows.
-        One `bar.red.or` of the warpgroup per granule. Rows staged in shared memory (`stage_rows`) are
-        read there."""
-        granules = Int32(self.first_variant)
+        """The rows to compute, in granules of `row_granule` rows: the narrowest variant (`variant_rows`)
+        that covers every row of the tile holding a pair. Trailing rows of padding only are left out of the MMAs (their accumulators stay
+        zero), so the partly filled last tile of an expert costs tensor-core time for its used rows.
+        One `bar.red.or` of the warpgroup per variant but the narrowest: whether a row between the
+        previous variant's width and its own holds a pair. Rows staged in shared memory (`stage_rows`)
+        are read there."""
+        widths = self.variant_rows
+        granules = Int32(widths[0] // self.row_granule)
         rows_per_thread = -(-self.tile_rows // WARPGROUP_THREADS)
-        for c in cutlass.range_constexpr(self.first_variant, self.row_variants):
+        for i in cutlass.range_constexpr(1, len(widths)):
             mine = Int32(0)
             for j in cutlass.range_constexpr(rows_per_thread):
                 row = thread + j * WARPGROUP_THREADS
-                if (row >= c * self.row_granule) & (row < (c + 1) * self.row_granule):
+                if (row >= widths[i - 1]) & (row < widths[i]):
                     if const_expr(self.staged_rows):
                         staged_pairs, _, _, offset = row_factors[2]
                         if staged_pairs[offset + row] >= 0:
@@ -1031,7 +1046,7 @@ class MoEGemmSm90:
                         if (pair >= 0) & (pair < num_pairs):
                             mine = Int32(1)
             if dev.warpgroup_any(mine, 1 + group) != 0:
-                granules = Int32(c + 1)
+                granules = Int32(widths[i] // self.row_granule)
         return granules
 
     @cute.jit

@@ -28,6 +28,7 @@ aux-amax path GEMM1 writes the maxima of its bf16 output over tiles of `AUX_AMAX
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import cutlass
@@ -44,6 +45,7 @@ from fp4moe.kernels.sm90.moe_gemm import (
     AUX_AMAX_COLUMNS,
     EPILOGUE_ROWS,
     INLINE_WGMMA_TILE_ROWS,
+    TWO_BLOCK_TALL_TILE_ROWS,
     MoEGemmSm90,
     blocks_per_consumer,
     pipeline_stages,
@@ -95,11 +97,13 @@ def row_granule(tile_rows: int, tile_features: int = 128) -> int:
     leave too few registers for a second variant without serializing the `wgmma`s; larger tiles have 4
     to 6: 64-row tiles every 16 rows, 128-row tiles every 16 rows from 48, 192-row tiles every 32 from
     64 (`moe_gemm.variant_rows`). 128-row tiles of two weight blocks per consumer
-    (`WIDE_PREFILL_TILE_ROWS`) step by 32 rows from 64: with 16-row steps ptxas serializes their
-    `wgmma`s."""
+    (`WIDE_PREFILL_TILE_ROWS`) have three variants, `moe_gemm.TWO_BLOCK_TALL_TILE_ROWS`: with more ptxas
+    serializes their `wgmma`s. The granule is then those widths' common step."""
     if tile_rows <= TWO_CTA_TILE_ROWS:
         return tile_rows
-    if tile_rows > 128 or (tile_rows == 128 and blocks_per_consumer(tile_features, tile_rows) == 2):
+    if tile_rows == 128 and blocks_per_consumer(tile_features, tile_rows) == 2:
+        return math.gcd(*TWO_BLOCK_TALL_TILE_ROWS)
+    if tile_rows > 128:
         return 32
     return 16
 
