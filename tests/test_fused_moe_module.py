@@ -72,3 +72,48 @@ def test_dtype_conversion_keeps_the_contract_buffers(dtype):
     x = torch.randn(6, HIDDEN, generator=g).to(torch.bfloat16)
     logits = torch.nn.functional.linear(x.to(dtype), block.router_weight).float()
     assert_bitwise_equal(block(x), unconverted(x, logits))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "mode", [dict(quant_mode="w4a16"), dict(fc1_input_amax=12.0, fc2_input_amax=8.0), dict(per_token_activation=True)],
+    ids=["w4a16", "w4a4", "w4a4_per_token"],
+)
+def test_the_block_on_a_gpu_serves_eager_compiled_and_graph_replayed_calls_alike(mode):
+    """A block built on the CPU and moved to the GPU (its prepared weights travel as they are) gives, for
+    the same router logits, the CPU block's output up to FP32 summation order; `torch.compile(fullgraph=True)`
+    and a CUDA graph replayed on fresh hidden states give the eager GPU call's output bitwise (deterministic
+    finalize)."""
+    hidden, intermediate, experts = 256, 128, 16
+    g = torch.Generator().manual_seed(40)
+    router = torch.randn(experts, hidden, generator=g)
+    w1 = torch.randn(experts, 2 * intermediate, hidden, generator=g) / 16
+    w2 = torch.randn(experts, hidden, intermediate, generator=g) / 11
+    options = dict(routing="deepseek_v3", correction_bias=torch.randn(experts, generator=g) * 0.1, n_group=4,
+                   topk_group=2, routed_scaling_factor=2.5, deterministic=True, **mode)
+    cpu_block = fp4moe.FusedMoE.from_dense(router, w1, w2, 4, **options)
+    block = copy.deepcopy(cpu_block).to("cuda")
+    xs = [(torch.randn(3, 11, hidden, generator=g) * torch.rand(3, 11, 1, generator=g) * 4).to(torch.bfloat16).cuda()
+          for _ in range(2)]
+
+    eager = [block(x) for x in xs]
+    for x, out in zip(xs, eager):
+        logits = torch.nn.functional.linear(x, block.router_weight).float()
+        assert_bitwise_equal(block(x, logits), out)
+        assert_moe_close(out.cpu().reshape(-1, hidden), cpu_block(x.cpu(), logits.cpu()).reshape(-1, hidden))
+
+    compiled = torch.compile(block, fullgraph=True)
+    for x, out in zip(xs, eager):
+        assert_bitwise_equal(compiled(x), out)
+
+    static = xs[0].clone()
+    block(static)  # compiles and loads every kernel outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = block(static)
+    for x, out in zip(reversed(xs), reversed(eager)):
+        replayed.fill_(float("nan"))
+        static.copy_(x)
+        graph.replay()
+        assert_bitwise_equal(replayed, out)
