@@ -122,6 +122,32 @@ def test_w4a4_logits_match_the_dequantized_reference(checkpoint, family, fmt, pe
     assert top1_agreement(actual, quantized) == 1.0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("per_token", [False, True])
+def test_a_model_loaded_onto_the_gpu_matches_the_reference(checkpoint, family, per_token):
+    """`from_pretrained(device="cuda")`: the whole model on the GPU, its MoE blocks on the Hopper kernels
+    (prepared weights), W4A16 from an NVFP4A16 checkpoint and per-token W4A4 from a W4A4 one, against the
+    same references as on the CPU; greedy generation with the KV cache gives the reference's tokens."""
+    ck = checkpoint(family, "compressed-tensors", w4a4=per_token)
+    model = load(ck, device="cuda", **({"per_token_activation": True} if per_token else {}))
+    assert {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()} == {"cuda"}
+    actual = logits(model, TOKENS.cuda()).cpu()
+    if per_token:
+        quantized = logits(activation_quantized_reference(ck, "compressed-tensors", True))
+        assert relative_error(actual, quantized) < W4A4_QUANTIZED_REFERENCE_TOLERANCE
+        assert top1_agreement(actual, quantized) == 1.0
+        return
+    assert relative_error(actual, logits(ck.reference)) < W4A16_TOLERANCE
+    assert top1_agreement(actual, logits(ck.reference)) == 1.0
+    prompt = TOKENS[:1]
+    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        generated = model.generate(prompt.cuda(), attention_mask=torch.ones_like(prompt).cuda(), **options)
+        expected = ck.reference.generate(prompt, attention_mask=torch.ones_like(prompt), **options)
+    assert torch.equal(generated.cpu(), expected), family
+
+
 def test_sharded_fused_and_hf_quant_config_checkpoints_load_alike(checkpoint):
     plain = load(checkpoint("qwen3_moe", "modelopt"), quant_mode="w4a16")
     for options in (dict(shards=3), dict(fused_experts=True), dict(modelopt_config_file=True)):
