@@ -155,18 +155,21 @@ def load_nvfp4_checkpoint(
             f"{name}.experts", experts.num_experts, experts.hidden_dim, experts.intermediate_dim,
             activation_scales=per_tensor_w4a4,
         )
+        # The module is built on the target device, where the router (and DeepSeek-V3's correction bias)
+        # already are, with the checkpoint's experts and scales moved there first: the weights' prepared
+        # layout is then made on that device, a GPU's included.
+        target = _target_device(block.gate.weight, device)
         scales = {}
         if per_tensor_w4a4:
             fc1, fc2, exact = layer.activation_scales()
-            scales = dict(fc1_input_scale=fc1, fc2_input_scale=fc2)
+            scales = dict(fc1_input_scale=fc1.to(target), fc2_input_scale=fc2.to(target))
             if not exact:
                 reduced.append(name)
         routing = MOE_BLOCKS[type(block).__name__](block)
-        target = _target_device(block.gate.weight, device)
         moe = FusedMoE(
-            None, layer.weights, routing.pop("top_k"), quant_mode=quant_mode,
+            None, layer.weights.to(target), routing.pop("top_k"), quant_mode=quant_mode,
             per_token_activation=per_token_activation, **routing, **scales, **moe_options,
-        ).to(target)
+        )
         model.set_submodule(name, NVFP4MoEBlock(block.gate, moe, getattr(block, "shared_experts", None)))
     warn_reduced_activation_scales(reduced)
 

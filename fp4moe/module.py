@@ -53,7 +53,7 @@ def _check_options(
             experts = max(experts, bias.shape[0])
         elif options["routing"] == "softmax":
             experts = max(experts, options["top_k"])
-        _check_routing(options, experts, device)
+        _check_routing(options, experts, device, "the expert weights")
         return
     validation.check_tensor("router_weight", router_weight)
     if not router_weight.is_floating_point():
@@ -68,10 +68,12 @@ def _check_options(
             f"router_weight has {experts} rows (one per expert), but the expert weights are experts "
             f"[{offset}, {end}) of the router's: it needs at least {end} rows"
         )
-    _check_routing(options, experts, router_weight.device)
+    _check_routing(options, experts, router_weight.device, "router_weight")
 
 
-def _check_routing(options: dict, experts: int, device: torch.device) -> None:
+def _check_routing(options: dict, experts: int, device: torch.device, device_of: str) -> None:
+    """The routing options, checked by the routing op's validation on an empty batch of logits on
+    `device` (that of `device_of`: the router weight, or the expert weights without one)."""
     validation.check_choice("routing", options["routing"], ROUTINGS)
     validation.check_choice("quant_mode", options["quant_mode"], validation.MOE_QUANT_MODES)
     logits = torch.empty((0, experts), dtype=torch.float32, device=device)
@@ -86,6 +88,11 @@ def _check_routing(options: dict, experts: int, device: torch.device) -> None:
         raise ValueError(f"routing='deepseek_v3' needs {', '.join(missing)}")
     bias = options["correction_bias"]
     validation.check_tensor("correction_bias", bias)
+    if bias.device != device:
+        raise ValueError(
+            f"correction_bias is on {bias.device}, {device_of} on {device}: build the module on one device "
+            "(it follows .to() as a whole)"
+        )
     if not bias.is_floating_point():
         raise TypeError(f"correction_bias must have a floating-point dtype, got {bias.dtype}")
     validation.check_route_deepseek_v3(

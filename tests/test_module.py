@@ -122,8 +122,10 @@ BAD_CONSTRUCTOR_CALLS = [
     (ValueError, r"router_weight has 8 rows .* experts \[4, 12\)", construct(**PER_TOKEN, local_expert_offset=4)),
     (ValueError, "router_weight is on meta but w1 is on cpu", construct(router=_R.to("meta"), **PER_TOKEN)),
     (TypeError, "weight_layout must be a Python str, got int", construct(**PER_TOKEN, weight_layout=1)),
-    (ValueError, "correction_bias is on meta", construct(router=None, **PER_TOKEN, **{**DEEPSEEK,
-     "correction_bias": torch.zeros(EXPERTS, device="meta")})),
+    (ValueError, "correction_bias is on meta, the expert weights on cpu: build the module on one device",
+     construct(router=None, **PER_TOKEN, **{**DEEPSEEK, "correction_bias": torch.zeros(EXPERTS, device="meta")})),
+    (ValueError, "correction_bias is on meta, router_weight on cpu",
+     construct(**PER_TOKEN, **{**DEEPSEEK, "correction_bias": torch.zeros(EXPERTS, device="meta")})),
 ]
 
 
