@@ -129,7 +129,7 @@ def main() -> dict[str, float]:
     print(f"How fused_moe runs these {TOKENS} tokens (fp4moe.moe_dispatch):")
     for name, (_, options, _) in modes.items():
         plan = fp4moe.moe_dispatch(TOKENS, TOP_K, EXPERTS, options["quant_mode"],
-                                   options.get("per_token_activation", False), hidden_size=HIDDEN,
+                                   options.get("per_token_activation", False), device, hidden_size=HIDDEN,
                                    intermediate_size=INTERMEDIATE)
         print(f"  {name}:", *plain(plan), sep="\n")
     print(f"  the quantization ops on their own (quantize, quantize_per_token, tile_amax) on {device}:\n"

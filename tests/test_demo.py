@@ -24,6 +24,23 @@ def test_the_demo_explains_what_it_ran(capsys):
         assert demo.FIELD_WORDS.get(field, field.replace("_", " ")) in out, field
 
 
+def test_the_demo_reports_the_dispatch_of_the_device_it_runs_on(monkeypatch, capsys):
+    """On a GPU the demo's modules run the device's kernels: the dispatch it prints is asked for that
+    device, not the CPU's (where every stage would read as the reference backend)."""
+    asked = []
+    dispatch_of = fp4moe.moe_dispatch
+
+    def recording(*args, **kwargs):
+        asked.append(args[5])
+        return dispatch_of(*args, **kwargs)
+
+    monkeypatch.setattr(fp4moe, "moe_dispatch", recording)
+    torch._dynamo.reset()
+    demo.main()
+    capsys.readouterr()
+    assert asked == ["cuda" if torch.cuda.is_available() else "cpu"] * 3
+
+
 def test_the_demo_fails_on_a_wrong_moe(monkeypatch):
     monkeypatch.setattr(fp4moe.FusedMoE, "forward", lambda self, hidden_states: torch.zeros_like(hidden_states))
     torch._dynamo.reset()
