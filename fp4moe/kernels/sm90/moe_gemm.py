@@ -88,9 +88,10 @@ still read the B tile), this one's and the next one's."""
 SMALL_TILE_ROWS = 64
 """Tiles of at most this many rows have a variant of the k loop for every granule of rows."""
 MIN_VARIANT_ROWS = 48
-"""Rows that the MMAs of an item of a larger tile always cover. Below about 50 rows an item's MMAs take
-less time than streaming and decoding its weights (the bf16 tensor rate of an SM against its share of
-the read bandwidth, at 0.5625 bytes per weight), so narrower variants would save nothing."""
+"""Rows that the MMAs of an item of a larger tile of one weight block per consumer always cover. Below
+about 50 rows an item's MMAs take less time than streaming and decoding its weights (the bf16 tensor rate
+of an SM against its share of the read bandwidth, at 0.5625 bytes per weight), so narrower variants save
+no time; the two-block tiles' narrowest variant (`TWO_BLOCK_TALL_TILE_ROWS`) saves energy instead."""
 AUX_AMAX_COLUMNS = 8
 """Intermediate columns per aux-amax entry of GEMM1: the 8 features one warp's lanes 4g + c (g = 0..7)
 hold for a row, so a row's maximum over them is three butterfly shuffles (of two rows at a time), with
@@ -116,8 +117,9 @@ def variant_rows(tile_rows: int, row_granule: int, tile_features: int = 128) -> 
     weight blocks per consumer; a 192-row tile's five at 32-row granules from 64, not six (16-row
     granules, or 32 from 32)."""
     if tile_rows > SMALL_TILE_ROWS and blocks_per_consumer(tile_features, tile_rows) == 2:
-        assert tile_rows == TWO_BLOCK_TALL_TILE_ROWS[-1] and all(w % row_granule == 0 for w in TWO_BLOCK_TALL_TILE_ROWS)
-        return list(TWO_BLOCK_TALL_TILE_ROWS)
+        widths = TWO_BLOCK_TALL_TILE_ROWS
+        assert tile_rows == widths[-1] and all(w % row_granule == 0 for w in widths)
+        return list(widths)
     first = row_granule if tile_rows <= SMALL_TILE_ROWS else -(-MIN_VARIANT_ROWS // row_granule) * row_granule
     return list(range(first, tile_rows + 1, row_granule))
 
@@ -260,9 +262,10 @@ class MoEGemmSm90:
       of after its wait on `full`, so the decode never waits for shared memory. A fragments alternate
       between two register sets (k tiles unrolled by two) so decoding tile k + 1 overlaps the tensor-core
       work of tile k; with two blocks per consumer, each block's decode overlaps the other block's `wgmma`s
-      instead (`mainloop_two_blocks`). An item's MMAs cover its rows up to the narrowest variant of the k loop
-      (`variant_rows`) that holds its pairs, as one `wgmma` of that many rows per 16 K (`used_row_granules`, `mainloop`): the rows of
-      one accumulator, of which a partly filled tile computes a prefix. One wide `wgmma` keeps the tensor
+      instead (`mainloop_two_blocks`). An item's MMAs cover its rows up to the narrowest variant of the
+      k loop (`variant_rows`) that holds its pairs, as one `wgmma` of that many rows per 16 K
+      (`used_row_granules`, `mainloop`): the rows of one accumulator, of which a partly filled tile
+      computes a prefix. One wide `wgmma` keeps the tensor
       core busier than several narrow ones over the same rows. Decode tiles issue their `wgmma`s as inline
       PTX with 64-bit descriptors (`INLINE_WGMMA_TILE_ROWS`).
 
@@ -1024,8 +1027,9 @@ class MoEGemmSm90:
     @cute.jit
     def used_row_granules(self, row_factors, mPermutedToPair, num_pairs, tile, thread, group):
         """The rows to compute, in granules of `row_granule` rows: the narrowest variant (`variant_rows`)
-        that covers every row of the tile holding a pair. Trailing rows of padding only are left out of the MMAs (their accumulators stay
-        zero), so the partly filled last tile of an expert costs tensor-core time for its used rows.
+        that covers every row of the tile holding a pair. Trailing rows of padding only are left out of
+        the MMAs (their accumulators stay zero), so the partly filled last tile of an expert costs
+        tensor-core time for its used rows.
         One `bar.red.or` of the warpgroup per variant but the narrowest: whether a row between the
         previous variant's width and its own holds a pair. Rows staged in shared memory (`stage_rows`)
         are read there."""
