@@ -128,11 +128,16 @@ def test_w4a4_logits_match_the_dequantized_reference(checkpoint, family, fmt, pe
 def test_a_model_loaded_onto_the_gpu_matches_the_reference(checkpoint, family, per_token):
     """`from_pretrained(device="cuda")`: the whole model on the GPU, its MoE blocks on the Hopper kernels
     (prepared weights), W4A16 from an NVFP4A16 checkpoint and per-token W4A4 from a W4A4 one, against the
-    same references as on the CPU; greedy generation with the KV cache gives the reference's tokens."""
+    same references as on the CPU; compiled whole (`fullgraph=True`, no graph break), the same logits as
+    eager; greedy generation with the KV cache gives the reference's tokens."""
     ck = checkpoint(family, "compressed-tensors", w4a4=per_token)
-    model = load(ck, device="cuda", **({"per_token_activation": True} if per_token else {}))
+    model = load(ck, device="cuda", deterministic=True, **({"per_token_activation": True} if per_token else {}))
     assert {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()} == {"cuda"}
     actual = logits(model, TOKENS.cuda()).cpu()
+    torch._dynamo.reset()
+    compiled = logits(torch.compile(model, fullgraph=True), TOKENS.cuda()).cpu()
+    # Inductor may round the dense layers' FP32 arithmetic otherwise, which the MoE's bf16 input carries on.
+    assert relative_error(compiled, actual) < 1e-3 and top1_agreement(compiled, actual) == 1.0
     if per_token:
         quantized = logits(activation_quantized_reference(ck, "compressed-tensors", True))
         assert relative_error(actual, quantized) < W4A4_QUANTIZED_REFERENCE_TOLERANCE
