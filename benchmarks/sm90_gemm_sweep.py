@@ -65,7 +65,8 @@ def features_choices(default: moe_launch.GemmShape) -> tuple[int, ...]:
 def configurations(default: moe_launch.GemmShape, default_k_splits: int | None = None) -> list[tuple]:
     """(shape key, K slices, epilogue rows): `default`'s, then those around it: features per CTA
     (`features_choices`), CTAs per SM (`ctas_per_sm_choices`), K per k tile, row granule (the
-    default's, 32, 64 or the whole tile); stages: as many as fit. K per k tile is 64 or 128 where the
+    default's, 32, 64 or the whole tile; tiles of more than 64 rows and two weight blocks per consumer
+    only their own, `moe_launch.row_granule`'s); stages: as many as fit. K per k tile is 64 or 128 where the
     producer's copies allow it (`moe_gemm.MAX_COPIES`). Then the default key with the
     epilogue's other row chunks (64 or the whole tile) and, with `default_k_splits` (the fused GEMM2,
     which can split K), at every other slice count that divides its k tiles; else K is never split."""

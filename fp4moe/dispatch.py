@@ -184,7 +184,7 @@ def moe_tile_m(num_tokens: int, top_k: int, num_experts: int, local_pairs: int |
 
     A tile only just above the mean would give about half the experts a second, mostly empty tile
     that streams and decodes their weights again; the sm90 GEMMs' MMAs cover a tile's rows only up
-    to its last 16- or 32-row granule that holds a pair, so the spare rows cost little."""
+    to the narrowest variant of their k loop that holds its pairs, so the spare rows cost little."""
     expected_rows = ceil_div(num_tokens * top_k, num_experts)
     rows = expected_rows + 3 * math.sqrt(expected_rows)
     tile = next((t for t in MOE_TILE_M_CHOICES if t >= rows), MOE_TILE_M_CHOICES[-1])

@@ -31,7 +31,7 @@ def test_the_demo_reports_the_dispatch_of_the_device_it_runs_on(monkeypatch, cap
     dispatch_of = fp4moe.moe_dispatch
 
     def recording(*args, **kwargs):
-        asked.append(args[5])
+        asked.append(kwargs["device"] if "device" in kwargs else args[5] if len(args) > 5 else "cpu")
         return dispatch_of(*args, **kwargs)
 
     monkeypatch.setattr(fp4moe, "moe_dispatch", recording)

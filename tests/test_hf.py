@@ -129,10 +129,13 @@ def test_a_model_loaded_onto_the_gpu_matches_the_reference(checkpoint, family, p
     """`from_pretrained(device="cuda")`: the whole model on the GPU, its MoE blocks on the Hopper kernels
     (prepared weights), W4A16 from an NVFP4A16 checkpoint and per-token W4A4 from a W4A4 one, against the
     same references as on the CPU; compiled whole (`fullgraph=True`, no graph break), the same logits as
-    eager; greedy generation with the KV cache gives the reference's tokens."""
+    eager; in W4A16 greedy generation with the KV cache gives the reference's tokens."""
     ck = checkpoint(family, "compressed-tensors", w4a4=per_token)
     model = load(ck, device="cuda", deterministic=True, **({"per_token_activation": True} if per_token else {}))
     assert {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()} == {"cuda"}
+    moe = model.model.layers[1].mlp.moe
+    choice = fp4moe.moe_dispatch(4, moe.top_k, moe.w1.shape[0], moe.quant_mode, per_token, "cuda")
+    assert moe.weight_layout == "sm90" and choice.gemm1 == choice.gemm2 == fp4moe.dispatch.CUTE_SM90_BACKEND
     actual = logits(model, TOKENS.cuda()).cpu()
     torch._dynamo.reset()
     compiled = logits(torch.compile(model, fullgraph=True), TOKENS.cuda()).cpu()

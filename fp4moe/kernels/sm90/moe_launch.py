@@ -91,12 +91,12 @@ registers per consumer thread; it keeps 128 features."""
 def row_granule(tile_rows: int, tile_features: int = 128) -> int:
     """Rows of the steps in which an item's MMAs cover its tile. The plan tile is sized with rows to
     spare (`fp4moe.dispatch.moe_tile_m`), so the last tile of an expert is partly filled; its MMAs
-    cover its rows up to the last granule that holds a pair, and its spare rows cost no tensor-core
-    time. The k loop has a variant per width it may cover (`moe_gemm.variant_rows`): tiles of at most
-    `TWO_CTA_TILE_ROWS` rows (decode, bound by the weight stream) have one, because two CTAs per SM
-    leave too few registers for a second variant without serializing the `wgmma`s; larger tiles have 4
-    to 6: 64-row tiles every 16 rows, 128-row tiles every 16 rows from 48, 192-row tiles every 32 from
-    64 (`moe_gemm.variant_rows`). 128-row tiles of two weight blocks per consumer
+    cover its rows up to the narrowest variant of the k loop that holds its pairs, and its spare rows
+    beyond cost no tensor-core time. The k loop has a variant per width it may cover
+    (`moe_gemm.variant_rows`): tiles of at most `TWO_CTA_TILE_ROWS` rows (decode, bound by the weight
+    stream) have one, because two CTAs per SM leave too few registers for a second variant without
+    serializing the `wgmma`s; larger tiles of one weight block per consumer have 4 to 6: 64-row tiles
+    every 16 rows, 128-row tiles every 16 rows from 48, 192-row tiles every 32 from 64. 128-row tiles of two weight blocks per consumer
     (`WIDE_PREFILL_TILE_ROWS`) have three variants, `moe_gemm.TWO_BLOCK_TALL_TILE_ROWS`: with more ptxas
     serializes their `wgmma`s. The granule is then those widths' common step."""
     if tile_rows <= TWO_CTA_TILE_ROWS:
