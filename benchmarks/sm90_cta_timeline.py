@@ -1,0 +1,261 @@
+"""When each CTA of the decode GEMMs starts, waits, and ends: GEMM1 then the fused GEMM2 at DeepSeek-V3 size,
+launched back to back with PDL in a CUDA graph, every CTA stamping `%globaltimer`.
+
+    python -m benchmarks.sm90_cta_timeline [--tokens 1,2] [--replays 30]
+    python -m benchmarks.sm90_cta_timeline --tokens 1,2 --compile-only      # no GPU needed
+
+For diagnosis only. The kernels are `fused_moe`'s GEMM configurations (`benchmarks.sm90_gemm_sweep`'s
+first, the one `fused_moe` picks) with four timestamps per CTA written to a buffer passed where a
+per-token scale would be (the kernels are compiled with `row_scaled` and ignore it as a scale):
+
+- `entry`: the CTA's first instruction after its shared-memory set-up (and GEMM2's L2 prefetch), before
+  its PDL wait: when the CTA became resident;
+- `waited`: its PDL wait returned (the predecessor, for GEMM2 all of GEMM1, has completed);
+- `produced`: its producer has issued its last copy;
+- `ended`: its first consumer warpgroup has finished its epilogue.
+
+Times are us from the first GEMM1 CTA's entry, per replay, after a reading L2 flush; each statistic is the
+median over the replays. The run also times the same two GEMMs without stamps (CUDA events, same replays),
+so that the stamps' own cost can be seen. `%globaltimer` ticks at the GPU's timer resolution (32 ns on the
+H200s measured), far below the times compared.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+from unittest import mock
+
+import cutlass.cute as cute
+import torch
+from cutlass import Int32, Int64
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from benchmarks.sm90_gemm_sweep import HIDDEN, INTERMEDIATE, TOP_K, gemm_configurations, hopper_weights, routed_tokens
+from benchmarks.timing import l2_flush_bytes
+from fp4moe.kernels.sm90 import gemm_device as dev
+from fp4moe.kernels.sm90 import moe_gemm, moe_launch, pdl
+from fp4moe.kernels.sm90.moe_gemm import WARPGROUP_THREADS, MoEGemmSm90
+
+STAMPS = ("entry", "waited", "produced", "ended")
+SLOTS = 1 + len(STAMPS)
+"""Per CTA: its SM, then the stamps, as 64-bit words."""
+MAX_CTAS = 512
+
+
+@dsl_user_op
+def global_timer(*, loc=None, ip=None) -> Int64:
+    return Int64(dev._asm(T.i64(), "mov.u64 $0, %globaltimer;", "=l", (), True, loc, ip))
+
+
+@dsl_user_op
+def sm_id(*, loc=None, ip=None) -> Int32:
+    return Int32(dev._asm(T.i32(), "mov.u32 $0, %smid;", "=r", (), True, loc, ip))
+
+
+@dsl_user_op
+def store_u64(gmem_address, value, *, loc=None, ip=None) -> None:
+    dev._asm(None, "st.global.u64 [$0], $1;", "l,l", (Int64(gmem_address), Int64(value)), True, loc, ip)
+
+
+_traced = {}
+"""The entry and wait stamps of the kernel being traced: values of its top level, read by the producer's and
+the consumers' branches (`CtaTimed`)."""
+
+
+def _stamped_wait():
+    _traced["entry"] = global_timer()
+    pdl.wait_for_predecessor_and_release_successor()
+    _traced["waited"] = global_timer()
+
+
+class CtaTimed(MoEGemmSm90):
+    """The GEMM with each CTA's stamps written to `mRowScales` (compiled with `row_scaled`, not applied)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.row_scaled = False
+
+    @cute.jit
+    def stamp(self, mStamps, slot, value):
+        store_u64(mStamps.iterator.toint() + (cute.arch.block_idx()[0] * SLOTS + slot) * 8, value)
+
+    @cute.jit
+    def produce(
+        self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
+        row_factors,
+    ):
+        MoEGemmSm90.produce(
+            self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
+            row_factors,
+        )
+        if cute.arch.thread_idx()[0] == 0:
+            mStamps = row_factors[1]
+            self.stamp(mStamps, 0, Int64(sm_id()))
+            self.stamp(mStamps, 1, _traced["entry"])
+            self.stamp(mStamps, 2, _traced["waited"])
+            self.stamp(mStamps, 3, global_timer())
+
+    @cute.jit
+    def consume(
+        self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs, num_pairs,
+        full, empty, group,
+    ):
+        MoEGemmSm90.consume(
+            self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs,
+            num_pairs, full, empty, group,
+        )
+        if cute.arch.thread_idx()[0] == WARPGROUP_THREADS:
+            self.stamp(row_factors[1], 4, global_timer())
+
+
+@contextlib.contextmanager
+def timed_kernels():
+    """Inside: `moe_launch.compile_gemm` builds `CtaTimed` GEMMs, kept in the disk cache under their own keys."""
+    compile_kernel = moe_launch.compile_kernel
+
+    def keyed(*args, cache_key=None, **kwargs):
+        if cache_key is not None and cache_key[0] == "moe_gemm":
+            cache_key = (*cache_key, "cta_timeline")
+        return compile_kernel(*args, cache_key=cache_key, **kwargs)
+
+    moe_launch.compile_gemm.cache_clear()
+    try:
+        with mock.patch.object(moe_launch, "MoEGemmSm90", CtaTimed), mock.patch.object(
+            moe_launch, "compile_kernel", keyed
+        ), mock.patch.object(moe_gemm, "wait_for_predecessor_and_release_successor", _stamped_wait):
+            yield
+    finally:
+        moe_launch.compile_gemm.cache_clear()
+
+
+def compile_pair(tokens: int, sms: int, timed: bool):
+    """(GEMM1, fused GEMM2) as `fused_moe` configures them for `tokens` tokens; `timed`: the stamping kind."""
+    _, configs1, configs2 = gemm_configurations(tokens, sms)
+    (key1, _, rows1), (key2, k_splits, rows2) = configs1[0], configs2[0]
+    with timed_kernels() if timed else contextlib.nullcontext():
+        gemm1 = moe_launch.compile_gemm(
+            "gemm1", key1, HIDDEN, INTERMEDIATE, TOP_K, "swiglu", (None,) * 3, False, timed, epilogue_rows=rows1
+        )
+        gemm2 = moe_launch.compile_gemm(
+            "gemm2_fused", key2, INTERMEDIATE, HIDDEN, TOP_K, "none", (None,) * 3, True, timed, k_splits=k_splits,
+            epilogue_rows=rows2,
+        )
+    return gemm1, gemm2
+
+
+def quantiles(values) -> str:
+    v = sorted(values)
+    pick = lambda q: v[min(len(v) - 1, int(q * len(v)))]  # noqa: E731
+    return f"{v[0]:6.1f} {pick(0.1):6.1f} {pick(0.5):6.1f} {pick(0.9):6.1f} {v[-1]:6.1f}"
+
+
+def run(tokens: int, weights, replays: int, g) -> None:
+    w1_alpha, w2_alpha = weights.alphas()
+    x, _, topk_weights, _, _, _, permuted_to_pair, tile_expert = routed_tokens(tokens, g)
+    inter = torch.randn(permuted_to_pair.shape[0], INTERMEDIATE, generator=g, device="cuda").to(torch.bfloat16)
+    accumulator = torch.zeros(tokens, HIDDEN, device="cuda")
+    stamps = [torch.zeros(MAX_CTAS * SLOTS * 2, dtype=torch.float32, device="cuda") for _ in range(2)]
+    sms = moe_launch.sm_count(torch.cuda.current_device())
+
+    def chain(kernels, timed):
+        gemm1, gemm2 = kernels
+        moe_launch.launch_gemm(
+            gemm1, weights.w1, weights.w1_scales, x, permuted_to_pair, tile_expert, w1_alpha, None, inter,
+            stamps[0] if timed else None,
+        )
+        moe_launch.launch_gemm(
+            gemm2, weights.w2, weights.w2_scales, inter, permuted_to_pair, tile_expert, w2_alpha, topk_weights,
+            accumulator, stamps[1] if timed else None,
+        )
+
+    graphs = {}
+    for timed in (False, True):
+        kernels = compile_pair(tokens, sms, timed)
+        chain(kernels, timed)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain(kernels, timed)
+        graphs[timed] = graph
+    flush = torch.empty(l2_flush_bytes(torch.device("cuda")) // 4, dtype=torch.int32, device="cuda").sum
+    history = torch.zeros(replays, 2, MAX_CTAS * SLOTS, dtype=torch.int64, device="cuda")
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(2)]
+              for _ in range(replays)]
+    for warm in range(3):
+        for timed in (False, True):
+            flush()
+            graphs[timed].replay()
+    for r in range(replays):
+        for timed in ((False, True) if r % 2 else (True, False)):
+            flush()
+            start, end = events[r][timed]
+            start.record()
+            graphs[timed].replay()
+            end.record()
+            if timed:
+                for kernel in range(2):
+                    history[r, kernel].copy_(stamps[kernel].view(torch.int64))
+    torch.cuda.synchronize()
+    for timed in (False, True):
+        ms = statistics.median(events[r][timed][0].elapsed_time(events[r][timed][1]) for r in range(replays))
+        print(f"T={tokens} GEMM1 + GEMM2 graph, {'with' if timed else 'without'} stamps: {ms * 1e3:.1f} us", flush=True)
+
+    grids = [int((history[0, k].view(MAX_CTAS, SLOTS)[:, 1] != 0).sum()) for k in range(2)]
+    cpu = history.cpu()
+    replays_stamps = [[cpu[r, k].view(MAX_CTAS, SLOTS)[: grids[k]] for k in range(2)] for r in range(replays)]
+    print(f"T={tokens}: GEMM1 {grids[0]} CTAs, GEMM2 {grids[1]} CTAs; us from the first GEMM1 entry, medians over "
+          f"{replays} replays of each order statistic", flush=True)
+    print(f"{'kernel':6} {'stamp':34} {'min':>6} {'p10':>6} {'median':>6} {'p90':>6} {'max':>6}")
+    for (name, stamp), stats in summary(replays_stamps).items():
+        print(f"{name:6} {stamp:34} {quantiles(stats)}", flush=True)
+
+
+def summary(replays_stamps) -> dict:
+    """Per (kernel, stamp): the median over replays of each order statistic of the CTAs' times, in us from
+    the replay's first GEMM1 entry. `replays_stamps`: per replay, GEMM1's and GEMM2's [CTAs, SLOTS] int64
+    stamps (ns). Also GEMM2's CTAs resident before GEMM1's last CTA ended, and the SMs GEMM2 ran on."""
+    rows = {}
+    for gemm1, gemm2 in replays_stamps:
+        origin = int(gemm1[:, 1].min())
+        us = [(c[:, 1:].double() - origin) / 1e3 for c in (gemm1, gemm2)]
+        for k, name in enumerate(("GEMM1", "GEMM2")):
+            for s, stamp in enumerate(STAMPS):
+                rows.setdefault((name, stamp), []).append(sorted(us[k][:, s].tolist()))
+        gemm1_last_end = float(us[0][:, STAMPS.index("ended")].max())
+        rows.setdefault(("GEMM2", "resident before GEMM1's last end"), []).append(
+            [float((us[1][:, STAMPS.index("entry")] < gemm1_last_end).sum())]
+        )
+        rows.setdefault(("GEMM2", "distinct SMs"), []).append([float(gemm2[:, 0].unique().numel())])
+    return {
+        key: [statistics.median(replay[i] for replay in per_replay) for i in range(len(per_replay[0]))]
+        for key, per_replay in rows.items()
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="1,2", help="token counts (DeepSeek-V3 shape, softmax routing)")
+    parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument("--compile-only", action="store_true", help="compile the stamping GEMMs; no GPU needed")
+    parser.add_argument("--sms", type=int, default=132, help="with --compile-only: the GPU's multiprocessors")
+    args = parser.parse_args()
+    token_counts = [int(t) for t in args.tokens.split(",")]
+    if args.compile_only:
+        for tokens in token_counts:
+            for timed in (False, True):
+                compile_pair(tokens, args.sms, timed)
+            print(f"T={tokens}: compiled", flush=True)
+        return 0
+    problem = hopper_weights("sm90_cta_timeline")
+    if problem is None:
+        return 2
+    weights, g = problem
+    for tokens in token_counts:
+        run(tokens, weights, args.replays, g)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""`benchmarks.sm90_cta_timeline` (needs a GPU to run): its stamping GEMMs read the timer where they say and
+compute what the default GEMMs compute (SASS, no GPU needed), and its summary of the stamps (synthetic)."""
+
+import textwrap
+
+import pytest
+import torch
+
+from benchmarks.sm90_cta_timeline import SLOTS, STAMPS, summary
+from tests.sm90_compile import compile_in_subprocess, sass
+
+_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from benchmarks import sm90_cta_timeline as timeline
+    out = Path(sys.argv[1])
+    for timed in (False, True):
+        for name, compiled in zip(("gemm1", "gemm2"), timeline.compile_pair(1, 132, timed)):
+            (out / f"{name}_{'timed' if timed else 'default'}.cubin").write_bytes(compiled.__cubin__)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    out = compile_in_subprocess(_SCRIPT, {}, tmp_path_factory.mktemp("cta_timeline"))
+    return {f.stem: sass(f) for f in out.glob("*.cubin")}
+
+
+@pytest.mark.parametrize("gemm", ["gemm1", "gemm2"])
+def test_the_stamping_gemms_read_the_timer_around_the_pdl_wait_and_keep_the_default_compute(kernels, gemm):
+    default, timed = kernels[f"{gemm}_default"], kernels[f"{gemm}_timed"]
+    assert "SR_GLOBALTIMER" not in default
+    assert timed.count("SR_GLOBALTIMERLO") == len(STAMPS) and "SR_VIRTUALSMID" in timed
+    lines = [line for line in timed.splitlines() if "SR_GLOBALTIMERLO" in line or "ACQBULK" in line]
+    assert [("ACQBULK" in line) for line in lines[:3]] == [False, True, False]  # entry, the wait, waited
+    for instruction in ("HGMMA", "HMUL2.BF16_V2", "UBLKCP.S.G"):
+        assert timed.count(instruction) == default.count(instruction), instruction
+
+
+def _stamps(sm, *times_ns):
+    return torch.tensor([[sm, *t] for sm, t in zip(sm, zip(*times_ns))], dtype=torch.int64).reshape(-1, SLOTS)
+
+
+def test_the_summary_takes_times_from_the_first_gemm1_entry_and_medians_over_replays():
+    replays = []
+    for offset in (1_000_000, 5_000_000, 9_000_000):  # the same CTAs' times in three replays
+        gemm1 = _stamps([0, 1], [offset, offset + 500], [offset, offset + 500], [offset + 20_000] * 2,
+                        [offset + 30_000, offset + 34_000])
+        gemm2 = _stamps([2, 0, 1], [offset + 2_000, offset + 31_000, offset + 35_000], [offset + 35_500] * 3,
+                        [offset + 50_000] * 3, [offset + 52_000, offset + 55_000, offset + 56_000])
+        replays.append((gemm1, gemm2))
+    rows = summary(replays)
+    assert rows[("GEMM1", "ended")] == [30.0, 34.0]
+    assert rows[("GEMM2", "entry")] == [2.0, 31.0, 35.0]
+    assert rows[("GEMM2", "ended")] == [52.0, 55.0, 56.0]
+    assert rows[("GEMM2", "resident before GEMM1's last end")] == [2.0]
+    assert rows[("GEMM2", "distinct SMs")] == [3.0]
