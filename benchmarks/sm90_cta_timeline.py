@@ -42,6 +42,7 @@ STAMPS = ("entry", "waited", "produced", "ended")
 SLOTS = 1 + len(STAMPS)
 """Per CTA: its SM, then the stamps, as 64-bit words."""
 MAX_CTAS = 512
+"""Room in each stamp buffer: CTAs per GEMM (a grid holds at most `max_ctas` of its configuration)."""
 
 
 @dsl_user_op
@@ -134,6 +135,7 @@ def compile_pair(tokens: int, sms: int, timed: bool):
     """(GEMM1, fused GEMM2) as `fused_moe` configures them for `tokens` tokens; `timed`: the stamping kind."""
     _, configs1, configs2 = gemm_configurations(tokens, sms)
     (key1, _, rows1), (key2, k_splits, rows2) = configs1[0], configs2[0]
+    assert max(key1[-1], key2[-1]) <= MAX_CTAS, "more CTAs than the stamp buffers hold"
     with timed_kernels() if timed else contextlib.nullcontext():
         gemm1 = moe_launch.compile_gemm(
             "gemm1", key1, HIDDEN, INTERMEDIATE, TOP_K, "swiglu", (None,) * 3, False, timed, epilogue_rows=rows1
@@ -183,7 +185,7 @@ def run(tokens: int, weights, replays: int, g) -> None:
     history = torch.zeros(replays, 2, MAX_CTAS * SLOTS, dtype=torch.int64, device="cuda")
     events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(2)]
               for _ in range(replays)]
-    for warm in range(3):
+    for _ in range(3):
         for timed in (False, True):
             flush()
             graphs[timed].replay()
