@@ -141,25 +141,30 @@ at DeepSeek-V3 T = 1-3): the panel's scan, its quantization, or all of it remove
 
 
 @contextlib.contextmanager
-def variant_kernels(name: str):
-    """Inside: the MoE launch layer builds its GEMMs from variant `name`'s class, compiled once per
-    variant (its process cache is cleared on the way in and out) and kept in the disk kernel cache
-    under keys that name the variant."""
+def gemm_class_kernels(gemm_class, *key_tags):
+    """Inside: the MoE launch layer builds its GEMMs from `gemm_class` (a `MoEGemmSm90` subclass), compiled
+    once (the process cache is cleared on the way in and out) and kept in the disk kernel cache under
+    keys that end with `key_tags`."""
     compile_kernel = moe_launch.compile_kernel
 
     def keyed(*args, cache_key=None, **kwargs):
         if cache_key is not None and cache_key[0] == "moe_gemm":
-            cache_key = (*cache_key, "consumer_probe", name)
+            cache_key = (*cache_key, *key_tags)
         return compile_kernel(*args, cache_key=cache_key, **kwargs)
 
     moe_launch.compile_gemm.cache_clear()
     try:
-        with mock.patch.object(moe_launch, "MoEGemmSm90", VARIANTS[name]), mock.patch.object(
+        with mock.patch.object(moe_launch, "MoEGemmSm90", gemm_class), mock.patch.object(
             moe_launch, "compile_kernel", keyed
         ):
             yield
     finally:
         moe_launch.compile_gemm.cache_clear()
+
+
+def variant_kernels(name: str):
+    """`gemm_class_kernels` of variant `name`'s class, under keys that name the variant."""
+    return gemm_class_kernels(VARIANTS[name], "consumer_probe", name)
 
 
 def compile_variant(name: str, epilogue: str, key: tuple):

@@ -32,6 +32,7 @@ import torch
 from cutlass import Int32, Int64
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from benchmarks.sm90_consumer_probe import gemm_class_kernels
 from benchmarks.sm90_gemm_sweep import HIDDEN, INTERMEDIATE, TOP_K, gemm_configurations, hopper_weights, routed_tokens
 from benchmarks.timing import l2_flush_bytes
 from fp4moe.kernels.sm90 import gemm_device as dev
@@ -114,21 +115,10 @@ class CtaTimed(MoEGemmSm90):
 @contextlib.contextmanager
 def timed_kernels():
     """Inside: `moe_launch.compile_gemm` builds `CtaTimed` GEMMs, kept in the disk cache under their own keys."""
-    compile_kernel = moe_launch.compile_kernel
-
-    def keyed(*args, cache_key=None, **kwargs):
-        if cache_key is not None and cache_key[0] == "moe_gemm":
-            cache_key = (*cache_key, "cta_timeline")
-        return compile_kernel(*args, cache_key=cache_key, **kwargs)
-
-    moe_launch.compile_gemm.cache_clear()
-    try:
-        with mock.patch.object(moe_launch, "MoEGemmSm90", CtaTimed), mock.patch.object(
-            moe_launch, "compile_kernel", keyed
-        ), mock.patch.object(moe_gemm, "wait_for_predecessor_and_release_successor", _stamped_wait):
-            yield
-    finally:
-        moe_launch.compile_gemm.cache_clear()
+    with gemm_class_kernels(CtaTimed, "cta_timeline"), mock.patch.object(
+        moe_gemm, "wait_for_predecessor_and_release_successor", _stamped_wait
+    ):
+        yield
 
 
 def compile_pair(tokens: int, sms: int, timed: bool):
