@@ -202,6 +202,12 @@ def run(tokens: int, weights, replays: int, g) -> None:
     print(f"{'kernel':6} {'stamp':34} {'min':>6} {'p10':>6} {'median':>6} {'p90':>6} {'max':>6}")
     for (name, stamp), stats in summary(replays_stamps).items():
         print(f"{name:6} {stamp:34} {quantiles(stats)}", flush=True)
+    persistence = sm_persistence(replays_stamps)
+    print(f"T={tokens}: each SM's lateness (its CTA's time from its wait to its end, less the replay's median), "
+          "mean over replays; r: correlation over SMs")
+    for name, (spread, halves, other) in persistence.items():
+        print(f"{name:6} per-SM mean lateness p10 / p90 {spread[0]:5.2f} / {spread[1]:5.2f} us; odd vs even replays "
+              f"r = {halves:5.2f}; vs the other GEMM's r = {other:5.2f}", flush=True)
 
 
 def summary(replays_stamps) -> dict:
@@ -224,6 +230,43 @@ def summary(replays_stamps) -> dict:
         key: [statistics.median(replay[i] for replay in per_replay) for i in range(len(per_replay[0]))]
         for key, per_replay in rows.items()
     }
+
+
+def correlation(a: list[float], b: list[float]) -> float:
+    ma, mb = statistics.fmean(a), statistics.fmean(b)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
+    norm = (sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b)) ** 0.5
+    return cov / norm if norm else float("nan")
+
+
+def sm_persistence(replays_stamps) -> dict:
+    """Per GEMM: whether some SMs are slow in every replay. Each CTA's lateness is its time from its PDL wait
+    to its end less the replay's median over CTAs (a CTA's work is then its share of the GEMM's: equal where
+    every CTA takes one item, or with stream-K; not for grids whose CTAs take different item counts), kept
+    per SM (the CTA-to-SM mapping changes between replays). Returns (p10 and p90 over SMs of their mean
+    lateness, the correlation over SMs between the means of odd and even replays, the correlation with
+    the other GEMM's means over the SMs both ran on)."""
+    per_sm = [{}, {}]  # kernel -> {sm: [(replay, lateness)]}
+    for r, cta_stamps in enumerate(replays_stamps):
+        for k, stamps in enumerate(cta_stamps):
+            times = (stamps[:, 1 + STAMPS.index("ended")] - stamps[:, 1 + STAMPS.index("waited")]).double() / 1e3
+            median = float(times.median())
+            for sm, t in zip(stamps[:, 0].tolist(), times.tolist()):
+                per_sm[k].setdefault(sm, []).append((r, t - median))
+    means = [{sm: statistics.fmean(v for _, v in values) for sm, values in kernel.items()} for kernel in per_sm]
+    result = {}
+    for k, name in enumerate(("GEMM1", "GEMM2")):
+        halves = [
+            (statistics.fmean(v for r, v in values if r % 2 == 0), statistics.fmean(v for r, v in values if r % 2))
+            for values in per_sm[k].values()
+            if any(r % 2 == 0 for r, _ in values) and any(r % 2 for r, _ in values)
+        ]
+        ordered = sorted(means[k].values())
+        spread = (ordered[int(0.1 * len(ordered))], ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))])
+        shared = sorted(set(means[k]) & set(means[1 - k]))
+        other = correlation([means[k][sm] for sm in shared], [means[1 - k][sm] for sm in shared])
+        result[name] = (spread, correlation([a for a, _ in halves], [b for _, b in halves]), other)
+    return result
 
 
 def main() -> int:

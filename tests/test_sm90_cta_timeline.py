@@ -1,12 +1,13 @@
 """`benchmarks.sm90_cta_timeline` (needs a GPU to run): its stamping GEMMs read the timer where they say and
-compute what the default GEMMs compute (SASS, no GPU needed), and its summary of the stamps (synthetic)."""
+compute what the default GEMMs compute (SASS, no GPU needed), and its summaries of the stamps (synthetic)."""
 
+import random
 import textwrap
 
 import pytest
 import torch
 
-from benchmarks.sm90_cta_timeline import SLOTS, STAMPS, summary
+from benchmarks.sm90_cta_timeline import SLOTS, STAMPS, sm_persistence, summary
 from tests.sm90_compile import compile_in_subprocess, sass
 
 _SCRIPT = textwrap.dedent(
@@ -57,3 +58,25 @@ def test_the_summary_takes_times_from_the_first_gemm1_entry_and_medians_over_rep
     assert rows[("GEMM2", "ended")] == [52.0, 55.0, 56.0]
     assert rows[("GEMM2", "resident before GEMM1's last end")] == [2.0]
     assert rows[("GEMM2", "distinct SMs")] == [3.0]
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_sm_persistence_tells_slow_sms_from_slow_replays(persistent):
+    """Synthetic CTAs whose time from their wait to their end is 30 us, plus each SM's own lateness (the same
+    in every replay and both GEMMs) or a fresh one per replay and GEMM, on SMs shuffled per replay."""
+    rng = random.Random(7)
+    own = {sm: rng.gauss(0, 1) for sm in range(132)}
+    replays = []
+    for _ in range(20):
+        gemms = []
+        for ctas in (128, 132):
+            sms = rng.sample(range(132), ctas)
+            late = [own[sm] if persistent else rng.gauss(0, 1) for sm in sms]
+            ended = [2_000 + 30_000 + int(1_000 * x) for x in late]
+            gemms.append(_stamps(sms, [1_000] * ctas, [2_000] * ctas, [20_000] * ctas, ended))
+        replays.append(tuple(gemms))
+    for name, ((p10, p90), halves, other) in sm_persistence(replays).items():
+        if persistent:
+            assert p10 < -0.8 and p90 > 0.8 and halves > 0.95 and other > 0.95, name
+        else:
+            assert -0.5 < p10 < 0 < p90 < 0.5 and abs(halves) < 0.4 and abs(other) < 0.4, name
