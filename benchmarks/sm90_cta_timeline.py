@@ -16,8 +16,9 @@ per-token scale would be (the kernels are compiled with `row_scaled` and ignore 
 
 Times are us from the first GEMM1 CTA's entry, per replay, after a reading L2 flush; each statistic is the
 median over the replays. The run also times the same two GEMMs without stamps (CUDA events, same replays),
-so that the stamps' own cost can be seen. `%globaltimer` ticks at the GPU's timer resolution (32 ns on the
-H200s measured), far below the times compared.
+so that the stamps' own cost can be seen. `%globaltimer` ticks at the GPU's timer resolution (32 ns on
+the H200s measured), far below the times compared. Last, per GEMM, whether the same SMs are slow in every
+replay (`sm_persistence`): a rate that belongs to the SM, or one that changes from replay to replay.
 """
 from __future__ import annotations
 
@@ -232,13 +233,6 @@ def summary(replays_stamps) -> dict:
     }
 
 
-def correlation(a: list[float], b: list[float]) -> float:
-    ma, mb = statistics.fmean(a), statistics.fmean(b)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
-    norm = (sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b)) ** 0.5
-    return cov / norm if norm else float("nan")
-
-
 def sm_persistence(replays_stamps) -> dict:
     """Per GEMM: whether some SMs are slow in every replay. Each CTA's lateness is its time from its PDL wait
     to its end less the replay's median over CTAs (a CTA's work is then its share of the GEMM's: equal where
@@ -264,8 +258,8 @@ def sm_persistence(replays_stamps) -> dict:
         ordered = sorted(means[k].values())
         spread = (ordered[int(0.1 * len(ordered))], ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))])
         shared = sorted(set(means[k]) & set(means[1 - k]))
-        other = correlation([means[k][sm] for sm in shared], [means[1 - k][sm] for sm in shared])
-        result[name] = (spread, correlation([a for a, _ in halves], [b for _, b in halves]), other)
+        other = statistics.correlation([means[k][sm] for sm in shared], [means[1 - k][sm] for sm in shared])
+        result[name] = (spread, statistics.correlation([a for a, _ in halves], [b for _, b in halves]), other)
     return result
 
 
