@@ -138,10 +138,14 @@ def compile_pair(tokens: int, sms: int, timed: bool):
     return gemm1, gemm2
 
 
+def order_statistic(ordered, q: float) -> float:
+    """The `q` quantile of the sorted values `ordered` (the one at index `q * n`, the last at most)."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def quantiles(values) -> str:
     v = sorted(values)
-    pick = lambda q: v[min(len(v) - 1, int(q * len(v)))]  # noqa: E731
-    return f"{v[0]:6.1f} {pick(0.1):6.1f} {pick(0.5):6.1f} {pick(0.9):6.1f} {v[-1]:6.1f}"
+    return " ".join(f"{order_statistic(v, q):6.1f}" for q in (0.0, 0.1, 0.5, 0.9, 1.0))
 
 
 def run(tokens: int, weights, replays: int, g) -> None:
@@ -248,6 +252,8 @@ def sm_persistence(replays_stamps) -> dict:
             for sm, t in zip(stamps[:, 0].tolist(), times.tolist()):
                 per_sm[k].setdefault(sm, []).append((r, t - median))
     means = [{sm: statistics.fmean(v for _, v in values) for sm, values in kernel.items()} for kernel in per_sm]
+    shared = sorted(set(means[0]) & set(means[1]))
+    between = statistics.correlation([means[0][sm] for sm in shared], [means[1][sm] for sm in shared])
     result = {}
     for k, name in enumerate(("GEMM1", "GEMM2")):
         halves = [
@@ -256,10 +262,8 @@ def sm_persistence(replays_stamps) -> dict:
             if any(r % 2 == 0 for r, _ in values) and any(r % 2 for r, _ in values)
         ]
         ordered = sorted(means[k].values())
-        spread = (ordered[int(0.1 * len(ordered))], ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))])
-        shared = sorted(set(means[k]) & set(means[1 - k]))
-        other = statistics.correlation([means[k][sm] for sm in shared], [means[1 - k][sm] for sm in shared])
-        result[name] = (spread, statistics.correlation([a for a, _ in halves], [b for _, b in halves]), other)
+        spread = (order_statistic(ordered, 0.1), order_statistic(ordered, 0.9))
+        result[name] = (spread, statistics.correlation([a for a, _ in halves], [b for _, b in halves]), between)
     return result
 
 
