@@ -1,9 +1,10 @@
-"""When each kernel of a `fused_moe` call starts and ends on the sm90 kernels, in every mode.
+"""When each kernel of a `fused_moe` (or `aligned_moe_`) call starts and ends on the sm90 kernels.
 
-    python -m benchmarks.sm90_timeline [--shapes deepseek_v3] [--tokens 1 2 8] [--replays 30]
+    python -m benchmarks.sm90_timeline [--shapes deepseek_v3] [--tokens 1 2 8] [--replays 30] [--impls ...]
 
-For each shape, T and mode (W4A16, W4A4 per-tensor, W4A4 per-token) the call is captured in a CUDA graph
-and replayed after a read flush of the L2 (as `benchmarks.moe` times it), under `torch.profiler`, whose
+For each shape, T and implementation of the harness (by default `fused_moe` in every mode: W4A16, W4A4
+per-tensor, W4A4 per-token; `aligned_moe` adds the aligned MoE's column, zeroing of `out` included) the
+call the harness times is captured in a CUDA graph and replayed after a read flush of the L2 (as `benchmarks.moe` times it), under `torch.profiler`, whose
 CUDA activity records (CUPTI) give every kernel's start and end on the GPU. Printed per kernel, in
 launch order: the median start and end over the replays, in us from the start of the replay's first
 kernel, and the median duration. With PDL a kernel starts (becomes resident) long before it can work:
@@ -30,8 +31,9 @@ from benchmarks.moe_implementations import REGISTRY
 from benchmarks.timing import PreparedCall, l2_flush_bytes
 
 MODES = ("fused_moe_w4a16", "fused_moe_w4a4_tensor", "fused_moe_w4a4_token")
-KERNEL_ROLES = ("Plan", "Quantize", "Gemm", "Finalize", "Decode")
-"""Words of the sm90 kernels' names that say what each is (`MoEPlanSm90`, `QuantizeSm90`, ...)."""
+KERNEL_ROLES = ("Plan", "Quantize", "Gemm", "Finalize", "Decode", "Fill")
+"""Words of the kernels' names that say what each is (`MoEPlanSm90`, `AlignedPlanSm90`, `QuantizeSm90`, ...,
+torch's `FillFunctor` zeroing the aligned MoE's `out`)."""
 
 
 def kernel_role(name: str) -> str:
@@ -88,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["deepseek_v3"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 8])
     parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument("--impls", nargs="+", choices=[*MODES, "aligned_moe"], default=list(MODES))
     args = parser.parse_args(argv)
     if not hopper_gpu("sm90_timeline"):
         return 2
@@ -101,9 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---|---|---|---|")
         for tokens in args.tokens:
             case = problem.case(tokens)
-            for mode in MODES:
-                arguments = case.fused_moe_arguments(REGISTRY[mode].expected)
-                with PreparedCall(lambda: torch.ops.fp4moe.fused_moe(**arguments), device, eager_calls=2) as call:
+            for mode in args.impls:
+                with PreparedCall(REGISTRY[mode].build(case), device, eager_calls=2) as call:
                     spans = replay_spans(profile_replays(call, flush, args.replays))
                 for role, start, end, duration in spans:
                     print(f"| {tokens} | {mode} | {role} | {start:.2f} | {end:.2f} | {duration:.2f} |", flush=True)

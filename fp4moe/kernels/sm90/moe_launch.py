@@ -74,9 +74,9 @@ WIDE_DECODE_FILL = 15 / 16
 """The share of the SMs that 256-feature decode tiles must give an item (DeepSeek-V3's GEMM1 at T = 1:
 128 items on 132 SMs, still faster than 256 items of 128 features at two CTAs per SM)."""
 SEVEN_GROUP_FEATURES = 7 * weight_layout.ROW_BLOCK
-"""Features of a CTA of seven consumer groups (1,024 threads, one CTA per SM), for a fused GEMM2 whose
+"""Features of a CTA of seven consumer groups (1,024 threads, one CTA per SM), for a GEMM2 whose
 decode items of 256 features leave a wave unbalanced where splitting K does not balance it
-(`fused_gemm2_tiling`): DeepSeek-V3's H = 7168 is 16 such blocks, so its GEMM2 at T = 1 runs 128
+(`gemm2_tiling`): DeepSeek-V3's H = 7168 is 16 such blocks, so its GEMM2 at T = 1 runs 128
 items (256 in two slices of K: two waves 97% full) instead of 224 (two waves 85% full). At 64 registers
 per consumer thread its k tiles are 64 K: with 128 K ptxas serializes the `wgmma`s."""
 TWO_CTA_TILE_ROWS = 32
@@ -273,8 +273,8 @@ def compile_gemm(
 
 MAX_K_SPLITS = 8
 WAVE_BALANCE = 0.9
-"""The fused GEMM2 takes more slices of K where its items would leave more than a tenth of their last
-wave's CTA slots idle (`fused_gemm2_k_splits`): the items are alike, so a call takes as long as its
+"""GEMM2 takes more slices of K where its items would leave more than a tenth of their last
+wave's CTA slots idle (`gemm2_k_splits`): the items are alike, so a call takes as long as its
 wave count. GLM at T = 1: 192 items of 256 features on 132 SMs run two waves, the second 45% full."""
 MAX_BALANCE_FACTOR = 2
 """Balancing takes at most this many times the fewest slices that fill the CTA slots: DeepSeek-V3's
@@ -295,11 +295,12 @@ def balances_waves(shape: GemmShape, k_splits: int) -> bool:
     return wave_efficiency(shape.items() * k_splits, shape.max_ctas) >= WAVE_BALANCE
 
 
-def fused_gemm2_k_splits(shape: GemmShape) -> int:
-    """Slices of K for the fused GEMM2 (split-K): the fewest (a divisor of the k tiles, at most
-    `MAX_K_SPLITS`) whose expected items fill the CTA slots; more, up to `MAX_BALANCE_FACTOR` times
-    those, where that balances the waves (`WAVE_BALANCE`); the most when none fills them. Each slice
-    adds its partial sums into the FP32 accumulator, as whole items do."""
+def gemm2_k_splits(shape: GemmShape) -> int:
+    """Slices of K for GEMM2 (split-K): the fewest (a divisor of the k tiles, at most `MAX_K_SPLITS`)
+    whose expected items fill the CTA slots; more, up to `MAX_BALANCE_FACTOR` times those, where that
+    balances the waves (`WAVE_BALANCE`); the most when none fills them. In the fused epilogue each slice
+    adds its partial sums into the FP32 accumulator, as whole items do; in the expanded one it writes
+    them to its own block of per-pair rows, which the finalize sums (`moe_finalize`)."""
     items = shape.items()
     k_tiles = shape.prepared_k // shape.tile_k
     divisors = [s for s in range(1, MAX_K_SPLITS + 1) if k_tiles % s == 0]
@@ -311,19 +312,19 @@ def fused_gemm2_k_splits(shape: GemmShape) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def fused_gemm2_tiling(shape: GemmShape) -> tuple[GemmShape, int]:
-    """The fused GEMM2's shape and slices of K: `shape` with `fused_gemm2_k_splits`' slices, unless those
+def gemm2_tiling(shape: GemmShape) -> tuple[GemmShape, int]:
+    """GEMM2's shape and slices of K (either epilogue): `shape` with `gemm2_k_splits`' slices, unless those
     leave the waves unbalanced (below `WAVE_BALANCE`) and CTAs of seven consumer groups
     (`GemmShape.seven_group_shape`) with their own slices balance them. Seven groups are slower per
     byte than four (half the K per barrier, fewer registers), so they serve only where they remove a
     partial wave: DeepSeek-V3 at T = 1 (two slices of 128 items), not at T = 2, where two slices of K
     balance four groups (runs log)."""
-    k_splits = fused_gemm2_k_splits(shape)
+    k_splits = gemm2_k_splits(shape)
     if balances_waves(shape, k_splits):
         return shape, k_splits
     seven = shape.seven_group_shape()
     if seven is not None:
-        seven_splits = fused_gemm2_k_splits(seven)
+        seven_splits = gemm2_k_splits(seven)
         if balances_waves(seven, seven_splits):
             return seven, seven_splits
     return shape, k_splits
@@ -338,7 +339,7 @@ def expected_tiles(num_pairs: int, num_local_experts: int, tile_rows: int) -> in
 def gemm_shape(prepared_shape: tuple, tile_rows: int, expected_pairs: int, sms: int) -> GemmShape:
     """The `GemmShape` of a grouped GEMM over prepared codes of `prepared_shape`, plan tiles of `tile_rows`
     rows and `expected_pairs` local pairs, on a GPU of `sms` multiprocessors: built once per such key,
-    since eager calls ask for it on every call (the same object then keys `fused_gemm2_tiling`'s cache)."""
+    since eager calls ask for it on every call (the same object then keys `gemm2_tiling`'s cache)."""
     return GemmShape(prepared_shape, tile_rows, expected_tiles(expected_pairs, prepared_shape[0], tile_rows), sms)
 
 
@@ -396,22 +397,27 @@ def launch_gemm(
 # W4A4 activations
 # ---------------------------------------------------------------------------------------------------
 @compile_function
-def compile_decode(k: int):
+def compile_decode(k: int, launch_order: str = "wait_first"):
     codes = make_fake_compact_tensor(cutlass.Uint8, (_dynamic(), k // 2), stride_order=(1, 0), assumed_align=16)
     scales = make_fake_compact_tensor(cutlass.Uint8, (_dynamic(), k // 16), stride_order=(1, 0))
     out = make_fake_compact_tensor(cutlass.BFloat16, (_dynamic(), k), stride_order=(1, 0), assumed_align=16)
-    return compile_kernel(NVFP4DecodeSm90(k), codes, scales, out, cache_key=("nvfp4_decode", k))
+    return compile_kernel(
+        NVFP4DecodeSm90(k, launch_order), codes, scales, out, cache_key=("nvfp4_decode", k, launch_order)
+    )
 
 
-def decoded(a: torch.Tensor, a_scales: torch.Tensor | None) -> torch.Tensor:
-    """GEMM input rows: bf16 as given, NVFP4 codes + linear scales decoded to their exact bf16 values."""
+def decoded(a: torch.Tensor, a_scales: torch.Tensor | None, beside_predecessor: bool = False) -> torch.Tensor:
+    """GEMM input rows: bf16 as given, NVFP4 codes + linear scales decoded to their exact bf16 values.
+    `beside_predecessor`: the kernel just before it on the stream writes none of `a`, `a_scales` and
+    reads no memory this call writes, so the decode runs beside it (`NVFP4DecodeSm90`'s ``"before_wait"``)."""
     if a_scales is None:
         return a
     out = a.new_empty((a.shape[0], 2 * a.shape[1]), dtype=torch.bfloat16)
     if a.shape[0]:
         codes = standard_strides(a)
         codes = codes if codes.data_ptr() % VECTOR_BYTES == 0 else compact_copy(codes)
-        compile_decode(out.shape[1])(codes, standard_strides(a_scales.view(torch.uint8)), out)
+        launch_order = "before_wait" if beside_predecessor else "wait_first"
+        compile_decode(out.shape[1], launch_order)(codes, standard_strides(a_scales.view(torch.uint8)), out)
     return out
 
 
@@ -427,14 +433,14 @@ def gemm2_quantizes_itself(
 ) -> bool:
     """Whether the fused GEMM2 quantizes per-token W4A4's intermediate itself (`fp4moe.dispatch`'s
     `intermediate_quantization`): plan tiles of at most `moe_gemm.INLINE_WGMMA_TILE_ROWS` rows (the
-    decode k loop, whose B operand may be the activation panel) whose items, as `fused_gemm2_tiling` slices
+    decode k loop, whose B operand may be the activation panel) whose items, as `gemm2_tiling` slices
     K, run at least `MIN_QUANTIZING_K_TILES` k tiles. The deterministic finalize's GEMM2 does not slice
     K, so its items are as long or longer."""
     if tile_m > INLINE_WGMMA_TILE_ROWS:
         return False
     codes_shape, _ = weight_layout.prepared_shapes(num_local_experts, hidden_size, intermediate_size, gated=False)
     sms = sm_count(torch.device(device).index)  # an index of None: the current device, as for the launches
-    shape, k_splits = fused_gemm2_tiling(gemm_shape(codes_shape, tile_m, expected_pairs, sms))
+    shape, k_splits = gemm2_tiling(gemm_shape(codes_shape, tile_m, expected_pairs, sms))
     return shape.prepared_k // shape.tile_k // k_splits >= MIN_QUANTIZING_K_TILES
 
 
@@ -530,22 +536,21 @@ def gemm2(
 ):
     """GEMM2 (`fp4moe.reference.moe.gemm2`'s contract) on a bf16 (W4A16) or NVFP4 (W4A4) intermediate:
     adds into the FP32 `accumulator` [T, hidden] (fused finalize), or, without one, returns the FP32
-    [T*k, hidden] per-pair rows (rows of non-local pairs unwritten: the deterministic finalize skips
-    them). `quantize` = ("per_token", global_scale_inv): the intermediate is bf16 and GEMM2 quantizes
+    per-pair rows, [T*k, hidden] for each of its slices of K (`gemm2_tiling`), slice after slice (rows
+    of non-local pairs unwritten: the deterministic finalize skips them and sums the slices). `quantize` = ("per_token", global_scale_inv): the intermediate is bf16 and GEMM2 quantizes
     it to NVFP4 per token itself (`quantizing_shape_key`; decode plan tiles), as the rescan path of the
     per-token quantizer would."""
     w2, w2_scales = _prepared(w2, w2_scales, layout, gated=False)
     epilogue = "gemm2_fused" if accumulator is not None else "gemm2_expanded"
-    out = accumulator if accumulator is not None else a.new_empty((num_tokens * top_k, hidden), dtype=torch.float32)
     if tile_expert.shape[0] == 0:
-        return out
+        return accumulator if accumulator is not None else a.new_empty((num_tokens * top_k, hidden), dtype=torch.float32)
     a = decoded(a, a_scales)
     if expected_pairs is None:
         expected_pairs = num_tokens * top_k
-    shape = plan_gemm_shape(w2, permuted_to_pair, tile_expert, expected_pairs)
-    k_splits = 1
-    if accumulator is not None:
-        shape, k_splits = fused_gemm2_tiling(shape)
+    shape, k_splits = gemm2_tiling(plan_gemm_shape(w2, permuted_to_pair, tile_expert, expected_pairs))
+    out = accumulator
+    if accumulator is None:
+        out = a.new_empty((k_splits * num_tokens * top_k, hidden), dtype=torch.float32)
     key, numerator = shape.key(), None
     if quantize is not None:
         mode, global_scale_inv = quantize
@@ -567,7 +572,7 @@ OUT_TYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, t
 
 
 @compile_function
-def compile_finalize(mode: str, hidden: int, top_k: int, out_dtype: torch.dtype):
+def compile_finalize(mode: str, hidden: int, top_k: int, out_dtype: torch.dtype, k_slices: int = 1):
     values = make_fake_compact_tensor(cutlass.Float32, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16)
     pair_to_permuted = None if mode == "fused" else _i32(_dynamic())
     out_type = OUT_TYPES[out_dtype]
@@ -577,8 +582,8 @@ def compile_finalize(mode: str, hidden: int, top_k: int, out_dtype: torch.dtype)
     else:
         out = make_fake_compact_tensor(out_type, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16)
     return compile_kernel(
-        MoEFinalizeSm90(mode, hidden, top_k, out_type), values, pair_to_permuted, out,
-        cache_key=("moe_finalize", mode, hidden, top_k, out_dtype),
+        MoEFinalizeSm90(mode, hidden, top_k, out_type, k_slices), values, pair_to_permuted, out,
+        cache_key=("moe_finalize", mode, hidden, top_k, out_dtype, k_slices),
     )
 
 
@@ -589,14 +594,17 @@ def _finalize(values, pair_to_permuted, num_tokens, top_k, out_dtype):
     out = values.new_empty((num_tokens, hidden), dtype=out_dtype)
     if num_tokens == 0:
         return out
-    mode = "fused" if pair_to_permuted is None else "deterministic"
-    pair_to_permuted = None if pair_to_permuted is None else standard_strides(pair_to_permuted)
-    compile_finalize(mode, hidden, top_k, out_dtype)(standard_strides(values), pair_to_permuted, out)
+    mode, k_slices = "fused", 1
+    if pair_to_permuted is not None:
+        mode, k_slices = "deterministic", values.shape[0] // (num_tokens * top_k)
+        pair_to_permuted = standard_strides(pair_to_permuted)
+    compile_finalize(mode, hidden, top_k, out_dtype, k_slices)(standard_strides(values), pair_to_permuted, out)
     return out
 
 
 def finalize(values, pair_to_permuted, num_tokens, top_k):
-    """bf16 [T, H] from the fused accumulator (`pair_to_permuted` None) or the per-pair rows."""
+    """bf16 [T, H] from the fused accumulator (`pair_to_permuted` None) or the per-pair rows (`gemm2`'s,
+    one block of [T*k, H] rows per slice of K)."""
     return _finalize(values, pair_to_permuted, num_tokens, top_k, torch.bfloat16)
 
 

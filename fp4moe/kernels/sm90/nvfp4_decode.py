@@ -14,7 +14,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Uint32
 
 from fp4moe.kernels.sm90 import nvfp4_device as nv
-from fp4moe.kernels.sm90.pdl import USE_PDL, wait_for_predecessor_and_release_successor
+from fp4moe.kernels.sm90.pdl import LAUNCH_ORDERS, USE_PDL, release_successor_and_wait, wait_for_predecessor_last
 
 BLOCK = 16
 """Elements of one NVFP4 block: one thread's work (8 code bytes, one scale, 32 bytes out)."""
@@ -22,11 +22,14 @@ THREADS = 256
 
 
 class NVFP4DecodeSm90:
-    """One thread per block of 16 elements; grid over rows x blocks."""
+    """One thread per block of 16 elements; grid over rows x blocks. `launch_order` (`pdl.LAUNCH_ORDERS`):
+    ``"before_wait"`` where the kernel before it on the stream writes none of its inputs and reads none
+    of its outputs, so that the two run at the same time (the aligned MoE's, after its setup kernel)."""
 
-    def __init__(self, k: int):
-        assert k % BLOCK == 0
+    def __init__(self, k: int, launch_order: str = "wait_first"):
+        assert k % BLOCK == 0 and launch_order in LAUNCH_ORDERS
         self.blocks = k // BLOCK
+        self.launch_order = launch_order
 
     @cute.jit
     def __call__(
@@ -45,7 +48,7 @@ class NVFP4DecodeSm90:
     def kernel(self, mCodes, mScales, mOut):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        wait_for_predecessor_and_release_successor()
+        release_successor_and_wait(self.launch_order)
         index = cta * THREADS + tidx
         row = index // self.blocks
         block = index % self.blocks
@@ -59,3 +62,4 @@ class NVFP4DecodeSm90:
                 out[2 * i] = (nv.decode_e2m1(byte & Uint32(15)) * scale).to(BFloat16)
                 out[2 * i + 1] = (nv.decode_e2m1(byte >> Uint32(4)) * scale).to(BFloat16)
             cute.autovec_copy(out, cute.local_tile(mOut[row, None], (BLOCK,), (block,)))
+        wait_for_predecessor_last(self.launch_order)
