@@ -62,6 +62,10 @@ def fused_moe(
         )
     stages = {name: dispatch.kernel_module("moe", getattr(choice, name)) for name in ("plan", "gemm1", "gemm2", "finalize")}
 
+    # The plan kernel reads the routing in place: a copy made inside the plan stage would be freed while the
+    # kernel may still read it, and the activation quantizer launched next, which writes before it waits
+    # for the plan kernel (`fp4moe.kernels.sm90.pdl`), could be handed that memory.
+    topk_ids = topk_ids.contiguous()
     (permuted_to_pair, pair_to_permuted, tile_expert, _, totals), accumulator = stages["plan"].plan(
         topk_ids, experts, local_expert_offset, choice.tile_m, None if deterministic else hidden
     )

@@ -8,8 +8,10 @@ call, on the current stream, with no host read of device data:
    `num_tokens_post_padded` and names a local expert, else -1: a skipped tile, so the blocks of a
    truncated plan are inert), per pair the plan row that processes it (-1 for none), and the
    GEMMs' device scalars;
-2. `hidden` decoded to its exact bf16 values (`nvfp4_decode`), beside the setup kernel (which neither
-   reads nor writes what the decode does): GEMM1 waits for both;
+2. `hidden` decoded to its exact bf16 values (`nvfp4_decode`), beside the setup kernel: the decode's
+   tensors (copies of `hidden` where its layout needs them, and its output) are made before the setup
+   kernel is launched, so the setup kernel neither writes nor reads any of them, and the decode's
+   reads and writes before its wait are safe; GEMM1 waits for both;
 3. GEMM1 with SwiGLU, `scale_gate` on the gate half and `scale_up` on the up half (`up_alpha`), the
    intermediate quantized to NVFP4 with a global scale of 1 in the epilogue and written as its codes'
    exact bf16 values `e2m1 * sf` (semantics §5 step 4: `sf = e4m3(RN(bmax * RN(1/6)))`);
@@ -39,7 +41,8 @@ from fp4moe.kernels.sm90.moe_launch import (
     _prepared,
     compile_finalize,
     compile_gemm,
-    decoded,
+    decode_into,
+    decode_operands,
     gemm2_tiling,
     launch_gemm,
     plan_gemm_shape,
@@ -110,12 +113,13 @@ def aligned_moe_(
     w2, w2_scales = _prepared(w2, w2_scales, weight_layout, gated=False)
     num_pairs = num_tokens * top_k
     permuted_to_pair = standard_strides(sorted_token_ids)
+    codes, scales, a = decode_operands(hidden, hidden_scales)
     tile_expert, pair_to_row, gate_up_scales, factors = aligned_plan(
         permuted_to_pair, expert_ids, num_tokens_post_padded, scale_gate, scale_up, routed_scaling_factor, block_m,
         num_pairs,
     )
 
-    a = decoded(hidden, hidden_scales, beside_predecessor=True)
+    decode_into(codes, scales, a, beside_predecessor=True)
     shape1 = plan_gemm_shape(w1, permuted_to_pair, tile_expert, num_pairs)
     intermediate_size = shape1.prepared_rows // 2
     intermediate = a.new_empty((permuted_to_pair.shape[0], intermediate_size), dtype=torch.bfloat16)

@@ -299,8 +299,8 @@ def gemm2_k_splits(shape: GemmShape) -> int:
     """Slices of K for GEMM2 (split-K): the fewest (a divisor of the k tiles, at most `MAX_K_SPLITS`)
     whose expected items fill the CTA slots; more, up to `MAX_BALANCE_FACTOR` times those, where that
     balances the waves (`WAVE_BALANCE`); the most when none fills them. In the fused epilogue each slice
-    adds its partial sums into the FP32 accumulator, as whole items do; in the expanded one it writes
-    them to its own block of per-pair rows, which the finalize sums (`moe_finalize`)."""
+    adds its partial sums into the FP32 accumulator, as whole items do; in the aligned MoE's expanded one
+    it writes them to its own block of per-pair rows, which the finalize sums (`moe_finalize`)."""
     items = shape.items()
     k_tiles = shape.prepared_k // shape.tile_k
     divisors = [s for s in range(1, MAX_K_SPLITS + 1) if k_tiles % s == 0]
@@ -313,11 +313,11 @@ def gemm2_k_splits(shape: GemmShape) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def gemm2_tiling(shape: GemmShape) -> tuple[GemmShape, int]:
-    """GEMM2's shape and slices of K (either epilogue): `shape` with `gemm2_k_splits`' slices, unless those
-    leave the waves unbalanced (below `WAVE_BALANCE`) and CTAs of seven consumer groups
-    (`GemmShape.seven_group_shape`) with their own slices balance them. Seven groups are slower per
-    byte than four (half the K per barrier, fewer registers), so they serve only where they remove a
-    partial wave: DeepSeek-V3 at T = 1 (two slices of 128 items), not at T = 2, where two slices of K
+    """GEMM2's shape and slices of K (the fused epilogue's, the aligned MoE's): `shape` with
+    `gemm2_k_splits`' slices, unless those leave the waves unbalanced (below `WAVE_BALANCE`) and CTAs of
+    seven consumer groups (`GemmShape.seven_group_shape`) with their own slices balance them. Seven
+    groups are slower per byte than four (half the K per barrier, fewer registers), so they serve only
+    where they remove a partial wave: DeepSeek-V3 at T = 1 (two slices of 128 items), not at T = 2, where two slices of K
     balance four groups (runs log)."""
     k_splits = gemm2_k_splits(shape)
     if balances_waves(shape, k_splits):
@@ -406,18 +406,31 @@ def compile_decode(k: int, launch_order: str = "wait_first"):
     )
 
 
-def decoded(a: torch.Tensor, a_scales: torch.Tensor | None, beside_predecessor: bool = False) -> torch.Tensor:
-    """GEMM input rows: bf16 as given, NVFP4 codes + linear scales decoded to their exact bf16 values.
-    `beside_predecessor`: the kernel just before it on the stream writes none of `a`, `a_scales` and
-    reads no memory this call writes, so the decode runs beside it (`NVFP4DecodeSm90`'s ``"before_wait"``)."""
+def decode_operands(a: torch.Tensor, a_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, scales, out) as `decode_into` takes them: the NVFP4 rows `a` and their linear scales in the
+    layouts the decode kernel was compiled for (copies where they are not) and its bf16 output [M, K]."""
+    codes = standard_strides(a)
+    codes = codes if codes.data_ptr() % VECTOR_BYTES == 0 else compact_copy(codes)
+    out = a.new_empty((a.shape[0], 2 * a.shape[1]), dtype=torch.bfloat16)
+    return codes, standard_strides(a_scales.view(torch.uint8)), out
+
+
+def decode_into(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, beside_predecessor: bool = False) -> None:
+    """Launch the decode of `decode_operands`' tensors. `beside_predecessor`: the kernel just before it on
+    the stream neither writes these three tensors nor reads `out`, and nothing it reads shares memory
+    with them (they were allocated before it was launched), so the decode runs beside it
+    (`NVFP4DecodeSm90`'s ``"before_wait"``, which reads and writes before its wait)."""
+    if out.shape[0]:
+        launch_order = "before_wait" if beside_predecessor else "wait_first"
+        compile_decode(out.shape[1], launch_order)(codes, scales, out)
+
+
+def decoded(a: torch.Tensor, a_scales: torch.Tensor | None) -> torch.Tensor:
+    """GEMM input rows: bf16 as given, NVFP4 codes + linear scales decoded to their exact bf16 values."""
     if a_scales is None:
         return a
-    out = a.new_empty((a.shape[0], 2 * a.shape[1]), dtype=torch.bfloat16)
-    if a.shape[0]:
-        codes = standard_strides(a)
-        codes = codes if codes.data_ptr() % VECTOR_BYTES == 0 else compact_copy(codes)
-        launch_order = "before_wait" if beside_predecessor else "wait_first"
-        compile_decode(out.shape[1], launch_order)(codes, standard_strides(a_scales.view(torch.uint8)), out)
+    codes, scales, out = decode_operands(a, a_scales)
+    decode_into(codes, scales, out)
     return out
 
 
@@ -536,21 +549,24 @@ def gemm2(
 ):
     """GEMM2 (`fp4moe.reference.moe.gemm2`'s contract) on a bf16 (W4A16) or NVFP4 (W4A4) intermediate:
     adds into the FP32 `accumulator` [T, hidden] (fused finalize), or, without one, returns the FP32
-    per-pair rows, [T*k, hidden] for each of its slices of K (`gemm2_tiling`), slice after slice (rows
-    of non-local pairs unwritten: the deterministic finalize skips them and sums the slices). `quantize` = ("per_token", global_scale_inv): the intermediate is bf16 and GEMM2 quantizes
-    it to NVFP4 per token itself (`quantizing_shape_key`; decode plan tiles), as the rescan path of the
+    [T*k, hidden] per-pair rows (rows of non-local pairs unwritten: the deterministic finalize skips
+    them). The per-pair rows take K whole: slices of K would make their bits depend on the tiling, hence
+    on `global_num_experts`, which must never change a deterministic result (semantics §3.9).
+    `quantize` = ("per_token", global_scale_inv): the intermediate is bf16 and GEMM2 quantizes it to
+    NVFP4 per token itself (`quantizing_shape_key`; decode plan tiles), as the rescan path of the
     per-token quantizer would."""
     w2, w2_scales = _prepared(w2, w2_scales, layout, gated=False)
     epilogue = "gemm2_fused" if accumulator is not None else "gemm2_expanded"
+    out = accumulator if accumulator is not None else a.new_empty((num_tokens * top_k, hidden), dtype=torch.float32)
     if tile_expert.shape[0] == 0:
-        return accumulator if accumulator is not None else a.new_empty((num_tokens * top_k, hidden), dtype=torch.float32)
+        return out
     a = decoded(a, a_scales)
     if expected_pairs is None:
         expected_pairs = num_tokens * top_k
-    shape, k_splits = gemm2_tiling(plan_gemm_shape(w2, permuted_to_pair, tile_expert, expected_pairs))
-    out = accumulator
-    if accumulator is None:
-        out = a.new_empty((k_splits * num_tokens * top_k, hidden), dtype=torch.float32)
+    shape = plan_gemm_shape(w2, permuted_to_pair, tile_expert, expected_pairs)
+    k_splits = 1
+    if accumulator is not None:
+        shape, k_splits = gemm2_tiling(shape)
     key, numerator = shape.key(), None
     if quantize is not None:
         mode, global_scale_inv = quantize
@@ -594,17 +610,14 @@ def _finalize(values, pair_to_permuted, num_tokens, top_k, out_dtype):
     out = values.new_empty((num_tokens, hidden), dtype=out_dtype)
     if num_tokens == 0:
         return out
-    mode, k_slices = "fused", 1
-    if pair_to_permuted is not None:
-        mode, k_slices = "deterministic", values.shape[0] // (num_tokens * top_k)
-        pair_to_permuted = standard_strides(pair_to_permuted)
-    compile_finalize(mode, hidden, top_k, out_dtype, k_slices)(standard_strides(values), pair_to_permuted, out)
+    mode = "fused" if pair_to_permuted is None else "deterministic"
+    pair_to_permuted = None if pair_to_permuted is None else standard_strides(pair_to_permuted)
+    compile_finalize(mode, hidden, top_k, out_dtype)(standard_strides(values), pair_to_permuted, out)
     return out
 
 
 def finalize(values, pair_to_permuted, num_tokens, top_k):
-    """bf16 [T, H] from the fused accumulator (`pair_to_permuted` None) or the per-pair rows (`gemm2`'s,
-    one block of [T*k, H] rows per slice of K)."""
+    """bf16 [T, H] from the fused accumulator (`pair_to_permuted` None) or the per-pair rows."""
     return _finalize(values, pair_to_permuted, num_tokens, top_k, torch.bfloat16)
 
 

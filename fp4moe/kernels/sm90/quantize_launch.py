@@ -208,11 +208,13 @@ def quantize_per_token_into(
     host_launcher.register(kernel, "quantize_per_token", quantize_per_token_rules(x.shape[1], sf_layout))
 
 
-def decoded_launch_order(after_plan: bool) -> str:
+def decoded_launch_order(after_plan: bool, x: torch.Tensor, rows: torch.Tensor) -> str:
     """The launch order (`pdl.LAUNCH_ORDERS`) of the MoE pipeline's quantizers: each releases its
     successor first; the activation quantizer, launched right after the plan kernel (`after_plan`),
-    runs alongside it and waits only at its end."""
-    return "before_wait" if after_plan else "release_first"
+    runs alongside it and waits only at its end, unless its rows `rows` are a copy of `x`
+    (`vector_rows`): the copy kernel, not the plan kernel, then runs just before it and writes what it
+    reads."""
+    return "before_wait" if after_plan and rows is x else "release_first"
 
 
 def quantize_decoded(x: torch.Tensor, global_scale: torch.Tensor, after_plan: bool = False) -> torch.Tensor:
@@ -224,11 +226,12 @@ def quantize_decoded(x: torch.Tensor, global_scale: torch.Tensor, after_plan: bo
     values = x.new_empty(x.shape, dtype=torch.bfloat16)
     if x.shape[0]:
         _check_size("x", x)
+        rows = vector_rows(x)
         kernel = compile_quantize(
             x.dtype, x.shape[1], "linear", "off", "tensor", False, _many_rows(x), ARCH, decoded=True,
-            launch_order=decoded_launch_order(after_plan),
+            launch_order=decoded_launch_order(after_plan, x, rows),
         )
-        kernel(vector_rows(x), global_scale.reshape(1), values, None, None, None, None, None)
+        kernel(rows, global_scale.reshape(1), values, None, None, None, None, None)
     return values
 
 
@@ -245,12 +248,13 @@ def quantize_per_token_decoded(
         return values, per_token_scale
     _check_size("x", x)
     scale_source, amax_tiles, input_amax = _per_token_source(input_amax)
+    rows = vector_rows(x)
     kernel = compile_quantize(
         x.dtype, x.shape[1], "linear", "off", scale_source, input_amax_valid_rows is not None, _many_rows(x), ARCH,
-        amax_tiles, decoded=True, launch_order=decoded_launch_order(after_plan),
+        amax_tiles, decoded=True, launch_order=decoded_launch_order(after_plan, x, rows),
     )
     kernel(
-        vector_rows(x), None, values, None, per_token_scale, per_token_numerator(global_scale_inv), input_amax,
+        rows, None, values, None, per_token_scale, per_token_numerator(global_scale_inv), input_amax,
         input_amax_valid_rows,
     )
     return values, per_token_scale
