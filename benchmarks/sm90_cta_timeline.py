@@ -87,11 +87,11 @@ class CtaTimed(MoEGemmSm90):
     @cute.jit
     def produce(
         self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
-        row_factors,
+        row_factors, mLiveTiles,
     ):
         MoEGemmSm90.produce(
             self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
-            row_factors,
+            row_factors, mLiveTiles,
         )
         if cute.arch.thread_idx()[0] == 0:
             mStamps = row_factors[1]
@@ -103,11 +103,11 @@ class CtaTimed(MoEGemmSm90):
     @cute.jit
     def consume(
         self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs, num_pairs,
-        full, empty, group,
+        full, empty, group, mLiveTiles,
     ):
         MoEGemmSm90.consume(
             self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs,
-            num_pairs, full, empty, group,
+            num_pairs, full, empty, group, mLiveTiles,
         )
         if cute.arch.thread_idx()[0] == WARPGROUP_THREADS:
             self.stamp(row_factors[1], 4, global_timer())

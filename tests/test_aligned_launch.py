@@ -27,13 +27,13 @@ def test_setup_marks_the_rows_the_reference_processes(block_m, experts, num_pair
     rows = torch.randperm(blocks * block_m, generator=g)
     sorted_ids = torch.where(rows < num_pairs, rows, torch.tensor(num_pairs)).to(torch.int32)
     sorted_ids[3], sorted_ids[20] = -5, 10**6
-    count = torch.tensor([live_blocks * block_m], dtype=torch.int32)
+    count = torch.tensor([live_blocks * block_m - 3], dtype=torch.int32)  # ragged: the last live block is partly past it
     scale_gate = torch.rand(experts, generator=g) + 0.5
     scale_up = torch.rand(experts, generator=g) + 0.5
     factor = 2.5 + 1e-9  # not an FP32 value: the kernel gets its round-to-nearest
 
     cuda = [t.cuda() for t in (sorted_ids, expert_ids, count, scale_gate, scale_up)]
-    tile_expert, pair_to_row, gate_up_scales, factors = aligned_plan(*cuda, factor, block_m, num_pairs)
+    tile_expert, pair_to_row, gate_up_scales, factors, live_tiles = aligned_plan(*cuda, factor, block_m, num_pairs)
 
     expected_tiles, expected_rows = [], [-1] * num_pairs
     for b in range(blocks):
@@ -50,6 +50,7 @@ def test_setup_marks_the_rows_the_reference_processes(block_m, experts, num_pair
     assert 0 < sum(r >= 0 for r in expected_rows) < num_pairs  # and processed and unprocessed pairs
     assert torch.equal(gate_up_scales.cpu(), torch.cat((scale_gate, scale_up)))
     assert torch.equal(factors.cpu(), torch.tensor([1.0, factor], dtype=torch.float32))
+    assert live_tiles.tolist() == [live_blocks]  # the blocks starting below num_tokens_post_padded
 
 
 def test_the_block_sizes_it_accepts_are_those_the_gemms_take():

@@ -48,12 +48,14 @@ GEMM_VARIANTS = [
     ("gemm1", (8, 256, 256, 128, 16, 16, 128, 8, 2, 264), 208, 256, 8, "relu2", (None, None, None), False, False, False, False, 1, 32, 1),
     # The aligned MoE (`aligned_launch`): GEMM1 with the up half's own alpha and an NVFP4 intermediate of
     # global scale 1 (block_m 8 and 64); GEMM2 per pair with the routed scaling factor (a device value).
-    ("gemm1", (256, 4096, 7168, 128, 8, 8, 128, 8, 2, 264), 7168, 2048, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 1, True),
-    ("gemm1", (16, 1024, 6144, 128, 64, 16, 128, 8, 1, 132), 6144, 512, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 1, True),
-    ("gemm2_expanded", (256, 7168, 2048, 128, 8, 8, 128, 8, 2, 264), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, 1, 32, 1),
+    # Both walk only the plan tiles the setup kernel counts as live (`live_tiles`).
+    ("gemm1", (256, 4096, 7168, 128, 8, 8, 128, 8, 2, 264), 7168, 2048, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 1, True, None, True),
+    ("gemm1", (16, 1024, 6144, 128, 64, 16, 128, 8, 1, 132), 6144, 512, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 1, True, None, True),
+    ("gemm2_expanded", (256, 7168, 2048, 128, 8, 8, 128, 8, 2, 264), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, 1, 32, 1, False, None, True),
     # ... and at DeepSeek-V3 T = 1 (`moe_launch.gemm2_tiling`): seven consumer groups, each of two slices of
-    # K writing its own block of per-pair rows.
-    ("gemm2_expanded", (256, 7168, 2048, 448, 8, 8, 64, 13, 1, 132), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, 2, 32, 1),
+    # K writing its own block of per-pair rows; at block_m 64, two slices of K as well.
+    ("gemm2_expanded", (256, 7168, 2048, 448, 8, 8, 64, 13, 1, 132), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, 2, 32, 1, False, None, True),
+    ("gemm2_expanded", (8, 256, 256, 64, 64, 16, 128, 8, 1, 132), 256, 256, 4, "none", (None, None, None), True, False, False, False, 2, 32, 1, False, None, True),
     # Per-token W4A4 on the rescan path at decode: GEMM2 quantizes its bf16 rows into activation panels
     # itself (`moe_gemm.MoEGemmSm90(quantizes_rows=True)`), in CTAs of seven consumer groups (DeepSeek-V3 at
     # T = 1) and in two CTAs per SM; stages of weights only (`moe_launch.quantizing_shape_key`).
@@ -264,7 +266,7 @@ def test_gemms_feed_register_sourced_wgmma_from_bulk_copies_and_gathers(compiled
         # width per variant of the k loop.
         for rows in _variant_rows(key):
             assert re.search(rf"HGMMA\.64x{rows}x16\.F32\.BF16 R\d+, R\d+, gdesc", sass), (rows, GEMM_VARIANTS[i])
-        assert "UBLKCP.S.G" in sass and ("LDGSTS" in sass or len(_rest) > 13), GEMM_VARIANTS[i]
+        assert "UBLKCP.S.G" in sass and ("LDGSTS" in sass or _quantizes(_rest)), GEMM_VARIANTS[i]
         assert "USETMAXREG" in sass, GEMM_VARIANTS[i]
         # one mul.rn.bf16x2 per decoded pair: 4 per k16 step and thread
         assert sass.count("HMUL2.BF16_V2") >= 4 * key[6] // 16, GEMM_VARIANTS[i]
@@ -277,7 +279,7 @@ def test_quantizing_gemms_fill_their_activation_panels_themselves(compiled):
     `cp.async`, whose completion arrives on the stage's barrier."""
     for i, (_epilogue, _key, *rest) in enumerate(GEMM_VARIANTS):
         sass = _sass(compiled, f"gemm_{i}")
-        quantizes = len(rest) > 13 and rest[13] is not None
+        quantizes = _quantizes(rest)
         assert ("ARRIVES.LDGSTSBAR" in sass) != quantizes, GEMM_VARIANTS[i]
         if quantizes:
             assert "LDGSTS" not in sass, GEMM_VARIANTS[i]
@@ -319,6 +321,11 @@ def test_decode_left_shifts_on_the_fma_pipe(compiled):
         counts = (shifts, loop.count("IMAD.SHL"), loop.count("IMAD.HI"), words)
         assert words > 0 and shifts < 3 * words, (counts, GEMM_VARIANTS[i])
         assert loop.count("IMAD.SHL") >= 3 * words // 2 and loop.count("IMAD.HI") < words // 2, (counts, GEMM_VARIANTS[i])
+
+
+def _quantizes(rest) -> bool:
+    """Whether a `GEMM_VARIANTS` entry (after its key) quantizes its rows: a per-token numerator given."""
+    return len(rest) > 13 and rest[13] is not None
 
 
 def _variant_rows(key) -> list[int]:

@@ -73,7 +73,7 @@ def compile_aligned_plan(num_experts: int, block_m: int):
     return compile_kernel(
         AlignedPlanSm90(num_experts, block_m),
         _i32(_dynamic()), _i32(_dynamic()), _i32(1), _f32(num_experts), _f32(num_experts), cutlass.Float32(1.0),
-        _i32(_dynamic()), _i32(_dynamic()), _f32(2 * num_experts), _f32(2),
+        _i32(_dynamic()), _i32(_dynamic()), _f32(2 * num_experts), _f32(2), _i32(1),
         cache_key=("aligned_plan", num_experts, block_m),
     )
 
@@ -81,18 +81,19 @@ def compile_aligned_plan(num_experts: int, block_m: int):
 def aligned_plan(
     sorted_token_ids, expert_ids, num_tokens_post_padded, scale_gate, scale_up, routed_scaling_factor, block_m, num_pairs,
 ):
-    """(tile_expert, pair_to_row, gate_up_scales, factors) of `AlignedPlanSm90`, in one launch."""
+    """(tile_expert, pair_to_row, gate_up_scales, factors, live_tiles) of `AlignedPlanSm90`, in one launch."""
     num_experts = scale_gate.shape[0]
     tile_expert = expert_ids.new_empty(expert_ids.shape)
     pair_to_row = expert_ids.new_empty((num_pairs,))
     gate_up_scales = scale_gate.new_empty((2 * num_experts,))
     factors = scale_gate.new_empty((2,))
+    live_tiles = expert_ids.new_empty((1,))
     compile_aligned_plan(num_experts, block_m)(
         sorted_token_ids, standard_strides(expert_ids), standard_strides(num_tokens_post_padded),
         standard_strides(scale_gate), standard_strides(scale_up), fp32(routed_scaling_factor),
-        tile_expert, pair_to_row, gate_up_scales, factors,
+        tile_expert, pair_to_row, gate_up_scales, factors, live_tiles,
     )
-    return tile_expert, pair_to_row, gate_up_scales, factors
+    return tile_expert, pair_to_row, gate_up_scales, factors, live_tiles
 
 
 def aligned_moe_(
@@ -114,7 +115,7 @@ def aligned_moe_(
     num_pairs = num_tokens * top_k
     permuted_to_pair = standard_strides(sorted_token_ids)
     codes, scales, a = decode_operands(hidden, hidden_scales)
-    tile_expert, pair_to_row, gate_up_scales, factors = aligned_plan(
+    tile_expert, pair_to_row, gate_up_scales, factors, live_tiles = aligned_plan(
         permuted_to_pair, expert_ids, num_tokens_post_padded, scale_gate, scale_up, routed_scaling_factor, block_m,
         num_pairs,
     )
@@ -125,11 +126,11 @@ def aligned_moe_(
     intermediate = a.new_empty((permuted_to_pair.shape[0], intermediate_size), dtype=torch.bfloat16)
     gemm1 = compile_gemm(
         "gemm1", shape1.key(), a.shape[1], intermediate_size, top_k, "swiglu", (None, None, None), False,
-        output_scales=1, up_alpha=True,
+        output_scales=1, up_alpha=True, live_tiles=True,
     )
     launch_gemm(
         gemm1, w1, w1_scales, a, permuted_to_pair, tile_expert, gate_up_scales, None, intermediate,
-        output_scale=factors[:1],
+        output_scale=factors[:1], live_tiles=live_tiles,
     )
 
     shape2, k_slices = gemm2_tiling(plan_gemm_shape(w2, permuted_to_pair, tile_expert, num_pairs))
@@ -137,10 +138,10 @@ def aligned_moe_(
     per_pair = a.new_empty((k_slices * num_pairs, hidden_size), dtype=torch.float32)
     gemm2 = compile_gemm(
         "gemm2_expanded", shape2.key(), intermediate_size, hidden_size, top_k, "none", (None, None, None), True,
-        output_scales=1, k_splits=k_slices,
+        output_scales=1, k_splits=k_slices, live_tiles=True,
     )
     launch_gemm(
         gemm2, w2, w2_scales, intermediate, permuted_to_pair, tile_expert, scale_down, topk_weights, per_pair,
-        output_scale=factors[1:],
+        output_scale=factors[1:], live_tiles=live_tiles,
     )
     compile_finalize("additive", hidden_size, top_k, out.dtype, k_slices)(per_pair, pair_to_row, out)

@@ -7,7 +7,10 @@ From the route plan (`sorted_token_ids`, `expert_ids`, `num_tokens_post_padded`)
 - `tile_expert[b]`: `expert_ids[b]` for a live block (it starts below `num_tokens_post_padded` and names
   a local expert), else -1, a tile the GEMMs skip;
 - `pair_to_row[p]`: the processed row that lists pair `p` (a row of a live block holding a value in
-  `[0, T*k)`), -1 for a pair no row processes (a well-formed plan lists a pair once).
+  `[0, T*k)`), -1 for a pair no row processes (a well-formed plan lists a pair once);
+- `live_tiles[0]`: the blocks that start below `num_tokens_post_padded` (every later block is inert), so
+  that the GEMMs walk those only (`moe_gemm.MoEGemmSm90.item_end`): a plan sized for the worst case
+  (`T*k + E*(block_m - 1)` rows) has hundreds of blocks at decode, nearly all of them past that count.
 
 And the per-call scalars the GEMMs read from the device: `gate_up_scales = [scale_gate, scale_up]`
 (GEMM1's `[2E]` alpha) and `factors = [1, RN(routed_scaling_factor)]` (GEMM1's NVFP4 global scale and
@@ -32,7 +35,7 @@ ROW_UNROLL = 4
 
 
 class AlignedPlanSm90:
-    """`(tile_expert, pair_to_row, gate_up_scales, factors)` of the module docstring."""
+    """`(tile_expert, pair_to_row, gate_up_scales, factors, live_tiles)` of the module docstring."""
 
     def __init__(self, num_experts: int, block_m: int):
         self.num_experts = num_experts
@@ -51,17 +54,18 @@ class AlignedPlanSm90:
         mPairToRow: cute.Tensor,  # int32 [T * k]
         mGateUpScales: cute.Tensor,  # fp32 [2E]
         mFactors: cute.Tensor,  # fp32 [2]
+        mLiveTiles: cute.Tensor,  # int32 [1]
         stream,
     ):
         self.kernel(
             mSortedTokenIds, mExpertIds, mPostPadded, mScaleGate, mScaleUp, routed_factor, mTileExpert, mPairToRow,
-            mGateUpScales, mFactors,
+            mGateUpScales, mFactors, mLiveTiles,
         ).launch(grid=[1, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=USE_PDL)
 
     @cute.kernel
     def kernel(
         self, mSortedTokenIds, mExpertIds, mPostPadded, mScaleGate, mScaleUp, routed_factor, mTileExpert, mPairToRow,
-        mGateUpScales, mFactors,
+        mGateUpScales, mFactors, mLiveTiles,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         wait_for_predecessor_and_release_successor()
@@ -74,9 +78,15 @@ class AlignedPlanSm90:
         if tidx == 0:
             mFactors[0] = Float32(1.0)
             mFactors[1] = routed_factor
+        post_padded = mPostPadded[0]
+        if tidx == 0:
+            # ceil(post_padded / block_m) blocks, at most all of them (no overflow near 2^31).
+            live = Int32(0)
+            if post_padded > 0:
+                live = post_padded // self.block_m + cutlass.select_(post_padded % self.block_m > 0, Int32(1), Int32(0))
+            mLiveTiles[0] = cutlass.min(live, mExpertIds.shape[0])
         cute.arch.sync_threads()
 
-        post_padded = mPostPadded[0]
         num_rows = cute.size(mSortedTokenIds)
         pairs = cute.make_rmem_tensor((ROW_UNROLL,), Int32)
         experts = cute.make_rmem_tensor((ROW_UNROLL,), Int32)

@@ -418,6 +418,7 @@ class MoEGemmSm90:
         mAuxAmax: cute.Tensor | None,  # bf16 [R / 8, out / AUX_AMAX_COLUMNS, 8], with aux_amax
         mOutputScale: cute.Tensor | None,  # fp32 [1] or [E]: the intermediate's NVFP4 global scale (nvfp4_out), or
         # fp32 [1]: GEMM2's factor after the router weight (output_scaled)
+        mLiveTiles: cute.Tensor | None,  # int32 [1]: plan tiles past this many are unused (`item_end`)
         stream,
     ):
         tiled_mma = self.tiled_mma(self.tile_rows)
@@ -445,7 +446,7 @@ class MoEGemmSm90:
         self.shared_storage = SharedStorage
         self.kernel(
             mCodes, mScales, mAct, mPermutedToPair, mTileExpert, mAlpha, mRouterWeights, mRowScales, mOut, mAuxAmax,
-            mOutputScale, tiled_mma, b_layout,
+            mOutputScale, mLiveTiles, tiled_mma, b_layout,
         ).launch(
             grid=[cutlass.min(self.item_count(mTileExpert), self.max_ctas), 1, 1],
             block=[self.threads, 1, 1],
@@ -466,7 +467,7 @@ class MoEGemmSm90:
     @cute.kernel
     def kernel(
         self, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, mAlpha, mRouterWeights, mRowScales, mOut, mAuxAmax,
-        mOutputScale, tiled_mma, b_layout,
+        mOutputScale, mLiveTiles, tiled_mma, b_layout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(tidx // WARP_SIZE)
@@ -487,14 +488,15 @@ class MoEGemmSm90:
         cute.arch.sync_threads()
         if const_expr(self.prefetches_weights):
             if tidx == 0:
-                self.prefetch_first_items(mTileExpert, mCodes, mScales)
+                # A live-tile count read before the wait may be the previous call's: it only bounds a hint.
+                self.prefetch_first_items(mTileExpert, mCodes, mScales, mLiveTiles)
         wait_for_predecessor_and_release_successor()
         num_pairs = self.pair_count(mAct, mOut)
         if group == 0:
             cute.arch.setmaxregister_decrease(producer_registers(self.tile_rows, self.quantizes_rows))
             self.produce(
                 b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
-                (mRouterWeights, mRowScales),
+                (mRouterWeights, mRowScales), mLiveTiles,
             )
         else:
             cute.arch.setmaxregister_increase(
@@ -503,18 +505,18 @@ class MoEGemmSm90:
             self.consume(
                 storage, tiled_mma, b_layout, mAlpha, (mRouterWeights, mRowScales), mPermutedToPair, mTileExpert,
                 (mOut, mAuxAmax, mOutputScale, storage.block_maxima.get_tensor(cute.make_layout(self.exchange_floats))),
-                num_pairs, full, empty, group - 1,
+                num_pairs, full, empty, group - 1, mLiveTiles,
             )
 
     @cute.jit
-    def prefetch_first_items(self, mTileExpert, mCodes, mScales):
+    def prefetch_first_items(self, mTileExpert, mCodes, mScales, mLiveTiles):
         """GEMM2, before it waits for its predecessor (GEMM1, whose last wave it may overlap through
         PDL): the weights of the CTA's first `stages` k tiles (its first item's, and the next items'
         where items are shorter: split K) into L2, so that the weight stream does not stop between the
         two GEMMs. The plan was written a launch before GEMM1 and is complete by the time GEMM2 starts;
         a plan read too early (a caller launching GEMM2 right after the plan) only prefetches other
         bytes, as the prefetch is a hint and nothing computes with it."""
-        first, end, step = self.item_bounds(mTileExpert)
+        first, end, step = self.item_bounds(mTileExpert, mLiveTiles)
         for i in cutlass.range_constexpr(-(-self.stages // self.k_iterations)):
             item = first + i * step
             k_tiles = min(self.k_iterations, self.stages - i * self.k_iterations)
@@ -550,10 +552,22 @@ class MoEGemmSm90:
         return mTileExpert.shape[0] * self.feature_blocks * self.k_splits
 
     @cute.jit
-    def item_bounds(self, mTileExpert):
-        """(first, end, step) of this CTA's items `c, c + grid, ...`: the producer and the consumers walk
-        the same ones (the range itself must be written in the `for`, which the DSL rewrites)."""
-        return cute.arch.block_idx()[0], self.item_count(mTileExpert), cute.arch.grid_dim()[0]
+    def item_end(self, mTileExpert, mLiveTiles):
+        """The end of the items to walk: `item_count`, or with `mLiveTiles` (a plan whose tiles past a
+        device-side count are all unused: the aligned MoE's, whose worst-case blocks far outnumber the
+        used ones at decode) the items of that many tiles. Without it each CTA would walk every unused
+        tile's items, one dependent load of the tile's expert each."""
+        end = self.item_count(mTileExpert)
+        if const_expr(mLiveTiles is not None):
+            end = cutlass.min(end, mLiveTiles[0] * (self.feature_blocks * self.k_splits))
+        return end
+
+    @cute.jit
+    def item_bounds(self, mTileExpert, mLiveTiles):
+        """(first, end, step) of this CTA's items `c, c + grid, ...` below `item_end`: the producer and the
+        consumers walk the same ones (the range itself must be written in the `for`, which the DSL
+        rewrites)."""
+        return cute.arch.block_idx()[0], self.item_end(mTileExpert, mLiveTiles), cute.arch.grid_dim()[0]
 
     def item_place(self, item):
         """The plan tile, feature block and first k tile of a work item (K slices fastest). Plain
@@ -606,10 +620,10 @@ class MoEGemmSm90:
     @cute.jit
     def produce(
         self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
-        row_factors,
+        row_factors, mLiveTiles,
     ):
         iteration = Int32(0)  # k tiles this CTA has loaded so far: the pipeline's stage and phase
-        first, end, step = self.item_bounds(mTileExpert)
+        first, end, step = self.item_bounds(mTileExpert, mLiveTiles)
         upcoming = self.upcoming_expert(mTileExpert, first - step, end, step)
         for item in cutlass.range(first, end, step, unroll=1):
             tile, feature_block, k_first = self.item_place(item)
@@ -934,7 +948,7 @@ class MoEGemmSm90:
     @cute.jit
     def consume(
         self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs, num_pairs, full,
-        empty, group,
+        empty, group, mLiveTiles,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         thread = tidx % WARPGROUP_THREADS
@@ -974,7 +988,7 @@ class MoEGemmSm90:
         scales_smem = storage.scales.data_ptr().toint() + first_block * self.scale_bytes + (thread // 4) * 8
 
         iteration = Int32(0)  # k tiles this CTA has consumed so far (the producer's count)
-        first, end, step = self.item_bounds(mTileExpert)
+        first, end, step = self.item_bounds(mTileExpert, mLiveTiles)
         upcoming = self.upcoming_expert(mTileExpert, first - step, end, step)
         for item in cutlass.range(first, end, step, unroll=1):
             tile, feature_block, k_first = self.item_place(item)

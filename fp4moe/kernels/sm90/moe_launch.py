@@ -218,7 +218,7 @@ def compile_gemm(
     epilogue: str, shape_key: tuple, act_k: int, out_features: int, top_k: int, activation: str,
     swiglu: tuple, router_weighted: bool, row_scaled: bool = False, float32_out: bool = False,
     aux_amax: bool = False, k_splits: int = 1, epilogue_rows: int = EPILOGUE_ROWS, output_scales: int = 0,
-    up_alpha: bool = False, per_token_numerator: float | None = None,
+    up_alpha: bool = False, per_token_numerator: float | None = None, live_tiles: bool = False,
 ):
     """The grouped GEMM of `MoEGemmSm90`'s static configuration, compiled once per process (and cached
     on disk). `output_scales`: GEMM1 writes its intermediate quantized to NVFP4 and dequantized
@@ -227,7 +227,8 @@ def compile_gemm(
     scaling factor); 0: neither. `up_alpha`: the alpha is [2E], SwiGLU's up half taking the second E.
     `per_token_numerator` (RN(1 / global_scale_inv)): the activations are bf16 and the GEMM quantizes
     them to NVFP4 per token itself (`moe_gemm.MoEGemmSm90(quantizes_rows=True)`; `shape_key` then has
-    the stages of `quantizing_shape_key`)."""
+    the stages of `quantizing_shape_key`). `live_tiles`: the kernel takes a device-side count of the plan
+    tiles in use (`moe_gemm.MoEGemmSm90.item_end`)."""
     experts, rows, k, tile_features, tile_rows, granule, tile_k, stages, ctas_per_sm, max_ctas = shape_key
     kernel = MoEGemmSm90(
         epilogue=epilogue, num_experts=experts, prepared_rows=rows, prepared_k=k, act_k=act_k,
@@ -263,11 +264,11 @@ def compile_gemm(
     output_scale = make_fake_compact_tensor(cutlass.Float32, (output_scales,)) if output_scales else None
     key = (
         "moe_gemm", epilogue, shape_key, act_k, out_features, top_k, activation, swiglu, router_weighted, row_scaled,
-        float32_out, aux_amax, k_splits, epilogue_rows, output_scales, up_alpha, per_token_numerator,
+        float32_out, aux_amax, k_splits, epilogue_rows, output_scales, up_alpha, per_token_numerator, live_tiles,
     )
     return compile_kernel(
         kernel, codes, scales, act, _i32(rows_dim), _i32(_dynamic()), alpha, router, row_scales, out, aux,
-        output_scale, cache_key=key,
+        output_scale, _i32(1) if live_tiles else None, cache_key=key,
     )
 
 
@@ -381,7 +382,7 @@ def _activation_rows(a: torch.Tensor) -> torch.Tensor:
 
 def launch_gemm(
     kernel, codes, scales, a, permuted_to_pair, tile_expert, alpha, router_weights, out, row_scales=None,
-    aux_amax=None, output_scale=None,
+    aux_amax=None, output_scale=None, live_tiles=None,
 ) -> None:
     """Call a compiled grouped GEMM (`compile_gemm`) with its arguments in the layouts it was compiled for."""
     router = None if router_weights is None else standard_strides(router_weights.reshape(-1))
@@ -389,7 +390,7 @@ def launch_gemm(
     output_scale = None if output_scale is None else standard_strides(output_scale.reshape(-1).float())
     kernel(
         standard_strides(codes), standard_strides(scales), _activation_rows(a), permuted_to_pair, tile_expert,
-        standard_strides(alpha), router, row_scales, out, aux_amax, output_scale,
+        standard_strides(alpha), router, row_scales, out, aux_amax, output_scale, live_tiles,
     )
 
 
