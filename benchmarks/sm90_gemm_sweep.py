@@ -145,7 +145,7 @@ def gemm_configurations(tokens: int, sms: int) -> tuple[int, list[tuple], list[t
     w1_shape, _ = weight_layout.prepared_shapes(EXPERTS, 2 * INTERMEDIATE, HIDDEN, gated=True)
     w2_shape, _ = weight_layout.prepared_shapes(EXPERTS, HIDDEN, INTERMEDIATE, gated=False)
     shape1 = moe_launch.GemmShape(w1_shape, tile_m, expected, sms)
-    shape2, k_splits = moe_launch.gemm2_tiling(moe_launch.GemmShape(w2_shape, tile_m, expected, sms))
+    shape2, k_splits = moe_launch.fused_gemm2_tiling(moe_launch.GemmShape(w2_shape, tile_m, expected, sms))
     return tile_m, configurations(shape1), configurations(shape2, k_splits)
 
 

@@ -52,15 +52,10 @@ GEMM_VARIANTS = [
     ("gemm1", (256, 4096, 7168, 128, 8, 8, 128, 8, 2, 264), 7168, 2048, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 1, True, None, True),
     ("gemm1", (16, 1024, 6144, 128, 64, 16, 128, 8, 1, 132), 6144, 512, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 1, True, None, True),
     ("gemm2_expanded", (256, 7168, 2048, 128, 8, 8, 128, 8, 2, 264), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, 1, 32, 1, False, None, True),
-    # ... and at DeepSeek-V3 T = 1 (`moe_launch.gemm2_tiling`): seven consumer groups, each of two slices of
-    # K writing its own block of per-pair rows; at block_m 64, two slices of K as well.
-    ("gemm2_expanded", (256, 7168, 2048, 448, 8, 8, 64, 13, 1, 132), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, 2, 32, 1, False, None, True),
-    ("gemm2_expanded", (8, 256, 256, 64, 64, 16, 128, 8, 1, 132), 256, 256, 4, "none", (None, None, None), True, False, False, False, 2, 32, 1, False, None, True),
     # Per-token W4A4 on the rescan path at decode: GEMM2 quantizes its bf16 rows into activation panels
     # itself (`moe_gemm.MoEGemmSm90(quantizes_rows=True)`), in CTAs of seven consumer groups (DeepSeek-V3 at
     # T = 1) and in two CTAs per SM; stages of weights only (`moe_launch.quantizing_shape_key`).
     ("gemm2_fused", (256, 7168, 2048, 448, 8, 8, 64, 12, 1, 132), 2048, 7168, 8, "none", (None, None, None), False, False, False, False, 2, 32, 0, False, PER_TOKEN_NUMERATOR),
-    ("gemm2_expanded", (256, 7168, 2048, 448, 8, 8, 64, 12, 1, 132), 2048, 7168, 8, "none", (None, None, None), False, False, False, False, 2, 32, 0, False, PER_TOKEN_NUMERATOR),
     ("gemm2_expanded", (8, 256, 128, 128, 8, 8, 128, 11, 2, 264), 128, 256, 2, "none", (None, None, None), True, False, False, False, 1, 32, 0, False, PER_TOKEN_NUMERATOR),
 ]
 
@@ -73,7 +68,7 @@ def _fused_moe_variants():
         tile = dispatch.moe_tile_m(tokens, 8, 256)
         expected = moe_launch.expected_tiles(tokens * 8, 256, tile)
         gemm1 = moe_launch.GemmShape((256, 64, 112, 2048), tile, expected, 132).key()
-        gemm2, splits = moe_launch.gemm2_tiling(moe_launch.GemmShape((256, 112, 32, 2048), tile, expected, 132))
+        gemm2, splits = moe_launch.fused_gemm2_tiling(moe_launch.GemmShape((256, 112, 32, 2048), tile, expected, 132))
         variants.append(("gemm1", gemm1, 7168, 2048, 8, "swiglu", (None, None, None), False))
         variants.append(
             ("gemm2_fused", gemm2.key(), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, splits)
@@ -94,7 +89,7 @@ def _expert_parallel_variants():
         choice = dispatch.moe_dispatch(tokens, 8, 32, "w4a16", False, global_num_experts=256)
         expected = moe_launch.expected_tiles(choice.expected_local_pairs, 32, choice.tile_m)
         gemm1 = moe_launch.GemmShape((32, 64, 112, 2048), choice.tile_m, expected, 132).key()
-        gemm2, splits = moe_launch.gemm2_tiling(moe_launch.GemmShape((32, 112, 32, 2048), choice.tile_m, expected, 132))
+        gemm2, splits = moe_launch.fused_gemm2_tiling(moe_launch.GemmShape((32, 112, 32, 2048), choice.tile_m, expected, 132))
         variants.append(("gemm1", gemm1, 7168, 2048, 8, "swiglu", (None, None, None), False))
         variants.append(
             ("gemm2_fused", gemm2.key(), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, splits)
@@ -132,14 +127,14 @@ def test_an_expert_parallel_rank_told_the_global_expert_count_sizes_its_tiles_fo
 
 
 def test_fused_gemm2_splits_k_to_balance_its_waves():
-    """`gemm2_k_splits`: GLM's GEMM2 at T = 1 (192 items of 256 features on 132 SMs: two waves, the
+    """`fused_gemm2_k_splits`: GLM's GEMM2 at T = 1 (192 items of 256 features on 132 SMs: two waves, the
     second 45% full) and DeepSeek-V3's at T = 2 take two slices of K; DeepSeek-V3's at T = 1 would need
     four (more than `MAX_BALANCE_FACTOR` times one) and takes one; items that fill the SMs whole take
     one; every choice divides the k tiles."""
     def splits(prepared, tokens, top_k=8, experts=256, sms=132):
         tile = dispatch.moe_tile_m(tokens, top_k, experts)
         shape = moe_launch.GemmShape(prepared, tile, moe_launch.expected_tiles(tokens * top_k, experts, tile), sms)
-        chosen = moe_launch.gemm2_k_splits(shape)
+        chosen = moe_launch.fused_gemm2_k_splits(shape)
         assert (shape.prepared_k // shape.tile_k) % chosen == 0
         return chosen
 
@@ -151,14 +146,14 @@ def test_fused_gemm2_splits_k_to_balance_its_waves():
 
 
 def test_fused_gemm2_takes_seven_groups_where_they_remove_a_partial_wave():
-    """`gemm2_tiling`: DeepSeek-V3's GEMM2 at T = 1 (224 items of 256 features, unbalanced unless
+    """`fused_gemm2_tiling`: DeepSeek-V3's GEMM2 at T = 1 (224 items of 256 features, unbalanced unless
     split in four) takes CTAs of seven consumer groups (448 features, 64 K per k tile) in two slices of K;
     at T = 2 two slices balance 256-feature items, which it keeps, as every larger T does; GLM's rows
     (80 blocks) do not come in sevens."""
     def tiling(prepared, tokens):
         tile = dispatch.moe_tile_m(tokens, 8, 256)
         shape = moe_launch.GemmShape(prepared, tile, moe_launch.expected_tiles(tokens * 8, 256, tile), 132)
-        chosen, splits = moe_launch.gemm2_tiling(shape)
+        chosen, splits = moe_launch.fused_gemm2_tiling(shape)
         return chosen.tile_features, chosen.tile_k, chosen.ctas_per_sm, splits
 
     deepseek = (256, 112, 32, 2048)
@@ -201,11 +196,7 @@ def test_gemm2_quantizes_itself_where_its_fused_items_are_long(monkeypatch):
 PLAN_VARIANTS = [(256, 8, 7168), (32, 128, None)]
 DECODE_VARIANTS = [(7168, "wait_first"), (2048, "wait_first"), (272, "before_wait")]
 ALIGNED_PLAN_VARIANTS = [(256, 8), (16, 64)]
-# (mode, hidden, top_k, out dtype, slices of K of the per-pair rows)
-FINALIZE_VARIANTS = [
-    ("fused", 7168, 8, "bfloat16", 1), ("deterministic", 2048, 6, "float32", 1), ("additive", 6144, 8, "bfloat16", 1),
-    ("deterministic", 7168, 8, "bfloat16", 2), ("additive", 7168, 8, "bfloat16", 2),
-]
+FINALIZE_VARIANTS = [("fused", 7168, 8, "bfloat16"), ("deterministic", 2048, 6, "float32"), ("additive", 6144, 8, "bfloat16")]
 
 _COMPILE_SCRIPT = textwrap.dedent(
     """
@@ -226,8 +217,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
         save(f"decode_{i}", launch.compile_decode(k, launch_order))
     for i, (experts, block_m) in enumerate(spec["aligned_plan"]):
         save(f"aligned_plan_{i}", aligned_launch.compile_aligned_plan(experts, block_m))
-    for i, (mode, hidden, top_k, dtype, k_slices) in enumerate(spec["finalize"]):
-        save(f"finalize_{i}", launch.compile_finalize(mode, hidden, top_k, getattr(torch, dtype), k_slices))
+    for i, (mode, hidden, top_k, dtype) in enumerate(spec["finalize"]):
+        save(f"finalize_{i}", launch.compile_finalize(mode, hidden, top_k, getattr(torch, dtype)))
     """
 )
 

@@ -319,7 +319,7 @@ def test_split_k_gemm2_matches_the_loop_reference(tokens):
     tile = dispatch.moe_tile_m(tokens, 2, 4)
     expected = moe_launch.expected_tiles(tokens * 2, 4, tile)
     shape = moe_launch.GemmShape(w2.shape, tile, expected, moe_launch.sm_count(0))
-    assert moe_launch.gemm2_k_splits(shape) > 1
+    assert moe_launch.fused_gemm2_k_splits(shape) > 1
     assert_moe_close(run_prepared(p), loop_reference(p))
 
 
@@ -353,7 +353,7 @@ def test_global_num_experts_never_changes_a_deterministic_result():
     for global_num_experts in (None, 64):
         choice = fp4moe.moe_dispatch(1, 8, 8, "w4a16", False, device="cuda", global_num_experts=global_num_experts)
         shape = moe_launch.gemm_shape(tuple(w2.shape), choice.tile_m, choice.expected_local_pairs, moe_launch.sm_count(0))
-        slices.append(moe_launch.gemm2_tiling(shape)[1])
+        slices.append(moe_launch.fused_gemm2_tiling(shape)[1])
     assert slices[0] != slices[1]
     out = run_prepared(p)
     assert_moe_close(out, loop_reference(p))
@@ -388,7 +388,7 @@ def test_seven_group_decode_tiles_match_the_loop_reference(mode, tokens, experts
     w2 = p.weights.prepared().w2
     tile = dispatch.moe_tile_m(tokens, 8, experts)
     expected = moe_launch.expected_tiles(tokens * 8, experts, tile)
-    chosen, _ = moe_launch.gemm2_tiling(moe_launch.GemmShape(w2.shape, tile, expected, moe_launch.sm_count(0)))
+    chosen, _ = moe_launch.fused_gemm2_tiling(moe_launch.GemmShape(w2.shape, tile, expected, moe_launch.sm_count(0)))
     assert chosen.tile_features == moe_launch.SEVEN_GROUP_FEATURES
     choice = fp4moe.moe_dispatch(tokens, 8, experts, "w4a4", True, device="cuda", hidden_size=1792,
                                  intermediate_size=intermediate)

@@ -16,11 +16,12 @@ call, on the current stream, with no host read of device data:
    intermediate quantized to NVFP4 with a global scale of 1 in the epilogue and written as its codes'
    exact bf16 values `e2m1 * sf` (semantics §5 step 4: `sf = e4m3(RN(bmax * RN(1/6)))`);
 4. GEMM2 with `scale_down`, the router weight and then `RN(routed_scaling_factor)` (`output_scaled`,
-   a [1] device value: a new factor needs no new kernel), one FP32 row per processed pair and slice of
-   K (`moe_launch.gemm2_tiling`: at decode sizes GEMM2 splits K where that fills the SMs' waves);
-5. the additive finalize: each pair's slices summed in order, the token's processed pairs summed in
-   the reference's order and added to `out` once, so the result is the same on every run and its last
-   two steps are bitwise the reference's (given the per-pair rows).
+   a [1] device value: a new factor needs no new kernel), one FP32 row per processed pair;
+5. the additive finalize: each token's processed pairs summed in the reference's order and added to
+   `out` once, so the result is deterministic and its last two steps bitwise the reference's.
+
+Both GEMMs walk only the blocks below `num_tokens_post_padded` (the setup kernel's `live_tiles`): a plan
+sized for the worst case has hundreds of blocks past it at decode (`aligned_plan`).
 
 The intermediate and the per-pair rows go through device memory: this is the unfused composition,
 the baseline a one-kernel aligned MoE is measured against.
@@ -43,7 +44,6 @@ from fp4moe.kernels.sm90.moe_launch import (
     compile_gemm,
     decode_into,
     decode_operands,
-    gemm2_tiling,
     launch_gemm,
     plan_gemm_shape,
     row_granule,
@@ -133,15 +133,14 @@ def aligned_moe_(
         output_scale=factors[:1], live_tiles=live_tiles,
     )
 
-    shape2, k_slices = gemm2_tiling(plan_gemm_shape(w2, permuted_to_pair, tile_expert, num_pairs))
-    # One block of per-pair rows per slice of K; rows of unprocessed pairs unwritten.
-    per_pair = a.new_empty((k_slices * num_pairs, hidden_size), dtype=torch.float32)
+    per_pair = a.new_empty((num_pairs, hidden_size), dtype=torch.float32)  # rows of unprocessed pairs unwritten
+    shape2 = plan_gemm_shape(w2, permuted_to_pair, tile_expert, num_pairs)
     gemm2 = compile_gemm(
         "gemm2_expanded", shape2.key(), intermediate_size, hidden_size, top_k, "none", (None, None, None), True,
-        output_scales=1, k_splits=k_slices, live_tiles=True,
+        output_scales=1, live_tiles=True,
     )
     launch_gemm(
         gemm2, w2, w2_scales, intermediate, permuted_to_pair, tile_expert, scale_down, topk_weights, per_pair,
         output_scale=factors[1:], live_tiles=live_tiles,
     )
-    compile_finalize("additive", hidden_size, top_k, out.dtype, k_slices)(per_pair, pair_to_row, out)
+    compile_finalize("additive", hidden_size, top_k, out.dtype)(per_pair, pair_to_row, out)

@@ -10,10 +10,6 @@
   ascending order), then `out = out_type(float(out) + sum)` into the caller's `out` (rows may be
   strided) for tokens with at least one processed pair; the others' rows are not written. Bitwise
   equal to the reference given the same per-pair rows.
-
-In both per-pair modes GEMM2 may have split K into `k_slices` slices (`moe_gemm`'s expanded split-K),
-each writing its partial rows as a block of `[T * k, H]` rows: a pair's row is then the sum of its
-slices' rows in slice order, from slice 0's, in FP32, so the result stays the same on every run.
 """
 
 from __future__ import annotations
@@ -33,11 +29,9 @@ VECTOR = 8
 class MoEFinalizeSm90:
     """One thread per `VECTOR` consecutive outputs of a token row; grid over tokens x row chunks."""
 
-    def __init__(self, mode: str, hidden: int, top_k: int, out_type=BFloat16, k_slices: int = 1):
+    def __init__(self, mode: str, hidden: int, top_k: int, out_type=BFloat16):
         assert mode in FINALIZE_MODES and hidden % VECTOR == 0
-        assert k_slices == 1 or mode != "fused"
         self.mode = mode
-        self.k_slices = k_slices
         self.out_type = out_type
         self.hidden = hidden
         self.top_k = top_k
@@ -46,7 +40,7 @@ class MoEFinalizeSm90:
     @cute.jit
     def __call__(
         self,
-        mIn: cute.Tensor,  # fp32 [T, H] (fused) or [k_slices * T * k, H] (deterministic, additive)
+        mIn: cute.Tensor,  # fp32 [T, H] (fused) or [T * k, H] (deterministic, additive)
         mPairToPermuted: cute.Tensor | None,  # int32 [T * k] (-1: pair not processed), not fused
         mOut: cute.Tensor,  # [T, H] of out_type (additive: read too; rows may be strided)
         stream,
@@ -75,17 +69,11 @@ class MoEFinalizeSm90:
                 # from slot 0's row, as the aligned reference does.
                 total.fill(0.0)
                 part = cute.make_rmem_tensor((VECTOR,), Float32)
-                sliced = cute.make_rmem_tensor((VECTOR,), Float32)
-                num_pairs = mPairToPermuted.shape[0]
                 for j in cutlass.range_constexpr(self.top_k):
                     pair = token * self.top_k + j
                     part.fill(0.0)
                     if mPairToPermuted[pair] >= 0:
                         cute.autovec_copy(cute.local_tile(mIn[pair, None], (VECTOR,), (column // VECTOR,)), part)
-                        for s in cutlass.range_constexpr(1, self.k_slices):
-                            row = cute.local_tile(mIn[s * num_pairs + pair, None], (VECTOR,), (column // VECTOR,))
-                            cute.autovec_copy(row, sliced)
-                            part.store(part.load() + sliced.load())
                         processed = Int32(1)
                     if const_expr(j == 0 and self.mode == "additive"):
                         total.store(part.load())

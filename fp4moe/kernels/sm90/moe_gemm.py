@@ -15,8 +15,6 @@ One kernel class serves both projections; `MoEGemmSm90`'s static parameters choo
   partial sums (split-K, for grids that would leave SMs idle: the reduction is linear, and adds in
   FP32 either way).
 - ``"gemm2_expanded"``: the same, written to the (token, slot) row instead (deterministic finalize).
-  With `k_splits` > 1 each slice of K writes its partial rows to its own `[T*k, out]` block of
-  `[k_splits * T*k, out]` rows, which the finalize sums in a fixed order (still no atomics).
   In decode tiles both GEMM2 epilogues write four consecutive features of a row per instruction
   (`quad_stores`).
 
@@ -331,7 +329,7 @@ class MoEGemmSm90:
         assert activation_copies(tile_rows, tile_k) <= MAX_COPIES
         assert tile_rows % 8 == 0 and 8 <= tile_rows <= 256
         assert tile_rows % row_granule == 0 and row_granule % 8 == 0
-        assert k_splits == 1 or (epilogue != "gemm1" and (prepared_k // tile_k) % k_splits == 0)
+        assert k_splits == 1 or (epilogue == "gemm2_fused" and (prepared_k // tile_k) % k_splits == 0)
         self.epilogue = epilogue
         # GEMM2's decode tiles write four features per instruction (`finish_gemm2`); larger tiles measured
         # no faster that way (runs log).
@@ -414,7 +412,7 @@ class MoEGemmSm90:
         mAlpha: cute.Tensor,  # fp32 [E]; with up_alpha [2E]: the gate's, then the up half's
         mRouterWeights: cute.Tensor | None,  # fp32 [T * k], with router_weighted
         mRowScales: cute.Tensor | None,  # fp32, with row_scaled: gemm1 [T] (per token), gemm2 [R] (per row)
-        mOut: cute.Tensor,  # gemm1: bf16/fp32 [R, out]; gemm2_fused: fp32 [T, out]; gemm2_expanded: fp32 [k_splits*T*k, out]
+        mOut: cute.Tensor,  # gemm1: bf16/fp32 [R, out]; gemm2_fused: fp32 [T, out]; gemm2_expanded: fp32 [T*k, out]
         mAuxAmax: cute.Tensor | None,  # bf16 [R / 8, out / AUX_AMAX_COLUMNS, 8], with aux_amax
         mOutputScale: cute.Tensor | None,  # fp32 [1] or [E]: the intermediate's NVFP4 global scale (nvfp4_out), or
         # fp32 [1]: GEMM2's factor after the router weight (output_scaled)
@@ -615,7 +613,7 @@ class MoEGemmSm90:
             return mAct.shape[0] * self.top_k
         if const_expr(self.epilogue == "gemm2_fused"):
             return mOut.shape[0] * self.top_k
-        return mOut.shape[0] // self.k_splits
+        return mOut.shape[0]
 
     @cute.jit
     def produce(
@@ -991,7 +989,7 @@ class MoEGemmSm90:
         first, end, step = self.item_bounds(mTileExpert, mLiveTiles)
         upcoming = self.upcoming_expert(mTileExpert, first - step, end, step)
         for item in cutlass.range(first, end, step, unroll=1):
-            tile, feature_block, k_first = self.item_place(item)
+            tile, feature_block, _ = self.item_place(item)
             expert = self.item_expert(mTileExpert, item, upcoming)
             upcoming = self.upcoming_expert(mTileExpert, item, end, step)
             if expert >= 0:
@@ -1036,7 +1034,7 @@ class MoEGemmSm90:
                 for j in cutlass.range_constexpr(self.blocks_per_consumer):
                     self.finish(
                         accs[j], coordinates, alpha, item_factors, mPermutedToPair, num_pairs, outputs, tile,
-                        feature_block, k_first // self.k_iterations, expert, group, first_block + j, early_rows,
+                        feature_block, expert, group, first_block + j, early_rows,
                     )
                 if const_expr(self.staged_rows or self.quantizes_rows):
                     cute.arch.mbarrier_arrive(storage.rows_empty.data_ptr() + item_number % 2)
@@ -1307,12 +1305,12 @@ class MoEGemmSm90:
 
     @cute.jit
     def finish(
-        self, acc, coordinates, alpha, row_factors, mPermutedToPair, num_pairs, outputs, tile, feature_block, k_slice,
-        expert, group, cta_block, early_rows,
+        self, acc, coordinates, alpha, row_factors, mPermutedToPair, num_pairs, outputs, tile, feature_block, expert,
+        group, cta_block, early_rows,
     ):
         """The epilogue of one item's weight block `cta_block` of the CTA (of consumer `group`);
-        `alpha`: `item_alpha`'s; `k_slice`: the item's slice of K; `early_rows`: its rows (`chunk_rows`),
-        when they were loaded before the MMAs."""
+        `alpha`: `item_alpha`'s; `early_rows`: its rows (`chunk_rows`), when they were loaded before the
+        MMAs."""
         block = feature_block * self.cta_row_blocks + cta_block
         first_row = tile * self.tile_rows
         if const_expr(self.epilogue == "gemm1" and self.nvfp4_out):
@@ -1325,7 +1323,7 @@ class MoEGemmSm90:
         else:
             self.finish_gemm2(
                 acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, outputs[0], early_rows,
-                outputs[2], k_slice,
+                outputs[2],
             )
 
     @cute.jit
@@ -1553,22 +1551,18 @@ class MoEGemmSm90:
     @cute.jit
     def finish_gemm2(
         self, acc, coordinates, alpha, block, first_row, row_factors, mPermutedToPair, num_pairs, mOut, early_rows,
-        mOutputScale, k_slice,
+        mOutputScale,
     ):
         """Per output element `alpha`, the row's activation scale, the router weight and (`output_scaled`)
         the factor, then the element into the token's output row (`red.global.add.f32`, fused finalize)
-        or the pair's (expanded; in the block of rows of the item's slice of K). Decode tiles
-        (`quad_stores`) write four consecutive features of a row per instruction instead:
-        `red.global.v4.f32.add` or a 16-byte store, after the four lanes that hold features m .. m + 3 of
-        rows n and n + 1 exchange their elements (`quad_transpose`)."""
+        or the pair's (expanded). Decode tiles (`quad_stores`) write four consecutive features of a row
+        per instruction instead: `red.global.v4.f32.add` or a 16-byte store, after the four lanes that
+        hold features m .. m + 3 of rows n and n + 1 exchange their elements (`quad_transpose`)."""
         out_address = mOut.iterator.toint()
         factor = Float32(1.0)
         if const_expr(self.output_scaled):
             factor = mOutputScale[0]
         row_bytes = Int64(mOut.stride[0]) * 4
-        slice_rows = 0  # the first row of the item's block of rows (expanded, split K)
-        if const_expr(self.epilogue == "gemm2_expanded" and self.k_splits > 1):
-            slice_rows = k_slice * num_pairs
         quad_lane = (cute.arch.lane_idx() >> 2) & 3  # which of the four lanes of features m .. m + 3
         for c in cutlass.range_constexpr(self.tile_rows // self.epilogue_rows):
             pairs, weights, scales = self.epilogue_rows_of(
@@ -1591,8 +1585,7 @@ class MoEGemmSm90:
                             token = pair // self.top_k
                             dev.reduce_add_v4_f32(out_address + Int64(token) * row_bytes + Int64(feature) * 4, values)
                         else:
-                            row = pair + slice_rows
-                            dev.store_global_v4_f32(out_address + Int64(row) * row_bytes + Int64(feature) * 4, values)
+                            dev.store_global_v4_f32(out_address + Int64(pair) * row_bytes + Int64(feature) * 4, values)
             else:
                 for v in cutlass.range_constexpr(self.chunk_values(c).start, self.chunk_values(c).stop):
                     m, _ = coordinates[v, 0, 0]
@@ -1605,7 +1598,7 @@ class MoEGemmSm90:
                             token = pair // self.top_k
                             dev.reduce_add_f32(out_address + Int64(token) * row_bytes + Int64(feature) * 4, y)
                         else:
-                            mOut[pair + slice_rows, feature] = y
+                            mOut[pair, feature] = y
 
     def gemm2_output(self, value, alpha, row, weights, scales, factor):
         """An accumulator element of row `row` of the epilogue's chunk, as GEMM2 writes it: times `alpha`,

@@ -74,9 +74,9 @@ WIDE_DECODE_FILL = 15 / 16
 """The share of the SMs that 256-feature decode tiles must give an item (DeepSeek-V3's GEMM1 at T = 1:
 128 items on 132 SMs, still faster than 256 items of 128 features at two CTAs per SM)."""
 SEVEN_GROUP_FEATURES = 7 * weight_layout.ROW_BLOCK
-"""Features of a CTA of seven consumer groups (1,024 threads, one CTA per SM), for a GEMM2 whose
+"""Features of a CTA of seven consumer groups (1,024 threads, one CTA per SM), for a fused GEMM2 whose
 decode items of 256 features leave a wave unbalanced where splitting K does not balance it
-(`gemm2_tiling`): DeepSeek-V3's H = 7168 is 16 such blocks, so its GEMM2 at T = 1 runs 128
+(`fused_gemm2_tiling`): DeepSeek-V3's H = 7168 is 16 such blocks, so its GEMM2 at T = 1 runs 128
 items (256 in two slices of K: two waves 97% full) instead of 224 (two waves 85% full). At 64 registers
 per consumer thread its k tiles are 64 K: with 128 K ptxas serializes the `wgmma`s."""
 TWO_CTA_TILE_ROWS = 32
@@ -274,8 +274,8 @@ def compile_gemm(
 
 MAX_K_SPLITS = 8
 WAVE_BALANCE = 0.9
-"""GEMM2 takes more slices of K where its items would leave more than a tenth of their last
-wave's CTA slots idle (`gemm2_k_splits`): the items are alike, so a call takes as long as its
+"""The fused GEMM2 takes more slices of K where its items would leave more than a tenth of their last
+wave's CTA slots idle (`fused_gemm2_k_splits`): the items are alike, so a call takes as long as its
 wave count. GLM at T = 1: 192 items of 256 features on 132 SMs run two waves, the second 45% full."""
 MAX_BALANCE_FACTOR = 2
 """Balancing takes at most this many times the fewest slices that fill the CTA slots: DeepSeek-V3's
@@ -296,12 +296,11 @@ def balances_waves(shape: GemmShape, k_splits: int) -> bool:
     return wave_efficiency(shape.items() * k_splits, shape.max_ctas) >= WAVE_BALANCE
 
 
-def gemm2_k_splits(shape: GemmShape) -> int:
-    """Slices of K for GEMM2 (split-K): the fewest (a divisor of the k tiles, at most `MAX_K_SPLITS`)
-    whose expected items fill the CTA slots; more, up to `MAX_BALANCE_FACTOR` times those, where that
-    balances the waves (`WAVE_BALANCE`); the most when none fills them. In the fused epilogue each slice
-    adds its partial sums into the FP32 accumulator, as whole items do; in the aligned MoE's expanded one
-    it writes them to its own block of per-pair rows, which the finalize sums (`moe_finalize`)."""
+def fused_gemm2_k_splits(shape: GemmShape) -> int:
+    """Slices of K for the fused GEMM2 (split-K): the fewest (a divisor of the k tiles, at most
+    `MAX_K_SPLITS`) whose expected items fill the CTA slots; more, up to `MAX_BALANCE_FACTOR` times
+    those, where that balances the waves (`WAVE_BALANCE`); the most when none fills them. Each slice
+    adds its partial sums into the FP32 accumulator, as whole items do."""
     items = shape.items()
     k_tiles = shape.prepared_k // shape.tile_k
     divisors = [s for s in range(1, MAX_K_SPLITS + 1) if k_tiles % s == 0]
@@ -313,19 +312,19 @@ def gemm2_k_splits(shape: GemmShape) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def gemm2_tiling(shape: GemmShape) -> tuple[GemmShape, int]:
-    """GEMM2's shape and slices of K (the fused epilogue's, the aligned MoE's): `shape` with
-    `gemm2_k_splits`' slices, unless those leave the waves unbalanced (below `WAVE_BALANCE`) and CTAs of
-    seven consumer groups (`GemmShape.seven_group_shape`) with their own slices balance them. Seven
-    groups are slower per byte than four (half the K per barrier, fewer registers), so they serve only
-    where they remove a partial wave: DeepSeek-V3 at T = 1 (two slices of 128 items), not at T = 2, where two slices of K
+def fused_gemm2_tiling(shape: GemmShape) -> tuple[GemmShape, int]:
+    """The fused GEMM2's shape and slices of K: `shape` with `fused_gemm2_k_splits`' slices, unless those
+    leave the waves unbalanced (below `WAVE_BALANCE`) and CTAs of seven consumer groups
+    (`GemmShape.seven_group_shape`) with their own slices balance them. Seven groups are slower per
+    byte than four (half the K per barrier, fewer registers), so they serve only where they remove a
+    partial wave: DeepSeek-V3 at T = 1 (two slices of 128 items), not at T = 2, where two slices of K
     balance four groups (runs log)."""
-    k_splits = gemm2_k_splits(shape)
+    k_splits = fused_gemm2_k_splits(shape)
     if balances_waves(shape, k_splits):
         return shape, k_splits
     seven = shape.seven_group_shape()
     if seven is not None:
-        seven_splits = gemm2_k_splits(seven)
+        seven_splits = fused_gemm2_k_splits(seven)
         if balances_waves(seven, seven_splits):
             return seven, seven_splits
     return shape, k_splits
@@ -340,7 +339,7 @@ def expected_tiles(num_pairs: int, num_local_experts: int, tile_rows: int) -> in
 def gemm_shape(prepared_shape: tuple, tile_rows: int, expected_pairs: int, sms: int) -> GemmShape:
     """The `GemmShape` of a grouped GEMM over prepared codes of `prepared_shape`, plan tiles of `tile_rows`
     rows and `expected_pairs` local pairs, on a GPU of `sms` multiprocessors: built once per such key,
-    since eager calls ask for it on every call (the same object then keys `gemm2_tiling`'s cache)."""
+    since eager calls ask for it on every call (the same object then keys `fused_gemm2_tiling`'s cache)."""
     return GemmShape(prepared_shape, tile_rows, expected_tiles(expected_pairs, prepared_shape[0], tile_rows), sms)
 
 
@@ -447,14 +446,14 @@ def gemm2_quantizes_itself(
 ) -> bool:
     """Whether the fused GEMM2 quantizes per-token W4A4's intermediate itself (`fp4moe.dispatch`'s
     `intermediate_quantization`): plan tiles of at most `moe_gemm.INLINE_WGMMA_TILE_ROWS` rows (the
-    decode k loop, whose B operand may be the activation panel) whose items, as `gemm2_tiling` slices
+    decode k loop, whose B operand may be the activation panel) whose items, as `fused_gemm2_tiling` slices
     K, run at least `MIN_QUANTIZING_K_TILES` k tiles. The deterministic finalize's GEMM2 does not slice
     K, so its items are as long or longer."""
     if tile_m > INLINE_WGMMA_TILE_ROWS:
         return False
     codes_shape, _ = weight_layout.prepared_shapes(num_local_experts, hidden_size, intermediate_size, gated=False)
     sms = sm_count(torch.device(device).index)  # an index of None: the current device, as for the launches
-    shape, k_splits = gemm2_tiling(gemm_shape(codes_shape, tile_m, expected_pairs, sms))
+    shape, k_splits = fused_gemm2_tiling(gemm_shape(codes_shape, tile_m, expected_pairs, sms))
     return shape.prepared_k // shape.tile_k // k_splits >= MIN_QUANTIZING_K_TILES
 
 
@@ -551,10 +550,8 @@ def gemm2(
     """GEMM2 (`fp4moe.reference.moe.gemm2`'s contract) on a bf16 (W4A16) or NVFP4 (W4A4) intermediate:
     adds into the FP32 `accumulator` [T, hidden] (fused finalize), or, without one, returns the FP32
     [T*k, hidden] per-pair rows (rows of non-local pairs unwritten: the deterministic finalize skips
-    them). The per-pair rows take K whole: slices of K would make their bits depend on the tiling, hence
-    on `global_num_experts`, which must never change a deterministic result (semantics §3.9).
-    `quantize` = ("per_token", global_scale_inv): the intermediate is bf16 and GEMM2 quantizes it to
-    NVFP4 per token itself (`quantizing_shape_key`; decode plan tiles), as the rescan path of the
+    them). `quantize` = ("per_token", global_scale_inv): the intermediate is bf16 and GEMM2 quantizes
+    it to NVFP4 per token itself (`quantizing_shape_key`; decode plan tiles), as the rescan path of the
     per-token quantizer would."""
     w2, w2_scales = _prepared(w2, w2_scales, layout, gated=False)
     epilogue = "gemm2_fused" if accumulator is not None else "gemm2_expanded"
@@ -567,7 +564,7 @@ def gemm2(
     shape = plan_gemm_shape(w2, permuted_to_pair, tile_expert, expected_pairs)
     k_splits = 1
     if accumulator is not None:
-        shape, k_splits = gemm2_tiling(shape)
+        shape, k_splits = fused_gemm2_tiling(shape)
     key, numerator = shape.key(), None
     if quantize is not None:
         mode, global_scale_inv = quantize
@@ -589,7 +586,7 @@ OUT_TYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, t
 
 
 @compile_function
-def compile_finalize(mode: str, hidden: int, top_k: int, out_dtype: torch.dtype, k_slices: int = 1):
+def compile_finalize(mode: str, hidden: int, top_k: int, out_dtype: torch.dtype):
     values = make_fake_compact_tensor(cutlass.Float32, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16)
     pair_to_permuted = None if mode == "fused" else _i32(_dynamic())
     out_type = OUT_TYPES[out_dtype]
@@ -599,8 +596,8 @@ def compile_finalize(mode: str, hidden: int, top_k: int, out_dtype: torch.dtype,
     else:
         out = make_fake_compact_tensor(out_type, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16)
     return compile_kernel(
-        MoEFinalizeSm90(mode, hidden, top_k, out_type, k_slices), values, pair_to_permuted, out,
-        cache_key=("moe_finalize", mode, hidden, top_k, out_dtype, k_slices),
+        MoEFinalizeSm90(mode, hidden, top_k, out_type), values, pair_to_permuted, out,
+        cache_key=("moe_finalize", mode, hidden, top_k, out_dtype),
     )
 
 
