@@ -7,11 +7,11 @@ per-tensor, W4A4 per-token; `aligned_moe` adds the aligned MoE's column, zeroing
 call the harness times is captured in a CUDA graph and replayed after a read flush of the L2 (as
 `benchmarks.moe` times it), under `torch.profiler`, whose CUDA activity records (CUPTI) give every
 kernel's start and end on the GPU. Printed per kernel, in launch order: the median start and end over
-the replays, in us from the start of the replay's first kernel, and the median duration. With PDL a kernel starts (becomes resident) long before it can work:
-its start says when its CTAs arrived, its end what the chain waited for. This shows what each kernel
-boundary costs, in the W4A4 modes too (`benchmarks.sm90_stage_chain` times cuts of the W4A16 chain).
-The profiler's own activity tracing adds a little to each kernel; for development, not for record.
-Needs a Hopper GPU.
+the replays, in us from the start of the replay's first kernel, and the median duration. With PDL a
+kernel starts (becomes resident) long before it can work: its start says when its CTAs arrived, its
+end what the chain waited for. This shows what each kernel boundary costs, in the W4A4 modes too
+(`benchmarks.sm90_stage_chain` times cuts of the W4A16 chain). The profiler's own activity tracing adds
+a little to each kernel; for development, not for record. Needs a Hopper GPU.
 """
 
 from __future__ import annotations
