@@ -396,6 +396,25 @@ def test_seven_group_decode_tiles_match_the_loop_reference(mode, tokens, experts
     assert_moe_close(run_prepared(p), loop_reference(p))
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_per_pair_gemm2_in_seven_consumer_groups_is_bitwise_the_four_group_one(mode, monkeypatch):
+    # The deterministic finalize's GEMM2 (K whole) where its 256-feature items leave a wave unbalanced
+    # (28 row blocks, 32 expected tiles of 8 rows: 224 items on 132 SMs) takes CTAs of seven consumer
+    # groups (128 items); every per-pair row accumulates along K in the same order, so the call is
+    # bitwise the four groups'.
+    from fp4moe.kernels.sm90 import moe_launch
+
+    p = make_problem(tokens=4, hidden=1792, intermediate=256, num_experts=64, top_k=8, mode=mode, device="cuda",
+                     seed=52, deterministic=True)
+    w2 = p.weights.prepared().w2
+    shape = moe_launch.per_pair_gemm2_shape(moe_launch.GemmShape(w2.shape, 8, 32, moe_launch.sm_count(0)))
+    assert shape.tile_features == moe_launch.SEVEN_GROUP_FEATURES
+    seven = run_prepared(p)
+    assert_moe_close(seven, loop_reference(p))
+    monkeypatch.setattr(moe_launch, "per_pair_gemm2_shape", lambda shape: shape)
+    assert_bitwise_equal(seven, run_prepared(p))
+
+
 @pytest.mark.parametrize("tokens", [1, 2, 3])
 def test_gemm2_quantizing_its_rows_matches_the_reference_pipeline(tokens, monkeypatch):
     # Per-token W4A4 where `fused_moe` has GEMM2 quantize the intermediate itself (T < 4; the bound on its
