@@ -137,7 +137,7 @@ def aligned_moe_(
     # Four consumer groups per CTA, not `moe_launch.per_pair_gemm2_shape`'s seven: the tiles are sized for
     # all T * k pairs (the op takes no expert-parallel hint), and seven groups, 3-5% faster at DeepSeek-V3
     # T = 1-2, measured 12% slower on a 32-expert shard at T = 1-2, where few of the pairs are local
-    # (runs log, thirtieth session).
+    # (runs log).
     shape2 = plan_gemm_shape(w2, permuted_to_pair, tile_expert, num_pairs)
     gemm2 = compile_gemm(
         "gemm2_expanded", shape2.key(), intermediate_size, hidden_size, top_k, "none", (None, None, None), True,

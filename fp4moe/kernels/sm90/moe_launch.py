@@ -311,38 +311,39 @@ def fused_gemm2_k_splits(shape: GemmShape) -> int:
     return (balanced or filling)[0]
 
 
-@functools.lru_cache(maxsize=1024)
-def fused_gemm2_tiling(shape: GemmShape) -> tuple[GemmShape, int]:
-    """The fused GEMM2's shape and slices of K: `shape` with `fused_gemm2_k_splits`' slices, unless those
-    leave the waves unbalanced (below `WAVE_BALANCE`) and CTAs of seven consumer groups
-    (`GemmShape.seven_group_shape`) with their own slices balance them. Seven groups are slower per
-    byte than four (half the K per barrier, fewer registers), so they serve only where they remove a
-    partial wave: DeepSeek-V3 at T = 1 (two slices of 128 items), not at T = 2, where two slices of K
-    balance four groups (runs log)."""
-    k_splits = fused_gemm2_k_splits(shape)
+def wave_balanced_tiling(shape: GemmShape, k_splits_of) -> tuple[GemmShape, int]:
+    """`shape` with `k_splits_of(shape)` slices of K, unless those leave the waves unbalanced (below
+    `WAVE_BALANCE`) and CTAs of seven consumer groups (`GemmShape.seven_group_shape`) with their own
+    slices (`k_splits_of` of that shape) balance them. Seven groups are slower per byte than four (half
+    the K per barrier, fewer registers), so they serve only where they remove a partial wave."""
+    k_splits = k_splits_of(shape)
     if balances_waves(shape, k_splits):
         return shape, k_splits
     seven = shape.seven_group_shape()
     if seven is not None:
-        seven_splits = fused_gemm2_k_splits(seven)
+        seven_splits = k_splits_of(seven)
         if balances_waves(seven, seven_splits):
             return seven, seven_splits
     return shape, k_splits
 
 
 @functools.lru_cache(maxsize=1024)
+def fused_gemm2_tiling(shape: GemmShape) -> tuple[GemmShape, int]:
+    """The fused GEMM2's shape and slices of K: `wave_balanced_tiling` with `fused_gemm2_k_splits`' slices.
+    Seven groups then serve DeepSeek-V3 at T = 1 (two slices of 128 items), not T = 2, where two slices
+    of K balance four groups (runs log)."""
+    return wave_balanced_tiling(shape, fused_gemm2_k_splits)
+
+
+@functools.lru_cache(maxsize=1024)
 def per_pair_gemm2_shape(shape: GemmShape) -> GemmShape:
     """The shape of the GEMM2 that writes per-pair rows for the deterministic finalize, which takes K
-    whole: `shape`, unless its items leave the waves unbalanced (below `WAVE_BALANCE`) and CTAs of seven
-    consumer groups (`GemmShape.seven_group_shape`) balance them, as `fused_gemm2_tiling` does for the
-    fused GEMM2: DeepSeek-V3 at T = 1-2 (128 or 256 items of 448 features instead of 224 or 448 of 256),
-    a 32-expert shard of it told `global_num_experts` at T = 8-16. Every row accumulates along K in the
-    same order either way, so the rows are bitwise the same. The same GEMM2 in the aligned MoE measured
-    3-5% faster whole calls at DeepSeek-V3 T = 1-2 (runs log, thirtieth session)."""
-    if balances_waves(shape, 1):
-        return shape
-    seven = shape.seven_group_shape()
-    return seven if seven is not None and balances_waves(seven, 1) else shape
+    whole: `wave_balanced_tiling` without slices of K. Seven groups then serve DeepSeek-V3 at T = 1-2
+    (128 or 256 items of 448 features instead of 224 or 448 of 256) and a 32-expert shard of it told
+    `global_num_experts` at T = 8-16. Every row accumulates along K in the same order either way, so
+    the rows are bitwise the same. The same GEMM2 in the aligned MoE measured 3-5% faster whole calls
+    at DeepSeek-V3 T = 1-2 (runs log)."""
+    return wave_balanced_tiling(shape, lambda _shape: 1)[0]
 
 
 def expected_tiles(num_pairs: int, num_local_experts: int, tile_rows: int) -> int:
