@@ -17,7 +17,7 @@ fragment, exactly:
   power-of-two rescaling, so the result equals the reference's `acc * alpha`.
 
 Everything else is inline PTX for instructions the DSL does not expose as plainly: the 1-D bulk copy
-onto an mbarrier, `cp.async` with a zero-fill source size, `red.global.add.f32` and its four-word form,
+onto an mbarrier, `ldmatrix` and the per-warp `mma.sync` of decode tiles, `cp.async` with a zero-fill source size, `red.global.add.f32` and its four-word form,
 16-byte stores of four FP32 values.
 """
 
@@ -282,3 +282,37 @@ def wgmma_rs_bf16(acc_values, a_words, descriptor, rows, *, loc=None, ip=None):
     operands += [Int64(descriptor).ir_value(loc=loc, ip=ip), Int32(1).ir_value(loc=loc, ip=ip)]
     result = llvm.inline_asm(struct, operands, ptx, constraints, has_side_effects=True, loc=loc, ip=ip)
     return [Float32(llvm.extractvalue(T.f32(), result, [i], loc=loc, ip=ip)) for i in range(count)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-warp MMA (decode tiles)
+# ---------------------------------------------------------------------------------------------------
+@dsl_user_op
+def load_matrix_x4(smem_address, *, loc=None, ip=None):
+    """`ldmatrix` of four 8 x 8 matrices of 16-bit elements: lane L gives the address of row L % 8 of
+    matrix L // 8 (16 bytes), and every lane receives, per matrix, the 32-bit pair at row `lane / 4`,
+    columns `2 (lane % 4)` and the next: the `mma.sync` B fragment of rows stored K-major. Side-effecting,
+    as `load_shared_v4`."""
+    struct = llvm.StructType.get_literal([T.i32()] * 4)
+    result = _asm(
+        struct, "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
+        (Int32(smem_address),), True, loc, ip,
+    )
+    return tuple(Uint32(llvm.extractvalue(T.i32(), result, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def mma_bf16_m16n8k16(acc_values, a_words, b_words, *, loc=None, ip=None):
+    """One warp's `mma.sync` m16n8k16 bf16 x bf16 -> FP32: A (four bf16 pairs, the `wgmma` RS fragment's
+    order for the warp's 16 rows), B (two bf16 pairs, `load_matrix_x4`'s), accumulating into the four
+    FP32 `acc_values` (the `wgmma` accumulator fragment's order). Returns the new values."""
+    ptx = (
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
+    )
+    constraints = ",".join(["=f"] * 4 + ["r"] * 6 + ["0", "1", "2", "3"])
+    struct = llvm.StructType.get_literal([T.f32()] * 4)
+    operands = [Uint32(w).ir_value(loc=loc, ip=ip) for w in (*a_words, *b_words)]
+    operands += [Float32(v).ir_value(loc=loc, ip=ip) for v in acc_values]
+    result = llvm.inline_asm(struct, operands, ptx, constraints, has_side_effects=False, loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), result, [i], loc=loc, ip=ip)) for i in range(4)]

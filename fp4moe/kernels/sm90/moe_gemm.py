@@ -58,6 +58,16 @@ k tile plus an immediate: ptxas then spends one uniform `UIADD3.64` per `HGMMA`,
 descriptors cost it three (both words rebuilt). They also carry the stage each k step releases
 instead of recomputing it. Larger tiles keep `cute.gemm`: at 16 rows and two CTAs per SM (104
 registers per consumer) the inline form makes ptxas spill loop-invariant values. 0 turns it off."""
+WARP_MMA_TILE_ROWS = 8
+"""Tiles of this many rows (decode) multiply with one `mma.sync` m16n8k16 per warp and 16 K
+(`mainloop_warp_mma`) instead of the warpgroup's `wgmma`: a warp decodes a code word into the four A
+pairs of its 16 rows and multiplies them at once, with B (the tile's eight rows) loaded from the stage by
+`ldmatrix`. The four warps of a group then never wait for each other (a `wgmma` is issued by the whole
+warpgroup together), no A fragment of a whole k tile is held for an asynchronous `wgmma`, and a stage is
+released as soon as its words and B are in registers, before the decode, so the producer refills it a
+k tile earlier. The accumulator and A registers are the `wgmma` fragments' (the m64n8 layout restricted
+to a warp's 16 rows is the m16n8 one), so the epilogues are shared. Tiles that quantize their own rows
+(`quantizes_rows`) keep `wgmma` on their panel. 0 turns it off."""
 EPILOGUE_ROWS = 32
 """Plan rows whose pairs and router weights the epilogue loads at once, by default: each chunk waits
 for its loads (two dependent round trips with router weights) before its stores, and holds one
@@ -350,6 +360,7 @@ class MoEGemmSm90:
         self.stages = stages
         self.loads_ahead = tile_rows <= LOADS_AHEAD_TILE_ROWS
         self.inline_wgmma = tile_rows <= INLINE_WGMMA_TILE_ROWS
+        self.warp_mma = tile_rows <= WARP_MMA_TILE_ROWS and not quantizes_rows
         assert stages >= (MIN_LOADS_AHEAD_STAGES if self.loads_ahead else 2)
         self.ctas_per_sm = ctas_per_sm
         self.max_ctas = max_ctas
@@ -954,7 +965,9 @@ class MoEGemmSm90:
         # The B operand of the whole tile serves every variant: a `wgmma` of fewer rows reads the
         # same 8-row core matrices from the tile's start, only fewer of them. It is the tile's
         # descriptor fragment (`cute.gemm`), or with `inline_wgmma` the parts of its descriptors.
-        if const_expr(self.inline_wgmma):
+        if const_expr(self.warp_mma):
+            b_operand = self.matrix_addresses(storage, b_layout, thread)
+        elif const_expr(self.inline_wgmma):
             b_operand = self.b_descriptors(storage, b_layout)
         else:
             act_smem = storage.act.get_tensor(b_layout.outer, swizzle=b_layout.inner)
@@ -1024,7 +1037,8 @@ class MoEGemmSm90:
                                 variants[rows], iteration, fragments, b_operand, full, empty, codes_smem, scales_smem
                             )
                 iteration += self.k_iterations
-                cute.arch.mbarrier_arrive(empty + (iteration - 1) % self.stages)
+                if const_expr(not self.warp_mma):  # its k loop releases every stage it reads
+                    cute.arch.mbarrier_arrive(empty + (iteration - 1) % self.stages)
                 if const_expr(self.quantizes_rows):
                     # The item's number again from the count (one register fewer across the k loop).
                     item_number = iteration // self.k_iterations - 1
@@ -1072,7 +1086,9 @@ class MoEGemmSm90:
     def mainloop(self, variant, iteration, fragments, b_operand, full, empty, codes_smem, scales_smem, panel=False):
         """`panel`: k tile k's B tile is the k-th from `b_operand`'s (the item's activation panel,
         `quantizes_rows`), not its stage's."""
-        if const_expr(self.blocks_per_consumer == 2):
+        if const_expr(self.warp_mma):
+            self.mainloop_warp_mma(variant[1][0], iteration, b_operand, full, empty, codes_smem, scales_smem)
+        elif const_expr(self.blocks_per_consumer == 2):
             self.mainloop_two_blocks(variant, iteration, fragments[0], b_operand, full, empty, codes_smem, scales_smem)
         else:
             self.mainloop_one_block(variant, iteration, fragments, b_operand, full, empty, codes_smem, scales_smem, panel)
@@ -1131,6 +1147,66 @@ class MoEGemmSm90:
                 False, previous, panel,
             )
         warpgroup.wait_group(0)
+
+    @cute.jit
+    def mainloop_warp_mma(self, acc, iteration, b_operand, full, empty, codes_smem, scales_smem):
+        """The k loop of one item in decode tiles (`WARP_MMA_TILE_ROWS`): each k step waits for the next
+        k tile, loads its words and B fragments and releases its stage (`warp_mma_operands`), then decodes
+        this k tile's words and multiplies them, one `mma.sync` per code word, into the accumulator, whose
+        values stay in registers across the loop."""
+        stage, phase = self.stage_and_phase(iteration)
+        operands = self.warp_mma_operands(b_operand, full, empty, codes_smem, scales_smem, stage, phase)
+        values = [acc[i] for i in range(cute.size(acc))]
+        for _ in cutlass.range(self.k_iterations - 1, unroll=1):
+            stage, phase = self.next_stage(stage, phase)
+            next_operands = self.warp_mma_operands(b_operand, full, empty, codes_smem, scales_smem, stage, phase)
+            values = self.multiply_k_tile(values, operands)
+            operands = next_operands
+        values = self.multiply_k_tile(values, operands)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            acc[i] = values[i]
+
+    @cute.jit
+    def warp_mma_operands(self, b_operand, full, empty, codes_smem, scales_smem, stage, phase):
+        """A k tile's code and scale words (`load_words`) and its B fragments (one `ldmatrix` of four
+        8 x 8 matrices per two k16 steps), read once the stage is full; then the stage is released (the
+        arrival orders the reads before it)."""
+        addresses, stage_bytes = b_operand
+        cute.arch.mbarrier_wait(full + stage, phase)
+        words = self.load_words(codes_smem, scales_smem, stage)
+        offset = stage * stage_bytes
+        matrices = [dev.load_matrix_x4(address + offset) for address in addresses]
+        cute.arch.mbarrier_arrive(empty + stage)
+        return words, matrices
+
+    @cute.jit
+    def multiply_k_tile(self, values, operands):
+        """`values` (the warp's m16n8 accumulator) plus one k tile: per code word, its four A pairs
+        (`word_pairs`) times the k16 step's B pair of registers (`mma.sync`)."""
+        words, matrices = operands
+        for kk in cutlass.range_constexpr(self.k64_per_tile):
+            codes, scales = words[0][kk]
+            for b in cutlass.range_constexpr(4):
+                k16 = 4 * kk + b
+                matrix = matrices[k16 // 2]
+                values = dev.mma_bf16_m16n8k16(
+                    values, self.word_pairs(codes[b], scales, b), (matrix[2 * (k16 % 2)], matrix[2 * (k16 % 2) + 1])
+                )
+        return values
+
+    def matrix_addresses(self, storage, b_layout, thread):
+        """(the shared-memory address this thread gives each `ldmatrix` of a k tile in stage 0, the bytes
+        between stages): `ldmatrix` t reads 16-byte chunks 4t..4t+3 of the tile's eight rows, lane L row
+        L % 8 of chunk 4t + L // 8, at its 128-byte swizzled place (the producer's, `produce_item`).
+        Plain Python, run while the kernel is traced."""
+        lane = thread % WARP_SIZE
+        row, matrix = lane % 8, lane // 8
+        base = storage.act.data_ptr().toint()
+        addresses = [
+            base + dev.swizzle_128b(cute.crd2idx((row, (4 * t + matrix) * CHUNK_ELEMENTS, 0), b_layout.outer) * 2)
+            for t in range(self.k16_per_tile // 2)
+        ]
+        return addresses, cute.crd2idx((0, 0, 1), b_layout.outer) * 2
 
     def loads_next(self, j, pair_has_next):
         """Whether step `j` (0 or 1) of a pair of k steps loads the next k tile's words (`mma_step`'s
