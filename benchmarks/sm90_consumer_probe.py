@@ -11,7 +11,8 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
 
 - `no_decode` keeps the consumers' shared-memory loads and stores the code words raw (no integer
   decode, no scale multiply).
-- `no_mma` keeps the decode and folds its words into the accumulator instead of the `wgmma`s.
+- `no_mma` keeps the decode and folds its words into the accumulator instead of the `wgmma`s (or the
+  per-warp `mma.sync`s).
 - `barriers_only` keeps only the consumers' waits and releases (and the `wgmma` group waits, with no
   group in flight). The producer, its bulk copies and gathers are unchanged, so its time is the
   pipeline's own (memory and producer).
@@ -80,6 +81,18 @@ class NoMma(MoEGemmSm90):
                 folded = folded ^ words[i]
             accs[j][0] = accs[j][0] + folded.to(cutlass.Float32)
 
+    @cute.jit
+    def multiply_k_tile(self, values, operands):  # per-warp `mma.sync` (`warp_mma`)
+        words, _ = operands
+        folded = Uint32(0)
+        for kk in cutlass.range_constexpr(self.k64_per_tile):
+            codes, scales = words[0][kk]
+            for b in cutlass.range_constexpr(4):
+                for pair in self.word_pairs(codes[b], scales, b):
+                    folded = folded ^ pair
+        values[0][0] = values[0][0] + folded.to(cutlass.Float32)
+        return values
+
 
 class BarriersOnly(MoEGemmSm90):
     """The consumers wait for each stage and release it: nothing else."""
@@ -97,6 +110,10 @@ class BarriersOnly(MoEGemmSm90):
     @cute.jit
     def issue_mmas(self, variant, fragments, tCrB, stage, blocks=None):
         pass
+
+    @cute.jit
+    def multiply_k_tile(self, values, operands):  # per-warp `mma.sync` (`warp_mma`)
+        return values
 
 
 class PanelNoScan(MoEGemmSm90):

@@ -86,22 +86,52 @@ def _fused_moe_variants():
 def _expert_parallel_variants():
     """The GEMM configurations `fused_moe` compiles for a DeepSeek-V3 rank of 32 experts told the global
     expert count (`global_num_experts=256`), where they differ from `_fused_moe_variants`' (decode tiles
-    of 64 features at T = 1, tiles of 8 rows at T = 8)."""
+    of 64 features at T = 1, multiplied with `mma.sync`, `moe_launch.uses_warp_mma`; tiles of 8 rows at
+    T = 8)."""
     variants = []
+    defaults = (False, False, False)  # row scaled, FP32 out, aux amax
     for tokens in (1, 8):
         choice = dispatch.moe_dispatch(tokens, 8, 32, "w4a16", False, global_num_experts=256)
         expected = moe_launch.expected_tiles(choice.expected_local_pairs, 32, choice.tile_m)
-        gemm1 = moe_launch.GemmShape((32, 64, 112, 2048), choice.tile_m, expected, 132).key()
+        gemm1 = moe_launch.GemmShape((32, 64, 112, 2048), choice.tile_m, expected, 132)
         gemm2, splits = moe_launch.fused_gemm2_tiling(moe_launch.GemmShape((32, 112, 32, 2048), choice.tile_m, expected, 132))
-        variants.append(("gemm1", gemm1, 7168, 2048, 8, "swiglu", (None, None, None), False))
         variants.append(
-            ("gemm2_fused", gemm2.key(), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, splits)
+            ("gemm1", gemm1.key(), 7168, 2048, 8, "swiglu", (None, None, None), False, *defaults, 1, 32, 0, False,
+             None, False, moe_launch.uses_warp_mma(gemm1))
         )
+        variants.append(
+            ("gemm2_fused", gemm2.key(), 2048, 7168, 8, "none", (None, None, None), True, *defaults, splits, 32, 0,
+             False, None, False, moe_launch.uses_warp_mma(gemm2))
+        )
+    assert [_warp_mma(v[2:]) for v in variants] == [True, True, False, False]
     return [v for v in variants if v not in GEMM_VARIANTS]
+
+
+def _warp_mma(rest) -> bool:
+    """Whether a `GEMM_VARIANTS` entry (after its key) multiplies with per-warp `mma.sync`."""
+    return len(rest) > 15 and rest[15]
 
 
 GEMM_VARIANTS += _fused_moe_variants()
 GEMM_VARIANTS += _expert_parallel_variants()
+# The aligned MoE's per-pair GEMM2 in 64-feature decode CTAs (a 32-expert plan at T = 1), with `mma.sync`.
+GEMM_VARIANTS.append(
+    ("gemm2_expanded", (32, 7168, 2048, 64, 8, 8, 128, 16, 2, 264), 2048, 7168, 8, "none", (None, None, None), True,
+     False, False, False, 1, 32, 1, False, None, True, True)
+)
+
+
+def test_warp_mma_takes_the_decode_tiles_of_one_consumer_group():
+    """`moe_launch.uses_warp_mma`: 8-row tiles of 64-feature CTAs (GLM's GEMM1 at T = 1) multiply with
+    `mma.sync`; 256-feature decode CTAs (DeepSeek-V3 at T = 1), 64-feature CTAs of 16-row tiles and
+    128-feature CTAs keep `wgmma`."""
+    shape = moe_launch.GemmShape
+    assert moe_launch.uses_warp_mma(shape((256, 16, 96, 2048), 8, moe_launch.expected_tiles(8, 256, 8), 132))
+    assert not moe_launch.uses_warp_mma(shape((256, 64, 112, 2048), 8, moe_launch.expected_tiles(8, 256, 8), 132))
+    narrow16 = shape((32, 16, 96, 2048), 16, 2, 132)
+    assert narrow16.tile_features == 64 and not moe_launch.uses_warp_mma(narrow16)
+    wide128 = shape((256, 18, 96, 2048), 8, 40, 132)
+    assert wide128.tile_features == 128 and not moe_launch.uses_warp_mma(wide128)
 
 
 def test_decode_tiles_take_256_features_where_they_fill_the_sms():
@@ -256,9 +286,13 @@ def test_every_kernel_compiles_for_sm90a(compiled):
 def test_gemms_feed_register_sourced_wgmma_from_bulk_copies_and_gathers(compiled):
     for i, (_epilogue, key, *_rest) in enumerate(GEMM_VARIANTS):
         sass = _sass(compiled, f"gemm_{i}")
-        # HGMMA.64xNx16 whose A operand is a register (`R..`), not a shared-memory descriptor: one
+        if _warp_mma(_rest):
+            # Per-warp m16n8k16 from registers, B loaded by `ldmatrix`; no `wgmma`.
+            assert "HMMA.16816.F32.BF16" in sass and "LDSM.16.M88.4" in sass, GEMM_VARIANTS[i]
+            assert "HGMMA" not in sass, GEMM_VARIANTS[i]
+        # Otherwise HGMMA.64xNx16 whose A operand is a register (`R..`), not a shared-memory descriptor: one
         # width per variant of the k loop.
-        for rows in _variant_rows(key):
+        for rows in [] if _warp_mma(_rest) else _variant_rows(key):
             assert re.search(rf"HGMMA\.64x{rows}x16\.F32\.BF16 R\d+, R\d+, gdesc", sass), (rows, GEMM_VARIANTS[i])
         assert "UBLKCP.S.G" in sass and ("LDGSTS" in sass or _quantizes(_rest)), GEMM_VARIANTS[i]
         assert "USETMAXREG" in sass, GEMM_VARIANTS[i]
@@ -284,10 +318,11 @@ def test_quantizing_gemms_fill_their_activation_panels_themselves(compiled):
 def test_decode_wgmmas_advance_one_64_bit_descriptor(compiled):
     """Decode tiles (`moe_gemm.INLINE_WGMMA_TILE_ROWS`) issue their k loop's `wgmma`s as inline PTX whose
     descriptors are one 64-bit base per k tile plus an immediate: ptxas adds each with one `UIADD3.64`
-    rather than rebuilding both descriptor words per `HGMMA`; larger tiles keep `cute.gemm`'s."""
+    rather than rebuilding both descriptor words per `HGMMA`; larger tiles keep `cute.gemm`'s (and
+    `mma.sync` takes no descriptor)."""
     for i, (_epilogue, key, *_rest) in enumerate(GEMM_VARIANTS):
         sass = _sass(compiled, f"gemm_{i}")
-        inline = key[4] <= moe_gemm.INLINE_WGMMA_TILE_ROWS
+        inline = key[4] <= moe_gemm.INLINE_WGMMA_TILE_ROWS and not _warp_mma(_rest)
         assert ("UIADD3.64" in sass) == inline, GEMM_VARIANTS[i]
         if inline:
             # Every HGMMA but the first of its k tile (which takes the base) follows a 64-bit add.
@@ -308,7 +343,8 @@ def test_decode_left_shifts_on_the_fma_pipe(compiled):
         if key[4] > moe_gemm.LOADS_AHEAD_TILE_ROWS:
             continue
         lines = _sass(compiled, f"gemm_{i}").splitlines()
-        mmas = [n for n, line in enumerate(lines) if "HGMMA" in line]
+        mma = "HMMA" if _warp_mma(_rest) else "HGMMA"
+        mmas = [n for n, line in enumerate(lines) if mma in line]
         loop = "\n".join(lines[mmas[0] - 150: mmas[-1]])
         words = loop.count("HMUL2") // 4
         shifts = len(re.findall(r"\bSHF\.[LR]\.(?:U32|W)\b", loop))
@@ -353,6 +389,8 @@ def test_gemm_mmas_stay_in_flight(compiled, index):
     prepared_k, tile_k = key[2], key[6]
     if prepared_k // tile_k <= 2:
         pytest.skip("a k loop of two k tiles")
+    if _warp_mma(_rest):
+        pytest.skip("per-warp `mma.sync`, which ptxas orders by its registers")
     sass = _sass(compiled, f"gemm_{index}")
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") <= len(_variant_rows(key)), GEMM_VARIANTS[index]
 
@@ -362,13 +400,14 @@ LOCAL_MEMORY = re.compile(r"\b(LDL|STL)\b")
 
 def test_no_kernel_spills_to_local_memory(compiled):
     """No local memory in any kernel, but one store and one load per item outside a GEMM's k loops
-    (between its first and last `HGMMA`): the 16-row tiles of two CTAs per SM, at 104 registers per
-    consumer with the next k tile's words in registers (`moe_gemm.LOADS_AHEAD_TILE_ROWS`), may keep
-    the item loop's step there."""
+    (between its first and last `HGMMA`, or `HMMA` with `mma.sync`): the 16-row tiles of two CTAs per SM,
+    at 104 registers per consumer with the next k tile's words in registers
+    (`moe_gemm.LOADS_AHEAD_TILE_ROWS`), may keep the item loop's step there."""
     for name in _names():
         sass = _sass(compiled, name)
         if name.startswith("gemm_"):
-            first, last = sass.index("HGMMA"), sass.rindex("HGMMA")
+            mma = "HMMA" if _warp_mma(GEMM_VARIANTS[int(name[5:])][2:]) else "HGMMA"
+            first, last = sass.index(mma), sass.rindex(mma)
             assert not LOCAL_MEMORY.search(sass[first:last]), name
             assert len(re.findall(r"\bSTL\b", sass)) <= 1 and len(re.findall(r"\bLDL\b", sass)) <= 1, name
         else:

@@ -59,15 +59,9 @@ descriptors cost it three (both words rebuilt). They also carry the stage each k
 instead of recomputing it. Larger tiles keep `cute.gemm`: at 16 rows and two CTAs per SM (104
 registers per consumer) the inline form makes ptxas spill loop-invariant values. 0 turns it off."""
 WARP_MMA_TILE_ROWS = 8
-"""Tiles of this many rows (decode) multiply with one `mma.sync` m16n8k16 per warp and 16 K
-(`mainloop_warp_mma`) instead of the warpgroup's `wgmma`: a warp decodes a code word into the four A
-pairs of its 16 rows and multiplies them at once, with B (the tile's eight rows) loaded from the stage by
-`ldmatrix`. The four warps of a group then never wait for each other (a `wgmma` is issued by the whole
-warpgroup together), no A fragment of a whole k tile is held for an asynchronous `wgmma`, and a stage is
-released as soon as its words and B are in registers, before the decode, so the producer refills it a
-k tile earlier. The accumulator and A registers are the `wgmma` fragments' (the m64n8 layout restricted
-to a warp's 16 rows is the m16n8 one), so the epilogues are shared. Tiles that quantize their own rows
-(`quantizes_rows`) keep `wgmma` on their panel. 0 turns it off."""
+"""Tiles of this many rows can multiply with per-warp `mma.sync` instead of `wgmma`
+(`MoEGemmSm90(warp_mma=True)`, `mainloop_warp_mma`): m16n8k16 is a warp's 16 weight rows against the
+tile's eight rows."""
 EPILOGUE_ROWS = 32
 """Plan rows whose pairs and router weights the epilogue loads at once, by default: each chunk waits
 for its loads (two dependent round trips with router weights) before its stores, and holds one
@@ -279,6 +273,15 @@ class MoEGemmSm90:
       computes a prefix. One wide `wgmma` keeps the tensor
       core busier than several narrow ones over the same rows. Decode tiles issue their `wgmma`s as inline
       PTX with 64-bit descriptors (`INLINE_WGMMA_TILE_ROWS`).
+    - With `warp_mma` (8-row tiles, where the launch layer chooses it: `moe_launch.uses_warp_mma`) each
+      warp multiplies its 16 rows of the block with `mma.sync` m16n8k16 instead (`mainloop_warp_mma`): a
+      code word decodes into the four A pairs of one `mma.sync`, B (the tile's eight rows) comes from the
+      stage through `ldmatrix`, and a stage is released as soon as its words and B are in registers,
+      before the decode, so the producer refills it a k tile earlier. The warps of a group never wait
+      for each other, as a `wgmma` makes them. The accumulator and A registers are the `wgmma`
+      fragments' (the m64n8 layout restricted to a warp's 16 rows is the m16n8 one), so the epilogues
+      are shared; the sums along K are ordered differently (two accumulators), so the two forms are not
+      bitwise equal.
 
     Epilogue (consumers, straight from the accumulators): the FP32 accumulator times
     `alpha[e] * 2^8` (the decode's `2^-8`, `gemm_device`), then per `epilogue`.
@@ -331,6 +334,7 @@ class MoEGemmSm90:
         output_scaled: bool = False,
         quantizes_rows: bool = False,
         per_token_numerator: float | None = None,
+        warp_mma: bool = False,
     ):
         assert epilogue in EPILOGUES
         assert tile_features in (64, 128, 256, 448) and prepared_rows % tile_features == 0
@@ -360,7 +364,8 @@ class MoEGemmSm90:
         self.stages = stages
         self.loads_ahead = tile_rows <= LOADS_AHEAD_TILE_ROWS
         self.inline_wgmma = tile_rows <= INLINE_WGMMA_TILE_ROWS
-        self.warp_mma = tile_rows <= WARP_MMA_TILE_ROWS and not quantizes_rows
+        assert not warp_mma or (tile_rows <= WARP_MMA_TILE_ROWS and not quantizes_rows)
+        self.warp_mma = warp_mma
         assert stages >= (MIN_LOADS_AHEAD_STAGES if self.loads_ahead else 2)
         self.ctas_per_sm = ctas_per_sm
         self.max_ctas = max_ctas
@@ -1150,21 +1155,23 @@ class MoEGemmSm90:
 
     @cute.jit
     def mainloop_warp_mma(self, acc, iteration, b_operand, full, empty, codes_smem, scales_smem):
-        """The k loop of one item in decode tiles (`WARP_MMA_TILE_ROWS`): each k step waits for the next
-        k tile, loads its words and B fragments and releases its stage (`warp_mma_operands`), then decodes
-        this k tile's words and multiplies them, one `mma.sync` per code word, into the accumulator, whose
-        values stay in registers across the loop."""
+        """The k loop of one item with per-warp `mma.sync` (`warp_mma`): each k step waits for the next k
+        tile, loads its words and B fragments and releases its stage (`warp_mma_operands`), then decodes
+        this k tile's words and multiplies them, one `mma.sync` per code word. The k16 steps alternate
+        between two accumulators, added once at the end: one chain of dependent `mma.sync`s per k tile
+        would make each wait for the previous one's result, which costs more than the decode between
+        them hides. Unrolled by two k tiles, so that the next tile's operands need no register moves."""
         stage, phase = self.stage_and_phase(iteration)
         operands = self.warp_mma_operands(b_operand, full, empty, codes_smem, scales_smem, stage, phase)
-        values = [acc[i] for i in range(cute.size(acc))]
-        for _ in cutlass.range(self.k_iterations - 1, unroll=1):
+        values = [[acc[i] for i in range(cute.size(acc))], [Float32(0.0)] * cute.size(acc)]
+        for _ in cutlass.range(self.k_iterations - 1, unroll=2):
             stage, phase = self.next_stage(stage, phase)
             next_operands = self.warp_mma_operands(b_operand, full, empty, codes_smem, scales_smem, stage, phase)
             values = self.multiply_k_tile(values, operands)
             operands = next_operands
         values = self.multiply_k_tile(values, operands)
         for i in cutlass.range_constexpr(cute.size(acc)):
-            acc[i] = values[i]
+            acc[i] = values[0][i] + values[1][i]
 
     @cute.jit
     def warp_mma_operands(self, b_operand, full, empty, codes_smem, scales_smem, stage, phase):
@@ -1181,16 +1188,16 @@ class MoEGemmSm90:
 
     @cute.jit
     def multiply_k_tile(self, values, operands):
-        """`values` (the warp's m16n8 accumulator) plus one k tile: per code word, its four A pairs
-        (`word_pairs`) times the k16 step's B pair of registers (`mma.sync`)."""
+        """`values` (the warp's two m16n8 accumulators, for even and odd k16 steps) plus one k tile: per code
+        word, its four A pairs (`word_pairs`) times the k16 step's B pair of registers (`mma.sync`)."""
         words, matrices = operands
         for kk in cutlass.range_constexpr(self.k64_per_tile):
             codes, scales = words[0][kk]
             for b in cutlass.range_constexpr(4):
                 k16 = 4 * kk + b
                 matrix = matrices[k16 // 2]
-                values = dev.mma_bf16_m16n8k16(
-                    values, self.word_pairs(codes[b], scales, b), (matrix[2 * (k16 % 2)], matrix[2 * (k16 % 2) + 1])
+                values[k16 % 2] = dev.mma_bf16_m16n8k16(
+                    values[k16 % 2], self.word_pairs(codes[b], scales, b), (matrix[2 * (k16 % 2)], matrix[2 * (k16 % 2) + 1])
                 )
         return values
 

@@ -46,6 +46,7 @@ from fp4moe.kernels.sm90.moe_gemm import (
     EPILOGUE_ROWS,
     INLINE_WGMMA_TILE_ROWS,
     TWO_BLOCK_TALL_TILE_ROWS,
+    WARP_MMA_TILE_ROWS,
     MoEGemmSm90,
     blocks_per_consumer,
     pipeline_stages,
@@ -213,12 +214,24 @@ class GemmShape:
         )
 
 
+def uses_warp_mma(shape: GemmShape) -> bool:
+    """Whether the GEMM multiplies with per-warp `mma.sync` (`moe_gemm.MoEGemmSm90(warp_mma=True)`)
+    rather than `wgmma`: in 8-row tiles of CTAs of one consumer group (64 features, two CTAs per SM, the
+    decode tilings of plans too small for wider CTAs: GLM and Qwen3-30B-A3B at T = 1, a 32-expert
+    shard of DeepSeek-V3 at T = 1-2). There its warps, which never wait for one another, and its stages,
+    released before the decode, measured 2-6% faster whole calls; in CTAs of four or seven groups it
+    measured 1-2.5% slower (runs log). Its sums along K are ordered differently, so a GEMM whose bits
+    must not depend on the tiling keeps `wgmma` (`gemm1`'s `tiling_invariant`)."""
+    return shape.tile_rows <= WARP_MMA_TILE_ROWS and shape.tile_features == weight_layout.ROW_BLOCK
+
+
 @compile_function
 def compile_gemm(
     epilogue: str, shape_key: tuple, act_k: int, out_features: int, top_k: int, activation: str,
     swiglu: tuple, router_weighted: bool, row_scaled: bool = False, float32_out: bool = False,
     aux_amax: bool = False, k_splits: int = 1, epilogue_rows: int = EPILOGUE_ROWS, output_scales: int = 0,
     up_alpha: bool = False, per_token_numerator: float | None = None, live_tiles: bool = False,
+    warp_mma: bool = False,
 ):
     """The grouped GEMM of `MoEGemmSm90`'s static configuration, compiled once per process (and cached
     on disk). `output_scales`: GEMM1 writes its intermediate quantized to NVFP4 and dequantized
@@ -228,7 +241,7 @@ def compile_gemm(
     `per_token_numerator` (RN(1 / global_scale_inv)): the activations are bf16 and the GEMM quantizes
     them to NVFP4 per token itself (`moe_gemm.MoEGemmSm90(quantizes_rows=True)`; `shape_key` then has
     the stages of `quantizing_shape_key`). `live_tiles`: the kernel takes a device-side count of the plan
-    tiles in use (`moe_gemm.MoEGemmSm90.item_end`)."""
+    tiles in use (`moe_gemm.MoEGemmSm90.item_end`). `warp_mma`: per-warp `mma.sync` (`uses_warp_mma`)."""
     experts, rows, k, tile_features, tile_rows, granule, tile_k, stages, ctas_per_sm, max_ctas = shape_key
     kernel = MoEGemmSm90(
         epilogue=epilogue, num_experts=experts, prepared_rows=rows, prepared_k=k, act_k=act_k,
@@ -238,7 +251,7 @@ def compile_gemm(
         row_scaled=row_scaled, float32_out=float32_out, aux_amax=aux_amax, k_splits=k_splits,
         epilogue_rows=epilogue_rows, nvfp4_out=output_scales > 0 and epilogue == "gemm1", up_alpha=up_alpha,
         output_scaled=output_scales > 0 and epilogue != "gemm1", quantizes_rows=per_token_numerator is not None,
-        per_token_numerator=per_token_numerator,
+        per_token_numerator=per_token_numerator, warp_mma=warp_mma,
     )
     tiles = (experts, rows // weight_layout.ROW_BLOCK, k // weight_layout.K_TILE)
     codes = make_fake_compact_tensor(
@@ -265,6 +278,7 @@ def compile_gemm(
     key = (
         "moe_gemm", epilogue, shape_key, act_k, out_features, top_k, activation, swiglu, router_weighted, row_scaled,
         float32_out, aux_amax, k_splits, epilogue_rows, output_scales, up_alpha, per_token_numerator, live_tiles,
+        warp_mma,
     )
     return compile_kernel(
         kernel, codes, scales, act, _i32(rows_dim), _i32(_dynamic()), alpha, router, row_scales, out, aux,
@@ -498,7 +512,7 @@ def _check_aux_amax_tile(aux_amax_tile_n: int) -> None:
 def gemm1(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, layout, top_k,
     activation, swiglu_alpha, swiglu_beta, swiglu_limit, router_weights, output_global_scale, aux_amax_tile_n,
-    *, expected_pairs=None,
+    *, expected_pairs=None, tiling_invariant=False,
 ):
     """GEMM1 (`fp4moe.reference.moe.gemm1`'s contract) on activations that are bf16 (W4A16) or NVFP4
     (W4A4, with per-token scales or not), over the prepared weights' padded intermediate size (extra
@@ -507,7 +521,9 @@ def gemm1(
     With `output_global_scale` (per-tensor W4A4: [1], or [E] per expert) the intermediate is the NVFP4
     quantization of the FP32 values with that scale, dequantized to their exact bf16 values
     `e2m1 * sf` in the epilogue: what GEMM2 computes with from codes and scales (the global factor is
-    in its alpha), without a quantization or decode pass in between."""
+    in its alpha), without a quantization or decode pass in between. `tiling_invariant`: the bits must not
+    depend on the tile shapes (the deterministic pipeline, whose tiles `expected_pairs` may change), so
+    the MMAs are `wgmma` whatever the tiling (`uses_warp_mma`)."""
     _check_aux_amax_tile(aux_amax_tile_n)
     if output_global_scale is not None and aux_amax_tile_n:
         raise NotImplementedError("the aux-amax handoff goes with a bf16 intermediate, not an NVFP4 one")
@@ -515,6 +531,7 @@ def gemm1(
         a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, layout, top_k,
         activation, (swiglu_alpha, swiglu_beta, swiglu_limit), router_weights, float32=False,
         aux_amax=aux_amax_tile_n > 0, output_global_scale=output_global_scale, expected_pairs=expected_pairs,
+        tiling_invariant=tiling_invariant,
     )
     return out, None, a.new_empty((0,), dtype=torch.bfloat16) if aux_amax is None else aux_amax
 
@@ -522,14 +539,15 @@ def gemm1(
 def gemm1_values(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, layout, top_k,
     activation, swiglu, router_weights, float32: bool, aux_amax: bool = False, output_global_scale=None,
-    expected_pairs=None,
+    expected_pairs=None, tiling_invariant=False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The GEMM1 kernel's intermediate [R, I_pad] (after the activation and the router weight on input):
     bf16, or with `float32` the FP32 values it rounds, or with `output_global_scale` those values
     quantized to NVFP4 and dequantized (`gemm1`); and with `aux_amax` the maxima of the bf16 values over
     `AUX_AMAX_COLUMNS`-column tiles (docs/semantics.md §2.4's layout), else None. Rows of unused tiles
     are left unwritten in both. `expected_pairs`: the local pairs the tiles are sized for
-    (`MoEDispatch.expected_local_pairs`; None: every pair of the activations' rows is local)."""
+    (`MoEDispatch.expected_local_pairs`; None: every pair of the activations' rows is local);
+    `tiling_invariant` as in `gemm1`."""
     w1, w1_scales = _prepared(w1, w1_scales, layout, activation == "swiglu")
     prepared_rows = w1.shape[1] * weight_layout.ROW_BLOCK
     out_features = prepared_rows // 2 if activation == "swiglu" else prepared_rows
@@ -551,6 +569,7 @@ def gemm1_values(
         "gemm1", shape.key(), a.shape[1], out_features, top_k, activation, swiglu, router_weights is not None,
         a_per_token_scale is not None, float32, aux_amax,
         output_scales=0 if output_global_scale is None else output_global_scale.numel(),
+        warp_mma=uses_warp_mma(shape) and not tiling_invariant,
     )
     launch_gemm(
         kernel, w1, w1_scales, a, permuted_to_pair, tile_expert, w1_alpha, router_weights, out, a_per_token_scale, aux,
@@ -568,7 +587,8 @@ def gemm2(
     [T*k, hidden] per-pair rows (rows of non-local pairs unwritten: the deterministic finalize skips
     them). `quantize` = ("per_token", global_scale_inv): the intermediate is bf16 and GEMM2 quantizes
     it to NVFP4 per token itself (`quantizing_shape_key`; decode plan tiles), as the rescan path of the
-    per-token quantizer would."""
+    per-token quantizer would. The per-pair rows (the deterministic finalize's) are computed with `wgmma`
+    whatever the tiling (`gemm1`'s `tiling_invariant`)."""
     w2, w2_scales = _prepared(w2, w2_scales, layout, gated=False)
     epilogue = "gemm2_fused" if accumulator is not None else "gemm2_expanded"
     out = accumulator if accumulator is not None else a.new_empty((num_tokens * top_k, hidden), dtype=torch.float32)
@@ -592,6 +612,7 @@ def gemm2(
     kernel = compile_gemm(
         epilogue, key, a.shape[1], hidden, top_k, "none", (None, None, None), router_weights is not None,
         row_scaled=a_per_token_scale is not None, k_splits=k_splits, per_token_numerator=numerator,
+        warp_mma=accumulator is not None and quantize is None and uses_warp_mma(shape),
     )
     launch_gemm(kernel, w2, w2_scales, a, permuted_to_pair, tile_expert, w2_alpha, router_weights, out, a_per_token_scale)
     return out
