@@ -396,6 +396,28 @@ def test_seven_group_decode_tiles_match_the_loop_reference(mode, tokens, experts
     assert_moe_close(run_prepared(p), loop_reference(p))
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4_per_token"])
+def test_warp_mma_decode_tiles_match_the_loop_reference(mode, monkeypatch):
+    # Few experts at T = 2: both GEMMs take 64-feature CTAs of 8-row tiles, which multiply with per-warp
+    # `mma.sync` (`moe_launch.uses_warp_mma`; GEMM2 in four slices of K). The deterministic pipeline keeps
+    # `wgmma` (its bits must not depend on the tiling): bitwise the call with `mma.sync` turned off.
+    from fp4moe.kernels.sm90 import moe_launch
+
+    p = make_problem(tokens=2, hidden=1024, intermediate=512, num_experts=16, top_k=4, mode=mode, device="cuda",
+                     seed=70)
+    w = p.weights.prepared()
+    tile = dispatch.moe_tile_m(2, 4, 16)
+    expected = moe_launch.expected_tiles(2 * 4, 16, tile)
+    gemm1 = moe_launch.GemmShape(w.w1.shape, tile, expected, moe_launch.sm_count(0))
+    gemm2, _ = moe_launch.fused_gemm2_tiling(moe_launch.GemmShape(w.w2.shape, tile, expected, moe_launch.sm_count(0)))
+    assert moe_launch.uses_warp_mma(gemm1) and moe_launch.uses_warp_mma(gemm2)
+    assert_moe_close(run_prepared(p), loop_reference(p))
+    deterministic = run_prepared(p, deterministic=True)
+    assert_moe_close(deterministic, loop_reference(p))
+    monkeypatch.setattr(moe_launch, "uses_warp_mma", lambda shape: False)
+    assert_bitwise_equal(run_prepared(p, deterministic=True), deterministic)
+
+
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_per_pair_gemm2_in_seven_consumer_groups_is_bitwise_the_four_group_one(mode, monkeypatch):
     # The deterministic finalize's GEMM2 (K whole) where its 256-feature items leave a wave unbalanced
