@@ -219,9 +219,10 @@ def uses_warp_mma(shape: GemmShape) -> bool:
     rather than `wgmma`: in 8-row tiles of CTAs of one consumer group (64 features, two CTAs per SM, the
     decode tilings of plans too small for wider CTAs: GLM and Qwen3-30B-A3B at T = 1, a 32-expert
     shard of DeepSeek-V3 at T = 1-2). There its warps, which never wait for one another, and its stages,
-    released before the decode, measured 2-6% faster whole calls; in CTAs of four or seven groups it
-    measured 1-2.5% slower (runs log). Its sums along K are ordered differently, so a GEMM whose bits
-    must not depend on the tiling keeps `wgmma` (`gemm1`'s `tiling_invariant`)."""
+    released before the decode, made whole calls up to 5% faster (the shard at T = 1-2, GLM at T = 1) and
+    no slower elsewhere; in CTAs of four or seven groups it measured 0.5-2.5% slower (runs log). Its sums
+    along K are ordered differently, so a GEMM whose bits must not depend on the tiling keeps `wgmma`
+    (`gemm1`'s `tiling_invariant`)."""
     return shape.tile_rows <= WARP_MMA_TILE_ROWS and shape.tile_features == weight_layout.ROW_BLOCK
 
 
