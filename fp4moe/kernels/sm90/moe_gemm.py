@@ -1160,7 +1160,8 @@ class MoEGemmSm90:
         this k tile's words and multiplies them, one `mma.sync` per code word. The k16 steps alternate
         between two accumulators, added once at the end: one chain of dependent `mma.sync`s per k tile
         would make each wait for the previous one's result, which costs more than the decode between
-        them hides. Unrolled by two k tiles, so that the next tile's operands need no register moves."""
+        them hides. Unrolled by two k tiles, which spares most register moves of the operands one step hands
+        to the next."""
         stage, phase = self.stage_and_phase(iteration)
         operands = self.warp_mma_operands(b_operand, full, empty, codes_smem, scales_smem, stage, phase)
         values = [[acc[i] for i in range(cute.size(acc))], [Float32(0.0)] * cute.size(acc)]
@@ -1195,10 +1196,9 @@ class MoEGemmSm90:
             codes, scales = words[0][kk]
             for b in cutlass.range_constexpr(4):
                 k16 = 4 * kk + b
-                matrix = matrices[k16 // 2]
-                values[k16 % 2] = dev.mma_bf16_m16n8k16(
-                    values[k16 % 2], self.word_pairs(codes[b], scales, b), (matrix[2 * (k16 % 2)], matrix[2 * (k16 % 2) + 1])
-                )
+                parity = k16 % 2
+                b_pair = matrices[k16 // 2][2 * parity: 2 * parity + 2]
+                values[parity] = dev.mma_bf16_m16n8k16(values[parity], self.word_pairs(codes[b], scales, b), b_pair)
         return values
 
     def matrix_addresses(self, storage, b_layout, thread):
