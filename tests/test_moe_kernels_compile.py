@@ -97,11 +97,11 @@ def _expert_parallel_variants():
         gemm2, splits = moe_launch.fused_gemm2_tiling(moe_launch.GemmShape((32, 112, 32, 2048), choice.tile_m, expected, 132))
         variants.append(
             ("gemm1", gemm1.key(), 7168, 2048, 8, "swiglu", (None, None, None), False, *defaults, 1, 32, 0, False,
-             None, False, moe_launch.uses_warp_mma(gemm1))
+             None, False, moe_launch.uses_warp_mma(gemm1.key()))
         )
         variants.append(
             ("gemm2_fused", gemm2.key(), 2048, 7168, 8, "none", (None, None, None), True, *defaults, splits, 32, 0,
-             False, None, False, moe_launch.uses_warp_mma(gemm2))
+             False, None, False, moe_launch.uses_warp_mma(gemm2.key()))
         )
     assert [_warp_mma(v[2:]) for v in variants] == [True, True, False, False]
     return [v for v in variants if v not in GEMM_VARIANTS]
@@ -126,12 +126,12 @@ def test_warp_mma_takes_the_decode_tiles_of_one_consumer_group():
     `mma.sync`; 256-feature decode CTAs (DeepSeek-V3 at T = 1), 64-feature CTAs of 16-row tiles and
     128-feature CTAs keep `wgmma`."""
     shape = moe_launch.GemmShape
-    assert moe_launch.uses_warp_mma(shape((256, 16, 96, 2048), 8, moe_launch.expected_tiles(8, 256, 8), 132))
-    assert not moe_launch.uses_warp_mma(shape((256, 64, 112, 2048), 8, moe_launch.expected_tiles(8, 256, 8), 132))
+    assert moe_launch.uses_warp_mma(shape((256, 16, 96, 2048), 8, moe_launch.expected_tiles(8, 256, 8), 132).key())
+    assert not moe_launch.uses_warp_mma(shape((256, 64, 112, 2048), 8, moe_launch.expected_tiles(8, 256, 8), 132).key())
     narrow16 = shape((32, 16, 96, 2048), 16, 2, 132)
-    assert narrow16.tile_features == 64 and not moe_launch.uses_warp_mma(narrow16)
+    assert narrow16.tile_features == 64 and not moe_launch.uses_warp_mma(narrow16.key())
     wide128 = shape((256, 18, 96, 2048), 8, 40, 132)
-    assert wide128.tile_features == 128 and not moe_launch.uses_warp_mma(wide128)
+    assert wide128.tile_features == 128 and not moe_launch.uses_warp_mma(wide128.key())
 
 
 def test_decode_tiles_take_256_features_where_they_fill_the_sms():

@@ -410,11 +410,11 @@ def test_warp_mma_decode_tiles_match_the_loop_reference(mode, monkeypatch):
     expected = moe_launch.expected_tiles(2 * 4, 16, tile)
     gemm1 = moe_launch.GemmShape(w.w1.shape, tile, expected, moe_launch.sm_count(0))
     gemm2, _ = moe_launch.fused_gemm2_tiling(moe_launch.GemmShape(w.w2.shape, tile, expected, moe_launch.sm_count(0)))
-    assert moe_launch.uses_warp_mma(gemm1) and moe_launch.uses_warp_mma(gemm2)
+    assert moe_launch.uses_warp_mma(gemm1.key()) and moe_launch.uses_warp_mma(gemm2.key())
     assert_moe_close(run_prepared(p), loop_reference(p))
     deterministic = run_prepared(p, deterministic=True)
     assert_moe_close(deterministic, loop_reference(p))
-    monkeypatch.setattr(moe_launch, "uses_warp_mma", lambda shape: False)
+    monkeypatch.setattr(moe_launch, "uses_warp_mma", lambda shape_key: False)
     assert_bitwise_equal(run_prepared(p, deterministic=True), deterministic)
 
 

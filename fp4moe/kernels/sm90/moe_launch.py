@@ -214,16 +214,17 @@ class GemmShape:
         )
 
 
-def uses_warp_mma(shape: GemmShape) -> bool:
-    """Whether the GEMM multiplies with per-warp `mma.sync` (`moe_gemm.MoEGemmSm90(warp_mma=True)`)
-    rather than `wgmma`: in 8-row tiles of CTAs of one consumer group (64 features, two CTAs per SM, the
+def uses_warp_mma(shape_key: tuple) -> bool:
+    """Whether the GEMM of compile key `shape_key` (`GemmShape.key`) multiplies with per-warp `mma.sync`
+    (`moe_gemm.MoEGemmSm90(warp_mma=True)`) rather than `wgmma`: in 8-row tiles of CTAs of one consumer group (64 features, two CTAs per SM, the
     decode tilings of plans too small for wider CTAs: GLM and Qwen3-30B-A3B at T = 1, a 32-expert
     shard of DeepSeek-V3 at T = 1-2). There its warps, which never wait for one another, and its stages,
     released before the decode, made whole calls up to 5% faster (the shard at T = 1-2, GLM at T = 1) and
     no slower elsewhere; in CTAs of four or seven groups it measured 0.5-2.5% slower (runs log). Its sums
     along K are ordered differently, so a GEMM whose bits must not depend on the tiling keeps `wgmma`
     (`gemm1`'s `tiling_invariant`)."""
-    return shape.tile_rows <= WARP_MMA_TILE_ROWS and shape.tile_features == weight_layout.ROW_BLOCK
+    _experts, _rows, _k, tile_features, tile_rows, *_ = shape_key
+    return tile_rows <= WARP_MMA_TILE_ROWS and tile_features == weight_layout.ROW_BLOCK
 
 
 @compile_function
@@ -570,7 +571,7 @@ def gemm1_values(
         "gemm1", shape.key(), a.shape[1], out_features, top_k, activation, swiglu, router_weights is not None,
         a_per_token_scale is not None, float32, aux_amax,
         output_scales=0 if output_global_scale is None else output_global_scale.numel(),
-        warp_mma=uses_warp_mma(shape) and not tiling_invariant,
+        warp_mma=uses_warp_mma(shape.key()) and not tiling_invariant,
     )
     launch_gemm(
         kernel, w1, w1_scales, a, permuted_to_pair, tile_expert, w1_alpha, router_weights, out, a_per_token_scale, aux,
@@ -613,7 +614,7 @@ def gemm2(
     kernel = compile_gemm(
         epilogue, key, a.shape[1], hidden, top_k, "none", (None, None, None), router_weights is not None,
         row_scaled=a_per_token_scale is not None, k_splits=k_splits, per_token_numerator=numerator,
-        warp_mma=accumulator is not None and quantize is None and uses_warp_mma(shape),
+        warp_mma=accumulator is not None and quantize is None and uses_warp_mma(shape.key()),
     )
     launch_gemm(kernel, w2, w2_scales, a, permuted_to_pair, tile_expert, w2_alpha, router_weights, out, a_per_token_scale)
     return out
