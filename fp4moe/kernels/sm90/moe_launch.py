@@ -220,7 +220,7 @@ def uses_warp_mma(shape_key: tuple) -> bool:
     decode tilings of plans too small for wider CTAs: GLM and Qwen3-30B-A3B at T = 1, a 32-expert
     shard of DeepSeek-V3 at T = 1-2). There its warps, which never wait for one another, and its stages,
     released before the decode, made whole calls up to 5% faster (the shard at T = 1-2, GLM at T = 1) and
-    no slower elsewhere; in CTAs of four or seven groups it measured 0.5-2.5% slower (runs log). Its sums
+    no slower elsewhere; in CTAs of four or seven groups it measured up to 2.4% slower (runs log). Its sums
     along K are ordered differently, so a GEMM whose bits must not depend on the tiling keeps `wgmma`
     (`gemm1`'s `tiling_invariant`)."""
     _experts, _rows, _k, tile_features, tile_rows, *_ = shape_key
