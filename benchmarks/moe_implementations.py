@@ -152,6 +152,24 @@ def fused_moe_rescan_implementation(config: QuantConfig) -> Implementation:
 register(fused_moe_rescan_implementation(W4A4_PER_TOKEN))
 
 
+def fused_moe_deterministic_implementation(config: QuantConfig) -> Implementation:
+    """`fused_moe(deterministic=True)`: GEMM2 writes each pair's row and the finalize adds a token's rows in
+    a fixed order (semantics §3.7), bitwise reproducible, where the default adds them with atomics."""
+
+    def build(case: MoECase) -> Callable[[], torch.Tensor]:
+        return functools.partial(
+            torch.ops.fp4moe.fused_moe, **{**case.fused_moe_arguments(config), "deterministic": True}
+        )
+
+    def dispatch_of(case: MoECase) -> dict:
+        return REGISTRY[f"fused_moe_{config.name}"].dispatch(case)
+
+    return Implementation(f"fused_moe_{config.name}_deterministic", build, dispatch_of, config, FUSED_MOE_TOLERANCE)
+
+
+register(fused_moe_deterministic_implementation(W4A16))
+
+
 # ---------------------------------------------------------------------------------------------------
 # The aligned MoE (semantics §5): NVFP4 hidden rows, a vLLM-style route plan, out accumulated in place
 # ---------------------------------------------------------------------------------------------------

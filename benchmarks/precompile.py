@@ -86,9 +86,10 @@ def compile_cell(shape: MoEShape, tokens: int, implementation: str) -> None:
     config = expected
     scale = _empty((1,), torch.float32) if config.per_tensor_w4a4 else None
     per_token_path = dispatch.RESCAN_PATH if implementation.endswith("_rescan") else None
+    deterministic = implementation.endswith("_deterministic")
     pipeline.fused_moe(
         _empty((tokens, hidden), torch.bfloat16), topk_ids, topk_weights, w1, w1_scales, alpha, w2, w2_scales, alpha,
-        scale, scale, config.quant_mode, config.per_token_activation, "swiglu", None, None, None, False, False,
+        scale, scale, config.quant_mode, config.per_token_activation, "swiglu", None, None, None, False, deterministic,
         shape.local_expert_offset, experts, None, weight_layout.SM90, shape.num_experts, per_token_path=per_token_path,
     )
 
