@@ -190,8 +190,7 @@ def compile_variant(name: str, epilogue: str, key: tuple):
     act_k, out_features = (HIDDEN, INTERMEDIATE) if gemm1 else (INTERMEDIATE, HIDDEN)
     with variant_kernels(name):
         return moe_launch.compile_gemm(
-            epilogue, key, act_k, out_features, TOP_K, "swiglu" if gemm1 else "none", (None,) * 3, not gemm1,
-            warp_mma=moe_launch.uses_warp_mma(key),
+            epilogue, key, act_k, out_features, TOP_K, "swiglu" if gemm1 else "none", (None,) * 3, not gemm1
         )
 
 

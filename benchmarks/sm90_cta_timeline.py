@@ -129,12 +129,11 @@ def compile_pair(tokens: int, sms: int, timed: bool):
     assert max(key1[-1], key2[-1]) <= MAX_CTAS, "more CTAs than the stamp buffers hold"
     with timed_kernels() if timed else contextlib.nullcontext():
         gemm1 = moe_launch.compile_gemm(
-            "gemm1", key1, HIDDEN, INTERMEDIATE, TOP_K, "swiglu", (None,) * 3, False, timed, epilogue_rows=rows1,
-            warp_mma=moe_launch.uses_warp_mma(key1),
+            "gemm1", key1, HIDDEN, INTERMEDIATE, TOP_K, "swiglu", (None,) * 3, False, timed, epilogue_rows=rows1
         )
         gemm2 = moe_launch.compile_gemm(
             "gemm2_fused", key2, INTERMEDIATE, HIDDEN, TOP_K, "none", (None,) * 3, True, timed, k_splits=k_splits,
-            epilogue_rows=rows2, warp_mma=moe_launch.uses_warp_mma(key2),
+            epilogue_rows=rows2,
         )
     return gemm1, gemm2
 

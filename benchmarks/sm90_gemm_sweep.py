@@ -152,8 +152,7 @@ def gemm_configurations(tokens: int, sms: int) -> tuple[int, list[tuple], list[t
 def compile_gemm1(config):
     key, _, epilogue_rows = config
     return moe_launch.compile_gemm(
-        "gemm1", key, HIDDEN, INTERMEDIATE, TOP_K, "swiglu", (None,) * 3, False, epilogue_rows=epilogue_rows,
-        warp_mma=moe_launch.uses_warp_mma(key),
+        "gemm1", key, HIDDEN, INTERMEDIATE, TOP_K, "swiglu", (None,) * 3, False, epilogue_rows=epilogue_rows
     )
 
 
@@ -161,7 +160,7 @@ def compile_gemm2(config):
     key, k_splits, epilogue_rows = config
     return moe_launch.compile_gemm(
         "gemm2_fused", key, INTERMEDIATE, HIDDEN, TOP_K, "none", (None,) * 3, True, k_splits=k_splits,
-        epilogue_rows=epilogue_rows, warp_mma=moe_launch.uses_warp_mma(key),
+        epilogue_rows=epilogue_rows,
     )
 
 

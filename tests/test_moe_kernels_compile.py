@@ -89,27 +89,29 @@ def _expert_parallel_variants():
     of 64 features at T = 1, multiplied with `mma.sync`, `moe_launch.uses_warp_mma`; tiles of 8 rows at
     T = 8)."""
     variants = []
-    defaults = (False, False, False)  # row scaled, FP32 out, aux amax
     for tokens in (1, 8):
         choice = dispatch.moe_dispatch(tokens, 8, 32, "w4a16", False, global_num_experts=256)
         expected = moe_launch.expected_tiles(choice.expected_local_pairs, 32, choice.tile_m)
-        gemm1 = moe_launch.GemmShape((32, 64, 112, 2048), choice.tile_m, expected, 132)
+        gemm1 = moe_launch.GemmShape((32, 64, 112, 2048), choice.tile_m, expected, 132).key()
         gemm2, splits = moe_launch.fused_gemm2_tiling(moe_launch.GemmShape((32, 112, 32, 2048), choice.tile_m, expected, 132))
+        variants.append(("gemm1", gemm1, 7168, 2048, 8, "swiglu", (None, None, None), False))
         variants.append(
-            ("gemm1", gemm1.key(), 7168, 2048, 8, "swiglu", (None, None, None), False, *defaults, 1, 32, 0, False,
-             None, False, moe_launch.uses_warp_mma(gemm1.key()))
+            ("gemm2_fused", gemm2.key(), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, splits)
         )
-        variants.append(
-            ("gemm2_fused", gemm2.key(), 2048, 7168, 8, "none", (None, None, None), True, *defaults, splits, 32, 0,
-             False, None, False, moe_launch.uses_warp_mma(gemm2.key()))
-        )
-    assert [_warp_mma(v[2:]) for v in variants] == [True, True, False, False]
+    assert [_warp_mma(v[1], v[2:]) for v in variants] == [True, True, False, False]
     return [v for v in variants if v not in GEMM_VARIANTS]
 
 
-def _warp_mma(rest) -> bool:
-    """Whether a `GEMM_VARIANTS` entry (after its key) multiplies with per-warp `mma.sync`."""
-    return len(rest) > 15 and rest[15]
+def _quantizes(rest) -> bool:
+    """Whether a `GEMM_VARIANTS` entry (after its key) quantizes its rows: a per-token numerator given."""
+    return len(rest) > 13 and rest[13] is not None
+
+
+def _warp_mma(key, rest) -> bool:
+    """Whether a `GEMM_VARIANTS` entry (its key, then the rest) multiplies with per-warp `mma.sync`:
+    `moe_launch.uses_warp_mma`'s tiles, unless it quantizes its rows or asks for bits independent of the
+    tiling (`compile_gemm`'s `tiling_invariant`, after `live_tiles`)."""
+    return moe_launch.uses_warp_mma(key) and not _quantizes(rest) and not (len(rest) > 15 and rest[15])
 
 
 GEMM_VARIANTS += _fused_moe_variants()
@@ -117,7 +119,7 @@ GEMM_VARIANTS += _expert_parallel_variants()
 # The aligned MoE's per-pair GEMM2 in 64-feature decode CTAs (a 32-expert plan at T = 1), with `mma.sync`.
 GEMM_VARIANTS.append(
     ("gemm2_expanded", (32, 7168, 2048, 64, 8, 8, 128, 16, 2, 264), 2048, 7168, 8, "none", (None, None, None), True,
-     False, False, False, 1, 32, 1, False, None, True, True)
+     False, False, False, 1, 32, 1, False, None, True)
 )
 
 
@@ -286,13 +288,13 @@ def test_every_kernel_compiles_for_sm90a(compiled):
 def test_gemms_feed_register_sourced_wgmma_from_bulk_copies_and_gathers(compiled):
     for i, (_epilogue, key, *_rest) in enumerate(GEMM_VARIANTS):
         sass = _sass(compiled, f"gemm_{i}")
-        if _warp_mma(_rest):
+        if _warp_mma(key, _rest):
             # Per-warp m16n8k16 from registers, B loaded by `ldmatrix`; no `wgmma`.
             assert "HMMA.16816.F32.BF16" in sass and "LDSM.16.M88.4" in sass, GEMM_VARIANTS[i]
             assert "HGMMA" not in sass, GEMM_VARIANTS[i]
         # Otherwise HGMMA.64xNx16 whose A operand is a register (`R..`), not a shared-memory descriptor: one
         # width per variant of the k loop.
-        for rows in [] if _warp_mma(_rest) else _variant_rows(key):
+        for rows in [] if _warp_mma(key, _rest) else _variant_rows(key):
             assert re.search(rf"HGMMA\.64x{rows}x16\.F32\.BF16 R\d+, R\d+, gdesc", sass), (rows, GEMM_VARIANTS[i])
         assert "UBLKCP.S.G" in sass and ("LDGSTS" in sass or _quantizes(_rest)), GEMM_VARIANTS[i]
         assert "USETMAXREG" in sass, GEMM_VARIANTS[i]
@@ -322,7 +324,7 @@ def test_decode_wgmmas_advance_one_64_bit_descriptor(compiled):
     `mma.sync` takes no descriptor)."""
     for i, (_epilogue, key, *_rest) in enumerate(GEMM_VARIANTS):
         sass = _sass(compiled, f"gemm_{i}")
-        inline = key[4] <= moe_gemm.INLINE_WGMMA_TILE_ROWS and not _warp_mma(_rest)
+        inline = key[4] <= moe_gemm.INLINE_WGMMA_TILE_ROWS and not _warp_mma(key, _rest)
         assert ("UIADD3.64" in sass) == inline, GEMM_VARIANTS[i]
         if inline:
             # Every HGMMA but the first of its k tile (which takes the base) follows a 64-bit add.
@@ -343,7 +345,7 @@ def test_decode_left_shifts_on_the_fma_pipe(compiled):
         if key[4] > moe_gemm.LOADS_AHEAD_TILE_ROWS:
             continue
         lines = _sass(compiled, f"gemm_{i}").splitlines()
-        mma = "HMMA" if _warp_mma(_rest) else "HGMMA"
+        mma = "HMMA" if _warp_mma(key, _rest) else "HGMMA"
         mmas = [n for n, line in enumerate(lines) if mma in line]
         loop = "\n".join(lines[mmas[0] - 150: mmas[-1]])
         words = loop.count("HMUL2") // 4
@@ -351,11 +353,6 @@ def test_decode_left_shifts_on_the_fma_pipe(compiled):
         counts = (shifts, loop.count("IMAD.SHL"), loop.count("IMAD.HI"), words)
         assert words > 0 and shifts < 3 * words, (counts, GEMM_VARIANTS[i])
         assert loop.count("IMAD.SHL") >= 3 * words // 2 and loop.count("IMAD.HI") < words // 2, (counts, GEMM_VARIANTS[i])
-
-
-def _quantizes(rest) -> bool:
-    """Whether a `GEMM_VARIANTS` entry (after its key) quantizes its rows: a per-token numerator given."""
-    return len(rest) > 13 and rest[13] is not None
 
 
 def _variant_rows(key) -> list[int]:
@@ -389,7 +386,7 @@ def test_gemm_mmas_stay_in_flight(compiled, index):
     prepared_k, tile_k = key[2], key[6]
     if prepared_k // tile_k <= 2:
         pytest.skip("a k loop of two k tiles")
-    if _warp_mma(_rest):
+    if _warp_mma(key, _rest):
         pytest.skip("per-warp `mma.sync`, which ptxas orders by its registers")
     sass = _sass(compiled, f"gemm_{index}")
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") <= len(_variant_rows(key)), GEMM_VARIANTS[index]
@@ -406,7 +403,8 @@ def test_no_kernel_spills_to_local_memory(compiled):
     for name in _names():
         sass = _sass(compiled, name)
         if name.startswith("gemm_"):
-            mma = "HMMA" if _warp_mma(GEMM_VARIANTS[int(name[5:])][2:]) else "HGMMA"
+            _epilogue, key, *rest = GEMM_VARIANTS[int(name[5:])]
+            mma = "HMMA" if _warp_mma(key, rest) else "HGMMA"
             first, last = sass.index(mma), sass.rindex(mma)
             assert not LOCAL_MEMORY.search(sass[first:last]), name
             assert len(re.findall(r"\bSTL\b", sass)) <= 1 and len(re.findall(r"\bLDL\b", sass)) <= 1, name

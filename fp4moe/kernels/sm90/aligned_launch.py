@@ -48,7 +48,6 @@ from fp4moe.kernels.sm90.moe_launch import (
     plan_gemm_shape,
     row_granule,
     standard_strides,
-    uses_warp_mma,
 )
 from fp4moe.validation import fp32
 from fp4moe.weight_layout import LINEAR
@@ -127,7 +126,7 @@ def aligned_moe_(
     intermediate = a.new_empty((permuted_to_pair.shape[0], intermediate_size), dtype=torch.bfloat16)
     gemm1 = compile_gemm(
         "gemm1", shape1.key(), a.shape[1], intermediate_size, top_k, "swiglu", (None, None, None), False,
-        output_scales=1, up_alpha=True, live_tiles=True, warp_mma=uses_warp_mma(shape1.key()),
+        output_scales=1, up_alpha=True, live_tiles=True,
     )
     launch_gemm(
         gemm1, w1, w1_scales, a, permuted_to_pair, tile_expert, gate_up_scales, None, intermediate,
@@ -142,7 +141,7 @@ def aligned_moe_(
     shape2 = plan_gemm_shape(w2, permuted_to_pair, tile_expert, num_pairs)
     gemm2 = compile_gemm(
         "gemm2_expanded", shape2.key(), intermediate_size, hidden_size, top_k, "none", (None, None, None), True,
-        output_scales=1, live_tiles=True, warp_mma=uses_warp_mma(shape2.key()),
+        output_scales=1, live_tiles=True,
     )
     launch_gemm(
         gemm2, w2, w2_scales, intermediate, permuted_to_pair, tile_expert, scale_down, topk_weights, per_pair,

@@ -17,8 +17,8 @@ fragment, exactly:
   power-of-two rescaling, so the result equals the reference's `acc * alpha`.
 
 Everything else is inline PTX for instructions the DSL does not expose as plainly: the 1-D bulk copy
-onto an mbarrier, `ldmatrix` and the per-warp `mma.sync` of decode tiles, `cp.async` with a zero-fill source size, `red.global.add.f32` and its four-word form,
-16-byte stores of four FP32 values.
+onto an mbarrier, `ldmatrix` and the per-warp `mma.sync` of decode tiles, `cp.async` with a zero-fill
+source size, `red.global.add.f32` and its four-word form, 16-byte stores of four FP32 values.
 """
 
 from __future__ import annotations

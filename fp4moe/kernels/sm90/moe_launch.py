@@ -216,13 +216,13 @@ class GemmShape:
 
 def uses_warp_mma(shape_key: tuple) -> bool:
     """Whether the GEMM of compile key `shape_key` (`GemmShape.key`) multiplies with per-warp `mma.sync`
-    (`moe_gemm.MoEGemmSm90(warp_mma=True)`) rather than `wgmma`: in 8-row tiles of CTAs of one consumer group (64 features, two CTAs per SM, the
-    decode tilings of plans too small for wider CTAs: GLM and Qwen3-30B-A3B at T = 1, a 32-expert
+    (`moe_gemm.MoEGemmSm90(warp_mma=True)`) rather than `wgmma`: in 8-row tiles of CTAs of one consumer
+    group (64 features, two CTAs per SM, the decode tilings of plans too small for wider CTAs: GLM and Qwen3-30B-A3B at T = 1, a 32-expert
     shard of DeepSeek-V3 at T = 1-2). There its warps, which never wait for one another, and its stages,
     released before the decode, made whole calls up to 5% faster (the shard at T = 1-2, GLM at T = 1) and
     no slower elsewhere; in CTAs of four or seven groups it measured up to 2.4% slower (runs log). Its sums
     along K are ordered differently, so a GEMM whose bits must not depend on the tiling keeps `wgmma`
-    (`gemm1`'s `tiling_invariant`)."""
+    (`compile_gemm`'s `tiling_invariant`), as one that quantizes its own rows does (its panel)."""
     _experts, _rows, _k, tile_features, tile_rows, *_ = shape_key
     return tile_rows <= WARP_MMA_TILE_ROWS and tile_features == weight_layout.ROW_BLOCK
 
@@ -233,7 +233,7 @@ def compile_gemm(
     swiglu: tuple, router_weighted: bool, row_scaled: bool = False, float32_out: bool = False,
     aux_amax: bool = False, k_splits: int = 1, epilogue_rows: int = EPILOGUE_ROWS, output_scales: int = 0,
     up_alpha: bool = False, per_token_numerator: float | None = None, live_tiles: bool = False,
-    warp_mma: bool = False,
+    tiling_invariant: bool = False,
 ):
     """The grouped GEMM of `MoEGemmSm90`'s static configuration, compiled once per process (and cached
     on disk). `output_scales`: GEMM1 writes its intermediate quantized to NVFP4 and dequantized
@@ -243,8 +243,11 @@ def compile_gemm(
     `per_token_numerator` (RN(1 / global_scale_inv)): the activations are bf16 and the GEMM quantizes
     them to NVFP4 per token itself (`moe_gemm.MoEGemmSm90(quantizes_rows=True)`; `shape_key` then has
     the stages of `quantizing_shape_key`). `live_tiles`: the kernel takes a device-side count of the plan
-    tiles in use (`moe_gemm.MoEGemmSm90.item_end`). `warp_mma`: per-warp `mma.sync` (`uses_warp_mma`)."""
+    tiles in use (`moe_gemm.MoEGemmSm90.item_end`). The MMAs are per-warp `mma.sync` where `uses_warp_mma`
+    says so, unless `tiling_invariant`: the bits must not depend on the tile shapes (the deterministic
+    pipeline, whose tiles the expected pairs may change), and `wgmma` gives the same bits whatever they are."""
     experts, rows, k, tile_features, tile_rows, granule, tile_k, stages, ctas_per_sm, max_ctas = shape_key
+    warp_mma = uses_warp_mma(shape_key) and per_token_numerator is None and not tiling_invariant
     kernel = MoEGemmSm90(
         epilogue=epilogue, num_experts=experts, prepared_rows=rows, prepared_k=k, act_k=act_k,
         out_features=out_features, tile_features=tile_features, tile_rows=tile_rows, row_granule=granule, tile_k=tile_k,
@@ -524,8 +527,8 @@ def gemm1(
     quantization of the FP32 values with that scale, dequantized to their exact bf16 values
     `e2m1 * sf` in the epilogue: what GEMM2 computes with from codes and scales (the global factor is
     in its alpha), without a quantization or decode pass in between. `tiling_invariant`: the bits must not
-    depend on the tile shapes (the deterministic pipeline, whose tiles `expected_pairs` may change), so
-    the MMAs are `wgmma` whatever the tiling (`uses_warp_mma`)."""
+    depend on the tile shapes (the deterministic pipeline, whose tiles `expected_pairs` may change;
+    `compile_gemm`)."""
     _check_aux_amax_tile(aux_amax_tile_n)
     if output_global_scale is not None and aux_amax_tile_n:
         raise NotImplementedError("the aux-amax handoff goes with a bf16 intermediate, not an NVFP4 one")
@@ -571,7 +574,7 @@ def gemm1_values(
         "gemm1", shape.key(), a.shape[1], out_features, top_k, activation, swiglu, router_weights is not None,
         a_per_token_scale is not None, float32, aux_amax,
         output_scales=0 if output_global_scale is None else output_global_scale.numel(),
-        warp_mma=uses_warp_mma(shape.key()) and not tiling_invariant,
+        tiling_invariant=tiling_invariant,
     )
     launch_gemm(
         kernel, w1, w1_scales, a, permuted_to_pair, tile_expert, w1_alpha, router_weights, out, a_per_token_scale, aux,
@@ -589,8 +592,8 @@ def gemm2(
     [T*k, hidden] per-pair rows (rows of non-local pairs unwritten: the deterministic finalize skips
     them). `quantize` = ("per_token", global_scale_inv): the intermediate is bf16 and GEMM2 quantizes
     it to NVFP4 per token itself (`quantizing_shape_key`; decode plan tiles), as the rescan path of the
-    per-token quantizer would. The per-pair rows (the deterministic finalize's) are computed with `wgmma`
-    whatever the tiling (`gemm1`'s `tiling_invariant`)."""
+    per-token quantizer would. The per-pair rows (the deterministic finalize's) do not depend on the tiling
+    (`compile_gemm`'s `tiling_invariant`)."""
     w2, w2_scales = _prepared(w2, w2_scales, layout, gated=False)
     epilogue = "gemm2_fused" if accumulator is not None else "gemm2_expanded"
     out = accumulator if accumulator is not None else a.new_empty((num_tokens * top_k, hidden), dtype=torch.float32)
@@ -614,7 +617,7 @@ def gemm2(
     kernel = compile_gemm(
         epilogue, key, a.shape[1], hidden, top_k, "none", (None, None, None), router_weights is not None,
         row_scaled=a_per_token_scale is not None, k_splits=k_splits, per_token_numerator=numerator,
-        warp_mma=accumulator is not None and quantize is None and uses_warp_mma(shape.key()),
+        tiling_invariant=accumulator is None,
     )
     launch_gemm(kernel, w2, w2_scales, a, permuted_to_pair, tile_expert, w2_alpha, router_weights, out, a_per_token_scale)
     return out
