@@ -237,8 +237,9 @@ class MoEProblem:
         """Every argument of `aligned_moe_` but `out`, for the same layer: `x` quantized to NVFP4 without
         a global scale (the aligned MoE's `hidden`), the experts (prepared, as the kernels read them, or
         linear), the W4A16 alphas as `scale_gate = scale_up` and `scale_down`, the route plan of
-        `align_block_size` (built here, as an engine builds it before the layer) and a routed scaling
-        factor of 1 (the routing weights already carry the shape's)."""
+        `align_block_size` (built here, as an engine builds it before the layer), a routed scaling
+        factor of 1 (the routing weights already carry the shape's) and the router's expert count as the
+        size hint `global_num_experts`, as `fused_moe_arguments` passes it."""
         w = self.prepared_weights if prepared else self.weights
         w1_alpha, w2_alpha = w.alphas()
         hidden, hidden_scales = ops.quantize(x, torch.ones(1, device=x.device), "linear", "off")
@@ -249,6 +250,7 @@ class MoEProblem:
             scale_gate=w1_alpha, scale_up=w1_alpha, scale_down=w2_alpha,
             sorted_token_ids=plan[0], expert_ids=plan[1], num_tokens_post_padded=plan[2],
             topk_weights=topk_weights, routed_scaling_factor=1.0, block_m=block_m, weight_layout=w.layout,
+            global_num_experts=self.shape.num_experts,
         )
 
     @functools.cached_property

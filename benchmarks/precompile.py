@@ -80,7 +80,7 @@ def compile_cell(shape: MoEShape, tokens: int, implementation: str) -> None:
         aligned_launch.aligned_moe_(
             _empty((tokens, hidden), torch.bfloat16), _empty((tokens, hidden // 2), torch.uint8),
             _empty((tokens, hidden // 16), torch.float8_e4m3fn), w1, w1_scales, w2, w2_scales, alpha, alpha, alpha,
-            *plan, topk_weights, 1.0, block_m, weight_layout.SM90,
+            *plan, topk_weights, 1.0, block_m, weight_layout.SM90, shape.num_experts,
         )
         return
     config = expected

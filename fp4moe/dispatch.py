@@ -176,6 +176,14 @@ class MoEDispatch(NamedTuple):
     (per-tensor W4A4 quantizes the intermediate in GEMM1's epilogue)."""
 
 
+def expected_local_pairs(num_tokens: int, top_k: int, num_local_experts: int, global_num_experts: int | None) -> int:
+    """The (token, slot) pairs a rank of `num_local_experts` expects under uniform routing over
+    `global_num_experts` (None: every expert is local): `⌈T·k·E_local / G⌉`. A size hint for the
+    kernels' tiles (`fused_moe`'s and `aligned_moe_`'s `global_num_experts`), never a bound."""
+    routed_experts = num_local_experts if global_num_experts is None else global_num_experts
+    return ceil_div(num_tokens * top_k * num_local_experts, routed_experts)
+
+
 def moe_tile_m(num_tokens: int, top_k: int, num_experts: int, local_pairs: int | None = None) -> int:
     """The smallest tile that holds an expert's rows under uniform routing over `num_experts` (the
     experts the router chooses among) with three standard deviations to spare (rows per expert are close
@@ -240,7 +248,7 @@ def moe_choices(
     if per_token:
         per_token_path = per_token_quant_path(num_tokens) if backend in AUX_AMAX_TILE_N_BY_BACKEND else RESCAN_PATH
     routed_experts = num_local_experts if global_num_experts is None else global_num_experts
-    local_pairs = ceil_div(num_tokens * top_k * num_local_experts, routed_experts)
+    local_pairs = expected_local_pairs(num_tokens, top_k, num_local_experts, global_num_experts)
     tile_m = moe_tile_m(num_tokens, top_k, routed_experts, local_pairs)
     quantization = intermediate_quantization(
         per_token_path, backend, num_tokens, tile_m, num_local_experts, local_pairs, hidden_size, intermediate_size,

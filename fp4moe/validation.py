@@ -366,6 +366,7 @@ def check_aligned_moe(
     routed_scaling_factor: float,
     block_m: int,
     weight_layout: str,
+    global_num_experts: int | None,
     *,
     real_storage: bool,
 ) -> None:
@@ -434,6 +435,11 @@ def check_aligned_moe(
     check_shape("topk_weights", topk_weights, (rows, top_k))
     if not 1 <= top_k <= experts:
         raise ValueError(f"topk_weights.shape[1] (top_k = {top_k}) must be in [1, E = {experts}]")
+    if global_num_experts is not None and not experts <= global_num_experts <= INT32_MAX:
+        raise ValueError(
+            f"global_num_experts ({global_num_experts}) must hold this rank's E = {experts} experts and be at "
+            "most 2^31 - 1"
+        )
     check_shape("out", out, (rows, k))
     check_dim("sorted_token_ids", sorted_token_ids, 1)
     check_dim("expert_ids", expert_ids, 1)

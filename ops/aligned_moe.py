@@ -20,7 +20,7 @@ ALIGNED_MOE_SCHEMA = (
     "aligned_moe_(Tensor(a!) out, Tensor hidden, Tensor hidden_scales, Tensor w1, Tensor w1_scales, "
     "Tensor w2, Tensor w2_scales, Tensor scale_gate, Tensor scale_up, Tensor scale_down, "
     "Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, "
-    "float routed_scaling_factor, int block_m, str weight_layout=\"linear\") -> ()"
+    "float routed_scaling_factor, int block_m, str weight_layout=\"linear\", int? global_num_experts=None) -> ()"
 )
 
 

@@ -194,8 +194,10 @@ def assert_matches_reference(actual, expected, magnitude, intermediate, top_k):
     assert (actual.cpu() == expected.to(torch.bfloat16)).float().mean() > 0.99
 
 
-def run_aligned_moe(problem, plan, out, block_m, routed_scaling_factor=ROUTED_SCALING_FACTOR):
-    result = ops.aligned_moe_(out, **problem, **plan, routed_scaling_factor=routed_scaling_factor, block_m=block_m)
+def run_aligned_moe(problem, plan, out, block_m, routed_scaling_factor=ROUTED_SCALING_FACTOR, **options):
+    result = ops.aligned_moe_(
+        out, **problem, **plan, routed_scaling_factor=routed_scaling_factor, block_m=block_m, **options
+    )
     assert result is None
 
 
@@ -336,11 +338,14 @@ def test_prepared_weights_give_the_linear_result(device):
 # ---------------------------------------------------------------------------------------------------
 # Contract checks (raised on the host, before anything is written)
 # ---------------------------------------------------------------------------------------------------
-def valid_call(tokens=8, top_k=2, experts=4, k=256, n=256, block_m=8, device="cpu"):
+def valid_call(tokens=8, top_k=2, experts=4, k=256, n=256, block_m=8, device="cpu", global_num_experts=None):
     """Keyword arguments of a well-formed aligned_moe_ call, in schema order."""
     problem, topk_ids, out = make_problem(tokens, top_k, experts, k, n, seed=3, device=device)
     named = dict(out=out, **problem, **plan_for(topk_ids, block_m, experts))
-    named.update(routed_scaling_factor=ROUTED_SCALING_FACTOR, block_m=block_m, weight_layout="linear")
+    named.update(
+        routed_scaling_factor=ROUTED_SCALING_FACTOR, block_m=block_m, weight_layout="linear",
+        global_num_experts=global_num_experts,
+    )
     return {a.name: named[a.name] for a in ops.aligned_moe_.default._schema.arguments}
 
 
@@ -427,6 +432,8 @@ BAD_ALIGNED_MOE_CALLS = [
     (edit(routed_scaling_factor=float("-inf")), ValueError, "routed_scaling_factor must be finite"),
     (edit(routed_scaling_factor=1e39), ValueError, "routed_scaling_factor must be finite in FP32, got 1e"),
     (edit(scale_gate=lambda t, c: t.to("meta")), ValueError, "scale_gate is on meta but hidden is on cpu"),
+    (edit(global_num_experts=3), ValueError, r"global_num_experts \(3\) must hold this rank's E = 4 experts"),
+    (edit(global_num_experts=2**31), ValueError, r"global_num_experts \(2147483648\) must hold .* at most 2\^31 - 1"),
     # weight layouts: linear (checkpoint) or sm90 (prepared), whose scales are bytes
     (edit(weight_layout="tiled"), ValueError, "weight_layout must be one of"),
     (edit(weight_layout="sm90"), TypeError, "w1_scales must have dtype"),
@@ -504,9 +511,10 @@ def test_opcheck_align_block_size(device, tokens):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("tokens", [0, 1, 13])
-def test_opcheck_aligned_moe(device, tokens):
-    opcheck(ops.aligned_moe_.default, tuple(valid_call(tokens=tokens, device=device).values()))
+@pytest.mark.parametrize(("tokens", "global_num_experts"), [(0, None), (1, None), (13, None), (1, 32)])
+def test_opcheck_aligned_moe(device, tokens, global_num_experts):
+    call = valid_call(tokens=tokens, device=device, global_num_experts=global_num_experts)
+    opcheck(ops.aligned_moe_.default, tuple(call.values()))
 
 
 def moe_step(topk_ids, topk_weights, hidden, hidden_scales, out, weights, block_m=8):

@@ -11,7 +11,7 @@ tile.
 import pytest
 import torch
 
-from fp4moe import dispatch
+from fp4moe import dispatch, weight_layout
 from fp4moe.kernels.sm90 import aligned_launch
 from tests.compare import assert_bitwise_equal
 from tests.test_aligned_moe import (
@@ -58,6 +58,35 @@ def test_matches_the_loop_reference(tokens, top_k, experts, k, n, block_m):
     run_aligned_moe(problem, plan_for(topk_ids, block_m, experts), out, block_m)
     expected, magnitude = loop_reference(problem, topk_ids, seed_out)
     assert_matches_reference(out, expected, magnitude, n // 2, top_k)
+
+
+def test_the_expert_parallel_hint_changes_the_tiles_never_the_result():
+    """`global_num_experts` sizes the GEMMs' tiles for this rank's share of the pairs: told that its 8
+    experts are 8 of 256, a rank expects 9 of these 264 pairs and gives GEMM1 CTAs of 64 features instead
+    of 256 (tiles where `fused_moe` would multiply with `mma.sync`; the aligned GEMMs are compiled
+    `tiling_invariant`). The hint is only a size hint (here a wrong one: every pair is local), so the
+    result is the loop reference's and bitwise the call without it."""
+    from fp4moe.kernels.sm90 import moe_launch
+
+    tokens, top_k, experts, k, n, block_m = 33, 8, 8, 6144, 1024, 8
+    problem, topk_ids, out = make_problem(tokens, top_k, experts, k, n, seed=43, device="cuda")
+    plan = plan_for(topk_ids, block_m, experts)
+    w1 = problem["w1"]
+    tile_features = {
+        hint: moe_launch.gemm_shape(
+            weight_layout.prepared_shapes(experts, n, k, gated=True)[0], block_m,
+            dispatch.expected_local_pairs(tokens, top_k, experts, hint), moe_launch.sm_count(w1.device.index),
+        ).tile_features
+        for hint in (None, 256)
+    }
+    assert tile_features == {None: 256, 256: 64}
+    expected, magnitude = loop_reference(problem, topk_ids, out.clone())
+    results = {}
+    for hint in (None, 256):
+        results[hint] = out.clone()
+        run_aligned_moe(problem, plan, results[hint], block_m, global_num_experts=hint)
+    assert_matches_reference(results[256], expected, magnitude, n // 2, top_k)
+    assert_bitwise_equal(results[256], results[None], "the call with the hint")
 
 
 def test_linear_weights_are_prepared_on_every_call_with_a_warning():

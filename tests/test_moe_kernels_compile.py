@@ -49,9 +49,9 @@ GEMM_VARIANTS = [
     # The aligned MoE (`aligned_launch`): GEMM1 with the up half's own alpha and an NVFP4 intermediate of
     # global scale 1 (block_m 8 and 64); GEMM2 per pair with the routed scaling factor (a device value).
     # Both walk only the plan tiles the setup kernel counts as live (`live_tiles`).
-    ("gemm1", (256, 4096, 7168, 128, 8, 8, 128, 8, 2, 264), 7168, 2048, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 1, True, None, True),
-    ("gemm1", (16, 1024, 6144, 128, 64, 16, 128, 8, 1, 132), 6144, 512, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 1, True, None, True),
-    ("gemm2_expanded", (256, 7168, 2048, 128, 8, 8, 128, 8, 2, 264), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, 1, 32, 1, False, None, True),
+    ("gemm1", (256, 4096, 7168, 128, 8, 8, 128, 8, 2, 264), 7168, 2048, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 1, True, None, True, True),
+    ("gemm1", (16, 1024, 6144, 128, 64, 16, 128, 8, 1, 132), 6144, 512, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 1, True, None, True, True),
+    ("gemm2_expanded", (256, 7168, 2048, 128, 8, 8, 128, 8, 2, 264), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, 1, 32, 1, False, None, True, True),
     # The deterministic finalize's per-pair GEMM2 in CTAs of seven consumer groups where those balance its
     # waves (`moe_launch.per_pair_gemm2_shape`: DeepSeek-V3 at T = 1).
     ("gemm2_expanded", (256, 7168, 2048, 448, 8, 8, 64, 13, 1, 132), 2048, 7168, 8, "none", (None, None, None), True),
@@ -116,10 +116,10 @@ def _warp_mma(key, rest) -> bool:
 
 GEMM_VARIANTS += _fused_moe_variants()
 GEMM_VARIANTS += _expert_parallel_variants()
-# The aligned MoE's per-pair GEMM2 in 64-feature decode CTAs (a 32-expert plan at T = 1), with `mma.sync`.
+# The aligned MoE's per-pair GEMM2 in CTAs of seven consumer groups (DeepSeek-V3 at T = 1).
 GEMM_VARIANTS.append(
-    ("gemm2_expanded", (32, 7168, 2048, 64, 8, 8, 128, 16, 2, 264), 2048, 7168, 8, "none", (None, None, None), True,
-     False, False, False, 1, 32, 1, False, None, True)
+    ("gemm2_expanded", (256, 7168, 2048, 448, 8, 8, 64, 13, 1, 132), 2048, 7168, 8, "none", (None, None, None), True,
+     False, False, False, 1, 32, 1, False, None, True, True)
 )
 
 

@@ -38,6 +38,10 @@ its pair index is in `[0, T*k)`; any other row (the sentinel, garbage past the c
 A well-formed plan lists each pair at most once; if one repeats a pair, which repetition counts is
 unspecified (memory stays safe).
 
+`global_num_experts` (the experts the router chooses among, when this rank holds `E` of them) is a
+size hint for the kernels' tiles, as in `fused_moe`; it never changes the result, and this reference
+ignores it.
+
 The oracle materializes, per block of the plan, the FP32 dequantized `w1[e]` and `w2[e]`
 (`1.5 * N * K` floats per block): it is meant for test-sized problems, not production shapes.
 """
@@ -107,6 +111,7 @@ def aligned_moe_(
     routed_scaling_factor: float,
     block_m: int,
     weight_layout: str = layouts.LINEAR,
+    global_num_experts: int | None = None,
 ) -> None:
     """Adds the routed experts' outputs to `out` in place (see the module docstring). Weights in the
     sm90 prepared layout are read back to `linear` first.

@@ -33,6 +33,7 @@ import cutlass
 import torch
 from cutlass.cute.runtime import make_fake_compact_tensor
 
+from fp4moe.dispatch import expected_local_pairs
 from fp4moe.kernels.sm90.aligned_plan import AlignedPlanSm90
 from fp4moe.kernels.sm90.compiler import compile_function, compile_kernel
 from fp4moe.kernels.sm90.moe_gemm import EPILOGUE_ROWS, MAX_COPIES, activation_copies
@@ -45,6 +46,7 @@ from fp4moe.kernels.sm90.moe_launch import (
     decode_into,
     decode_operands,
     launch_gemm,
+    per_pair_gemm2_shape,
     plan_gemm_shape,
     row_granule,
     standard_strides,
@@ -99,8 +101,12 @@ def aligned_plan(
 def aligned_moe_(
     out, hidden, hidden_scales, w1, w1_scales, w2, w2_scales, scale_gate, scale_up, scale_down, sorted_token_ids,
     expert_ids, num_tokens_post_padded, topk_weights, routed_scaling_factor, block_m, weight_layout=LINEAR,
+    global_num_experts=None,
 ) -> None:
-    """The reference's contract (`fp4moe.reference.aligned_moe.aligned_moe_`), arguments validated."""
+    """The reference's contract (`fp4moe.reference.aligned_moe.aligned_moe_`), arguments validated. Both
+    GEMMs size their tiles for the pairs this rank expects (`dispatch.expected_local_pairs`: all `T·k`
+    without `global_num_experts`) and are compiled `tiling_invariant`, so the hint never changes a bit
+    of `out`."""
     num_tokens, top_k = topk_weights.shape
     if num_tokens == 0 or expert_ids.numel() == 0:
         return
@@ -113,6 +119,7 @@ def aligned_moe_(
     w1, w1_scales = _prepared(w1, w1_scales, weight_layout, gated=True)
     w2, w2_scales = _prepared(w2, w2_scales, weight_layout, gated=False)
     num_pairs = num_tokens * top_k
+    expected_pairs = expected_local_pairs(num_tokens, top_k, scale_gate.shape[0], global_num_experts)
     permuted_to_pair = standard_strides(sorted_token_ids)
     codes, scales, a = decode_operands(hidden, hidden_scales)
     tile_expert, pair_to_row, gate_up_scales, factors, live_tiles = aligned_plan(
@@ -121,12 +128,12 @@ def aligned_moe_(
     )
 
     decode_into(codes, scales, a, beside_predecessor=True)
-    shape1 = plan_gemm_shape(w1, permuted_to_pair, tile_expert, num_pairs)
+    shape1 = plan_gemm_shape(w1, permuted_to_pair, tile_expert, expected_pairs)
     intermediate_size = shape1.prepared_rows // 2
     intermediate = a.new_empty((permuted_to_pair.shape[0], intermediate_size), dtype=torch.bfloat16)
     gemm1 = compile_gemm(
         "gemm1", shape1.key(), a.shape[1], intermediate_size, top_k, "swiglu", (None, None, None), False,
-        output_scales=1, up_alpha=True, live_tiles=True,
+        output_scales=1, up_alpha=True, live_tiles=True, tiling_invariant=True,
     )
     launch_gemm(
         gemm1, w1, w1_scales, a, permuted_to_pair, tile_expert, gate_up_scales, None, intermediate,
@@ -134,14 +141,10 @@ def aligned_moe_(
     )
 
     per_pair = a.new_empty((num_pairs, hidden_size), dtype=torch.float32)  # rows of unprocessed pairs unwritten
-    # Four consumer groups per CTA, not `moe_launch.per_pair_gemm2_shape`'s seven: the tiles are sized for
-    # all T * k pairs (the op takes no expert-parallel hint), and seven groups, 3-5% faster at DeepSeek-V3
-    # T = 1-2, measured 12% slower on a 32-expert shard at T = 1-2, where few of the pairs are local
-    # (runs log).
-    shape2 = plan_gemm_shape(w2, permuted_to_pair, tile_expert, num_pairs)
+    shape2 = per_pair_gemm2_shape(plan_gemm_shape(w2, permuted_to_pair, tile_expert, expected_pairs))
     gemm2 = compile_gemm(
         "gemm2_expanded", shape2.key(), intermediate_size, hidden_size, top_k, "none", (None, None, None), True,
-        output_scales=1, live_tiles=True,
+        output_scales=1, live_tiles=True, tiling_invariant=True,
     )
     launch_gemm(
         gemm2, w2, w2_scales, intermediate, permuted_to_pair, tile_expert, scale_down, topk_weights, per_pair,
