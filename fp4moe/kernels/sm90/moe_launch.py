@@ -356,12 +356,12 @@ def fused_gemm2_tiling(shape: GemmShape) -> tuple[GemmShape, int]:
 
 @functools.lru_cache(maxsize=1024)
 def per_pair_gemm2_shape(shape: GemmShape) -> GemmShape:
-    """The shape of the GEMM2 that writes per-pair rows for the deterministic finalize, which takes K
-    whole: `wave_balanced_tiling` without slices of K. Seven groups then serve DeepSeek-V3 at T = 1-2
-    (128 or 256 items of 448 features instead of 224 or 448 of 256) and a 32-expert shard of it told
-    `global_num_experts` at T = 8-16. Every row accumulates along K in the same order either way, so
-    the rows are bitwise the same. The same GEMM2 in the aligned MoE measured 3-5% faster whole calls
-    at DeepSeek-V3 T = 1-2 (runs log)."""
+    """The shape of the GEMM2 that writes per-pair rows (the deterministic finalize's and the aligned
+    MoE's), which takes K whole: `wave_balanced_tiling` without slices of K. Seven groups then serve
+    DeepSeek-V3 at T = 1-2 (128 or 256 items of 448 features instead of 224 or 448 of 256) and a
+    32-expert shard of it told `global_num_experts` at T = 8-16. Every row accumulates along K in the
+    same order either way, so the rows are bitwise the same. In the aligned MoE it made whole calls 2-4%
+    faster at DeepSeek-V3 T = 1-2 (runs log)."""
     return wave_balanced_tiling(shape, lambda _shape: 1)[0]
 
 
