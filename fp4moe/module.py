@@ -36,9 +36,11 @@ _PYTHON_OPTIONS = {
 
 
 def _check_options(
-    router_weight: torch.Tensor | None, num_local_experts: int, hidden_size: int, device: torch.device, options: dict
+    router_weight: torch.Tensor | None, num_local_experts: int, hidden_size: int, device: torch.device,
+    activation: str, options: dict,
 ) -> None:
     """Everything about the module's arguments that needs no quantized weights: their Python types,
+    the options of `fused_moe` they become (`validation.check_fused_moe_options`), this rank's experts,
     the router's shape, and the routing, checked by the routing op's own validation on an empty
     batch of the FP32 logits `forward` routes, on the experts' `device`. Without a router of its own
     the router's expert count is unknown until `forward`: the logits checked here span the experts up
@@ -46,6 +48,11 @@ def _check_options(
     `forward`'s routing op checks `top_k` against the logits it gets)."""
     for name, (kind, optional) in _PYTHON_OPTIONS.items():
         validation.check_python_scalar(name, options[name], kind, optional)
+    validation.check_fused_moe_options(
+        options["quant_mode"], options["per_token_activation"], activation, options["swiglu_alpha"],
+        options["swiglu_beta"], options["swiglu_limit"], options["weight_layout"],
+    )
+    validation.check_local_experts(num_local_experts, options["local_expert_offset"], "w1.shape[0]")
     if router_weight is None:
         experts = options["local_expert_offset"] + num_local_experts
         bias = options["correction_bias"]
@@ -80,7 +87,7 @@ def _check_routing(options: dict, experts: int, device: torch.device, device_of:
     if options["routing"] == "softmax":
         ignored = [name for name in DEEPSEEK_V3_ONLY if options[name] is not None]
         if ignored:
-            raise ValueError(f"{', '.join(ignored)} only apply to routing='deepseek_v3', got routing='softmax'")
+            raise ValueError(f"{validation.names_verb(ignored)} only to routing='deepseek_v3', got routing='softmax'")
         validation.check_route_softmax_topk(logits, options["top_k"])
         return
     missing = [name for name in ("correction_bias", "n_group", "topk_group") if options[name] is None]
@@ -185,10 +192,11 @@ class FusedMoE(nn.Module):
             swiglu_limit=swiglu_limit, apply_router_weight_on_input=apply_router_weight_on_input,
             deterministic=deterministic, local_expert_offset=local_expert_offset, weight_layout=weight_layout,
         )
-        _check_options(router_weight, weights.num_experts, weights.hidden_size, weights.w1.device, options)
+        _check_options(
+            router_weight, weights.num_experts, weights.hidden_size, weights.w1.device, weights.activation, options
+        )
         if router_weight is not None:
             validation.check_same_device("router_weight", router_weight, "w1", weights.w1)
-        validation.check_choice("weight_layout", weight_layout, weight_layouts.WEIGHT_LAYOUTS)
         if weight_layout == weight_layouts.SM90:
             weights = weights.prepared()
         elif weights.layout != weight_layouts.LINEAR:
@@ -259,7 +267,7 @@ class FusedMoE(nn.Module):
         check_dense_experts(w1, w2, activation)
         # The constructor's checks that need no quantized weights, with its defaults, before quantizing.
         all_options = {name: options.get(name, parameters[name].default) for name in accepted}
-        _check_options(router_weight, w1.shape[0], w1.shape[2], w1.device, {**all_options, "top_k": top_k})
+        _check_options(router_weight, w1.shape[0], w1.shape[2], w1.device, activation, {**all_options, "top_k": top_k})
         per_tensor_w4a4 = all_options["quant_mode"] == "w4a4" and not all_options["per_token_activation"]
         for name, amax in (("fc1_input_amax", fc1_input_amax), ("fc2_input_amax", fc2_input_amax)):
             if per_tensor_w4a4 and amax is None:

@@ -377,6 +377,8 @@ def check_aligned_moe(
     from fp4moe.weight_layout import LINEAR, WEIGHT_LAYOUTS
 
     check_choice("weight_layout", weight_layout, WEIGHT_LAYOUTS)
+    if weight_layout == LINEAR:
+        check_linear_layout_scales(("w1_scales", w1_scales), ("w2_scales", w2_scales))
     weight_scale_dtype = torch.float8_e4m3fn if weight_layout == LINEAR else torch.uint8
     tensors = {
         "out": (out, torch.bfloat16),
@@ -433,13 +435,16 @@ def check_aligned_moe(
     check_dim("topk_weights", topk_weights, 2)
     top_k = topk_weights.shape[1]
     check_shape("topk_weights", topk_weights, (rows, top_k))
-    if not 1 <= top_k <= experts:
-        raise ValueError(f"topk_weights.shape[1] (top_k = {top_k}) must be in [1, E = {experts}]")
     if global_num_experts is not None and not experts <= global_num_experts <= INT32_MAX:
         raise ValueError(
             f"global_num_experts ({global_num_experts}) must hold this rank's E = {experts} experts and be at "
             "most 2^31 - 1"
         )
+    # A token chooses top_k distinct experts of the router's: of this rank's E, or, on an expert-parallel
+    # rank that says so, of the global ones (DeepSeek-V3 at EP 64 routes 8 of 256 to ranks of 4 experts).
+    routed = ("E", experts) if global_num_experts is None else ("global_num_experts", global_num_experts)
+    if not 1 <= top_k <= routed[1]:
+        raise ValueError(f"topk_weights.shape[1] (top_k = {top_k}) must be in [1, {routed[0]} = {routed[1]}]")
     check_shape("out", out, (rows, k))
     check_dim("sorted_token_ids", sorted_token_ids, 1)
     check_dim("expert_ids", expert_ids, 1)
@@ -608,11 +613,17 @@ def check_plan_tensors(permuted_to_pair: torch.Tensor, tile_expert: torch.Tensor
         )
 
 
+def names_verb(names: list[str]) -> str:
+    """`names` joined, with "applies" or "apply" after them: the start of an error about options given
+    where they do not apply."""
+    return f"{', '.join(names)} {'applies' if len(names) == 1 else 'apply'}"
+
+
 def check_swiglu_parameters(activation: str, swiglu_alpha, swiglu_beta, swiglu_limit) -> None:
     check_choice("activation", activation, MOE_ACTIVATIONS)
     given = [n for n, v in (("swiglu_alpha", swiglu_alpha), ("swiglu_beta", swiglu_beta), ("swiglu_limit", swiglu_limit)) if v is not None]
     if activation != "swiglu" and given:
-        raise ValueError(f"{', '.join(given)} only apply to activation='swiglu', got activation={activation!r}")
+        raise ValueError(f"{names_verb(given)} only to activation='swiglu', got activation={activation!r}")
     for name, value in (("swiglu_alpha", swiglu_alpha), ("swiglu_beta", swiglu_beta)):
         if value is not None:
             check_finite_fp32(name, value)
@@ -735,21 +746,47 @@ def _check_prepared_moe_weights(w1, w1_scales, w1_alpha, w2, w2_scales, w2_alpha
     return experts
 
 
+def check_linear_layout_scales(*named_scales) -> None:
+    """Block scales of a call with `weight_layout="linear"` given as uint8, the prepared layout's dtype:
+    a `TypeError` that says so, rather than the bare dtype mismatch."""
+    for name, scales in named_scales:
+        if isinstance(scales, torch.Tensor) and scales.dtype == torch.uint8:
+            raise TypeError(
+                f"{name} must have dtype torch.float8_e4m3fn with weight_layout='linear', got torch.uint8: uint8 "
+                "scales are the sm90 prepared layout's (pass weight_layout='sm90' with prepared weights)"
+            )
+
+
+def check_fused_moe_options(
+    quant_mode, per_token_activation, activation, swiglu_alpha, swiglu_beta, swiglu_limit, weight_layout
+) -> None:
+    """The options of `fused_moe` that need no tensor: what `FusedMoE` checks before it quantizes or
+    prepares any weights, and `check_fused_moe` first."""
+    from fp4moe.weight_layout import WEIGHT_LAYOUTS
+
+    check_choice("quant_mode", quant_mode, MOE_QUANT_MODES)
+    check_choice("weight_layout", weight_layout, WEIGHT_LAYOUTS)
+    check_swiglu_parameters(activation, swiglu_alpha, swiglu_beta, swiglu_limit)
+    if quant_mode == "w4a16" and per_token_activation:
+        raise ValueError("per_token_activation applies to quant_mode='w4a4' only")
+
+
 def check_fused_moe(
     x, topk_ids, topk_weights, w1, w1_scales, w1_alpha, w2, w2_scales, w2_alpha, fc1_input_scale, fc2_input_scale,
     quant_mode, per_token_activation, activation, swiglu_alpha, swiglu_beta, swiglu_limit,
     apply_router_weight_on_input, deterministic, local_expert_offset, num_local_experts, x_scales, weight_layout,
     global_num_experts,
 ) -> None:
-    from fp4moe.weight_layout import LINEAR, WEIGHT_LAYOUTS
+    from fp4moe.weight_layout import LINEAR
 
-    check_choice("quant_mode", quant_mode, MOE_QUANT_MODES)
-    check_choice("weight_layout", weight_layout, WEIGHT_LAYOUTS)
+    check_fused_moe_options(
+        quant_mode, per_token_activation, activation, swiglu_alpha, swiglu_beta, swiglu_limit, weight_layout
+    )
     check_topk(topk_ids, topk_weights)
-    check_swiglu_parameters(activation, swiglu_alpha, swiglu_beta, swiglu_limit)
     tokens = topk_ids.shape[0]
     check_same_device("x", x, "topk_ids", topk_ids)
     if weight_layout == LINEAR:
+        check_linear_layout_scales(("w1_scales", w1_scales), ("w2_scales", w2_scales))
         experts, n1, hidden = check_expert_weights("w1", w1, w1_scales, w1_alpha, "topk_ids", topk_ids)
         intermediate = check_gated_rows(activation, n1, "w1")
         check_expert_weights("w2", w2, w2_scales, w2_alpha, "topk_ids", topk_ids)
@@ -779,8 +816,6 @@ def check_fused_moe(
     # count, and a fake must not guard on a dynamic token count beyond a range.
     check_moe_plan_fits_int32(topk_ids, experts, max(MOE_TILE_M_CHOICES), "fused_moe's route plan")
     per_tensor_w4a4 = quant_mode == "w4a4" and not per_token_activation
-    if quant_mode == "w4a16" and per_token_activation:
-        raise ValueError("per_token_activation applies to quant_mode='w4a4' only")
     needs_fc1 = per_tensor_w4a4 and x_scales is None
     for name, scale, needed in (
         ("fc1_input_scale", fc1_input_scale, needs_fc1),

@@ -223,6 +223,8 @@ MOE_CASES = [
     pytest.param(MoECase(33, 4, 8, 512, 256, 16), id="ragged-k512"),
     pytest.param(MoECase(24, 4, 6, 256, 512, 8, offset=6, global_experts=16, dropped=0.1), id="ep-shard-n512"),
     pytest.param(MoECase(1, 1, 2, 256, 256, 32), id="one-token"),
+    # An expert-parallel rank of 4 experts whose tokens choose 8 of 64 (top_k above the local E).
+    pytest.param(MoECase(20, 8, 4, 256, 256, 8, offset=24, global_experts=64), id="ep-rank-top_k-above-e"),
 ]
 
 
@@ -238,7 +240,9 @@ def test_aligned_moe_matches_loop_reference(device, case):
     out[~local] = -0.0  # adding +0 would turn -0 into +0: only rows left unwritten keep it
     seed_out = out.clone()
     data_ptr = out.data_ptr()
-    run_aligned_moe(problem, plan_for(topk_ids, c.block_m, c.experts, c.offset), out, c.block_m)
+    run_aligned_moe(
+        problem, plan_for(topk_ids, c.block_m, c.experts, c.offset), out, c.block_m, global_num_experts=c.global_experts
+    )
     assert out.data_ptr() == data_ptr
     expected, magnitude = loop_reference(problem, topk_ids, seed_out, c.offset)
     assert_matches_reference(out, expected, magnitude, c.n // 2, c.top_k)
@@ -401,7 +405,8 @@ BAD_ALIGNED_MOE_CALLS = [
     (edit(hidden=lambda t, c: t.to(torch.int8)), TypeError, "hidden must have dtype"),
     (edit(hidden_scales=lambda t, c: t.float()), TypeError, "hidden_scales must have dtype"),
     (edit(w1=lambda t, c: t.to(torch.int8)), TypeError, "w1 must have dtype"),
-    (edit(w2_scales=lambda t, c: t.view(torch.uint8)), TypeError, "w2_scales must have dtype"),
+    (edit(w2_scales=lambda t, c: t.view(torch.uint8)), TypeError,
+     "w2_scales must have dtype torch.float8_e4m3fn with weight_layout='linear', got torch.uint8: uint8 scales"),
     (edit(scale_up=lambda t, c: t.double()), TypeError, "scale_up must have dtype"),
     (edit(sorted_token_ids=lambda t, c: t.long()), TypeError, "sorted_token_ids must have dtype"),
     (edit(expert_ids=lambda t, c: t.long()), TypeError, "expert_ids must have dtype"),
@@ -434,6 +439,8 @@ BAD_ALIGNED_MOE_CALLS = [
     (edit(scale_gate=lambda t, c: t.to("meta")), ValueError, "scale_gate is on meta but hidden is on cpu"),
     (edit(global_num_experts=3), ValueError, r"global_num_experts \(3\) must hold this rank's E = 4 experts"),
     (edit(global_num_experts=2**31), ValueError, r"global_num_experts \(2147483648\) must hold .* at most 2\^31 - 1"),
+    (edit(topk_weights=torch.ones(8, 9), global_num_experts=8), ValueError,
+     r"top_k = 9\) must be in \[1, global_num_experts = 8\]"),
     # weight layouts: linear (checkpoint) or sm90 (prepared), whose scales are bytes
     (edit(weight_layout="tiled"), ValueError, "weight_layout must be one of"),
     (edit(weight_layout="sm90"), TypeError, "w1_scales must have dtype"),

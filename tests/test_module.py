@@ -65,9 +65,9 @@ BAD_FROM_DENSE = [
     (ValueError, r"router_weight must be \[E, H = 64\]", from_dense(router=_R[:, :32])),
     (TypeError, "router_weight must have a floating-point dtype", from_dense(router=_R.to(torch.int32))),
     (TypeError, "router_weight must be a Tensor, got ndarray", from_dense(router=_R.numpy())),
-    (ValueError, "routed_scaling_factor only apply to routing='deepseek_v3', got routing='softmax'",
+    (ValueError, "routed_scaling_factor applies only to routing='deepseek_v3', got routing='softmax'",
      from_dense(routed_scaling_factor=2.5)),
-    (ValueError, "correction_bias, n_group only apply to routing='deepseek_v3'",
+    (ValueError, "correction_bias, n_group apply only to routing='deepseek_v3'",
      from_dense(correction_bias=torch.zeros(EXPERTS), n_group=4)),
     (ValueError, "routing='deepseek_v3' needs n_group, topk_group",
      from_dense(routing="deepseek_v3", correction_bias=torch.zeros(EXPERTS))),
@@ -88,6 +88,14 @@ BAD_FROM_DENSE = [
     (TypeError, "renormalize must be a Python bool, got int", from_dense(renormalize=1)),
     (TypeError, "unexpected keyword arguments n_groups", from_dense(n_groups=4)),
     (ValueError, "quant_mode must be one of", from_dense(quant_mode="w8a8")),
+    # the options fused_moe takes from the block
+    (ValueError, "swiglu_limit must be > 0", from_dense(swiglu_limit=-1.0)),
+    (ValueError, "swiglu_alpha must be finite", from_dense(swiglu_alpha=math.nan)),
+    (ValueError, "swiglu_alpha applies only to activation='swiglu', got activation='relu2'",
+     from_dense(w1=_W1[:, :INTERMEDIATE], activation="relu2", swiglu_alpha=1.0)),
+    (ValueError, "local_expert_offset must be in", from_dense(local_expert_offset=-1)),
+    (ValueError, "per_token_activation applies to quant_mode='w4a4' only", from_dense(quant_mode="w4a16")),
+    (ValueError, "weight_layout must be one of", from_dense(weight_layout="bogus")),
 ]
 
 
@@ -133,6 +141,19 @@ BAD_CONSTRUCTOR_CALLS = [
 def test_the_constructor_refuses_bad_arguments(error, match, call):
     with pytest.raises(error, match=match):
         call()
+
+
+@pytest.mark.parametrize("options", [
+    dict(swiglu_limit=-1.0), dict(swiglu_beta=math.inf), dict(local_expert_offset=-1), dict(quant_mode="w4a16"),
+    dict(weight_layout="bogus"),
+], ids=str)
+def test_the_constructor_refuses_bad_options_before_preparing_the_weights(options, monkeypatch):
+    def no_work(self):
+        raise AssertionError("prepared the experts before the options were checked")
+
+    monkeypatch.setattr(fp4moe.MoEWeights, "prepared", no_work)
+    with pytest.raises(ValueError):
+        fp4moe.FusedMoE(_R, WEIGHTS, TOP_K, **{**PER_TOKEN, **options})
 
 
 def test_forward_refuses_inputs_it_would_silently_cast():
