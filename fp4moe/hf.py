@@ -60,7 +60,8 @@ def _softmax_routing(block: nn.Module) -> dict:
 
 
 def _deepseek_v3_routing(block: nn.Module) -> dict:
-    """DeepSeek-V3: grouped sigmoid routing with the correction bias and the routed scaling factor."""
+    """DeepSeek-V3 and GLM-4.5 (whose router is DeepSeek-V3's): grouped sigmoid routing with the
+    correction bias and the routed scaling factor."""
     gate = block.gate
     return dict(
         top_k=gate.top_k, routing="deepseek_v3", renormalize=bool(gate.norm_topk_prob),
@@ -72,6 +73,7 @@ def _deepseek_v3_routing(block: nn.Module) -> dict:
 MOE_BLOCKS: dict[str, Callable[[nn.Module], dict]] = {
     "Qwen3MoeSparseMoeBlock": _softmax_routing,
     "DeepseekV3MoE": _deepseek_v3_routing,
+    "Glm4MoeMoE": _deepseek_v3_routing,
 }
 """transformers MoE block class name -> the `FusedMoE` routing options of a block of that class."""
 

@@ -31,14 +31,14 @@ import fp4moe  # noqa: F401  (registers torch.ops.fp4moe, whose encoder writes t
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 FORMATS = ("compressed-tensors", "modelopt")
-FAMILIES = ("qwen3_moe", "deepseek_v3")
+FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe")
 VOCAB = 96
 
 _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
 def tiny_config(family: str, **overrides):
-    """A two-layer model, every matrix dimension a multiple of 16; layer 1 is MoE in both families."""
+    """A two-layer model, every matrix dimension a multiple of 16; layer 1 is MoE in every family."""
     import transformers
 
     common = dict(
@@ -50,6 +50,14 @@ def tiny_config(family: str, **overrides):
         # Both layers MoE; norm_topk_prob=False: softmax top-k without renormalization.
         config = dict(common, num_key_value_heads=2, head_dim=16, num_experts=8, norm_topk_prob=False)
         return transformers.Qwen3MoeConfig(**{**config, **overrides})
+    if family == "glm4_moe":
+        # GLM-4.5: DeepSeek-V3's router and shared expert, attention with biases, QK norms and half-rotary heads.
+        config = dict(
+            common, num_key_value_heads=2, n_routed_experts=8, n_group=2, topk_group=1, n_shared_experts=1,
+            first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
+            attention_bias=True,
+        )
+        return transformers.Glm4MoeConfig(**{**config, **overrides})
     # Layer 0 dense, layer 1 MoE with one shared expert; renormalized grouped routing.
     config = dict(
         common, num_key_value_heads=4, n_routed_experts=8, n_group=4, topk_group=2, n_shared_experts=1,
@@ -243,8 +251,9 @@ def write_checkpoint(
                                            expert_amax.get(name)))
     written_modules = {n.rsplit(".", 1)[0] for n in tensors}
     for name, tensor in model.state_dict().items():
-        module_name = name.rsplit(".", 1)[0]
-        if module_name in written_modules or ".experts." in name or name in tied:
+        module_name, attr = name.rsplit(".", 1)
+        # A quantized layer's weight is written above; its bias (GLM's attention) stays as it is.
+        if (module_name in written_modules and attr != "bias") or ".experts." in name or name in tied:
             continue
         tensors[name] = tensor.detach().clone()
 

@@ -1,11 +1,12 @@
-"""The transformers drop-in (`fp4moe.hf`): tiny Qwen3-MoE and DeepSeek-V3 NVFP4 checkpoints in both
-formats, served through `FusedMoE`, against the dequantize-everything FP32 reference model.
+"""The transformers drop-in (`fp4moe.hf`): tiny Qwen3-MoE, DeepSeek-V3 and GLM-4.5 NVFP4 checkpoints in
+both formats, served through `FusedMoE`, against the dequantize-everything FP32 reference model.
 
 Tolerances (relative Frobenius error of the logits, which have a standard deviation of ~0.6 here):
 - W4A16: the reference's weights are the checkpoint's, decoded, so the differences are the bf16
   activations of the MoE blocks (their input, intermediate and output are each rounded once to bf16,
   unit roundoff 2^-9): at most 3 * 2^-9 relative to the MoE output, and less on the logits, which add the
-  other layers' exact contributions. Top-1 agreement must be complete.
+  other layers' exact contributions. The top-1 token must agree wherever the reference decides it
+  (`assert_top1_agrees`: a top-2 margin above twice the largest logit difference).
 - W4A4: both activations of every expert are NVFP4 (E2M1 with E4M3 block scales: ~10% relative RMS
   error each, the weights' own figure in `test_weights.py`); their errors compound to ~15% of the MoE
   output, the bound used, which the logits (MoE output plus attention and residual) stay under. A
@@ -75,6 +76,19 @@ def top1_agreement(actual, expected):
     return (actual.argmax(-1) == expected.argmax(-1)).float().mean().item()
 
 
+def assert_top1_agrees(actual, expected):
+    """The same top-1 token wherever `expected` decides it: its top-2 margin exceeds twice the largest
+    logit difference (a closer pair is a tie at the precision compared, which a random tiny model has
+    now and then). At least 90% of the positions must be decided."""
+    actual, expected = actual.float(), expected.float()
+    difference = (actual - expected).abs().amax()
+    top2 = expected.topk(2, dim=-1).values
+    decided = top2[..., 0] - top2[..., 1] > 2 * difference
+    assert decided.float().mean() >= 0.9, f"only {decided.float().mean():.0%} of the positions are decided"
+    agree = actual.argmax(-1) == expected.argmax(-1)
+    assert agree[decided].all(), f"top-1 differs at decided positions {(~agree & decided).nonzero().tolist()}"
+
+
 def load(ck, **options):
     return fp4moe.hf.from_pretrained(ck.path, dtype=torch.float32, **options)
 
@@ -97,7 +111,7 @@ def test_w4a16_logits_match_the_dequantized_reference(checkpoint, family, fmt, w
     actual, expected = logits(model), logits(ck.reference)
     assert actual.dtype == torch.float32
     assert relative_error(actual, expected) < W4A16_TOLERANCE
-    assert top1_agreement(actual, expected) == 1.0
+    assert_top1_agrees(actual, expected)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -119,7 +133,7 @@ def test_w4a4_logits_match_the_dequantized_reference(checkpoint, family, fmt, pe
     assert top1_agreement(actual, expected) >= 0.8
     quantized = logits(activation_quantized_reference(ck, fmt, per_token))
     assert relative_error(actual, quantized) < W4A4_QUANTIZED_REFERENCE_TOLERANCE
-    assert top1_agreement(actual, quantized) == 1.0
+    assert_top1_agrees(actual, quantized)
 
 
 @pytest.mark.gpu
@@ -140,14 +154,15 @@ def test_a_model_loaded_onto_the_gpu_matches_the_reference(checkpoint, family, p
     torch._dynamo.reset()
     compiled = logits(torch.compile(model, fullgraph=True), TOKENS.cuda()).cpu()
     # Inductor may round the dense layers' FP32 arithmetic otherwise, which the MoE's bf16 input carries on.
-    assert relative_error(compiled, actual) < 1e-3 and top1_agreement(compiled, actual) == 1.0
+    assert relative_error(compiled, actual) < 1e-3
+    assert_top1_agrees(compiled, actual)
     if per_token:
         quantized = logits(activation_quantized_reference(ck, "compressed-tensors", True))
         assert relative_error(actual, quantized) < W4A4_QUANTIZED_REFERENCE_TOLERANCE
-        assert top1_agreement(actual, quantized) == 1.0
+        assert_top1_agrees(actual, quantized)
         return
     assert relative_error(actual, logits(ck.reference)) < W4A16_TOLERANCE
-    assert top1_agreement(actual, logits(ck.reference)) == 1.0
+    assert_top1_agrees(actual, logits(ck.reference))
     prompt = TOKENS[:1]
     options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     with torch.no_grad():
