@@ -46,6 +46,8 @@ from fp4moe.weights import MoEWeights, moe_weights_from_nvfp4
 CHECKPOINT_FORMATS = ("compressed-tensors", "modelopt")
 COMPRESSED_TENSORS_NVFP4 = "nvfp4-pack-quantized"
 MODELOPT_NVFP4 = "NVFP4"
+MODELOPT_NVFP4_WEIGHT_ONLY = "W4A16_NVFP4"
+"""ModelOpt's weight-only NVFP4 (no activation scales), which its mixed-precision exports name per layer."""
 NVFP4_SPEC = (4, "float", nvfp4.BLOCK_SIZE)
 """compressed-tensors' (num_bits, type, group_size) of NVFP4 weights and activations."""
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -140,7 +142,7 @@ def _compressed_tensors_format(config: dict) -> NVFP4Format:
         raise ValueError("compressed-tensors quantization_config has no config_groups")
     activation_scales, targets = set(), []
     for group_name, group in groups.items():
-        fmt = group.get("format", config.get("format"))
+        fmt = group.get("format") or config.get("format")  # a group's null format is the config's
         if fmt != COMPRESSED_TENSORS_NVFP4:
             raise ValueError(
                 f"unknown quantization format: compressed-tensors format {fmt!r} in config group {group_name!r}; "
@@ -162,15 +164,29 @@ def _compressed_tensors_format(config: dict) -> NVFP4Format:
 
 
 def _modelopt_format(config: dict, hf_quant_config: dict) -> NVFP4Format:
+    """`NVFP4` (W4A4: activation scales stored) or `W4A16_NVFP4` (weights only), in any letter case, as
+    vLLM reads them. An `NVFP4` config whose `config_groups` (newer exports, compressed-tensors' schema)
+    all have `input_activations: null` is weight-only too."""
     section = hf_quant_config.get("quantization", {})
     algo = config.get("quant_algo", section.get("quant_algo"))
-    if algo != MODELOPT_NVFP4:
-        raise NotImplementedError(f"ModelOpt quant_algo {algo!r} is not served; fp4moe reads '{MODELOPT_NVFP4}'")
+    name = algo.upper() if isinstance(algo, str) else algo
+    if name not in (MODELOPT_NVFP4, MODELOPT_NVFP4_WEIGHT_ONLY):
+        raise NotImplementedError(
+            f"ModelOpt quant_algo {algo!r} is not served; fp4moe reads '{MODELOPT_NVFP4}' and "
+            f"'{MODELOPT_NVFP4_WEIGHT_ONLY}'"
+        )
     group_size = config.get("group_size", section.get("group_size", nvfp4.BLOCK_SIZE))
     if group_size != nvfp4.BLOCK_SIZE:
         raise NotImplementedError(f"ModelOpt NVFP4 group_size {group_size}; NVFP4 blocks have {nvfp4.BLOCK_SIZE}")
+    activation_scales = name == MODELOPT_NVFP4
+    groups = (config.get("config_groups") or {}).values()
+    if activation_scales and groups:
+        quantized_inputs = {group.get("input_activations") is not None for group in groups}
+        if len(quantized_inputs) != 1:
+            raise NotImplementedError("config groups mix W4A4 and W4A16 NVFP4; fp4moe serves one activation mode")
+        activation_scales = quantized_inputs.pop()
     ignore = config.get("exclude_modules", config.get("ignore", section.get("exclude_modules", ())))
-    return NVFP4Format("modelopt", True, tuple(ignore or ()))
+    return NVFP4Format("modelopt", activation_scales, tuple(ignore or ()))
 
 
 def read_format(checkpoint_dir: str | Path, quantization_config: dict | None = None) -> NVFP4Format:
@@ -307,8 +323,9 @@ def join_gate_up(
     not exact either: folding the up half's ratio into `w2_alpha` relies on SwiGLU being linear in `up`,
     which is exact in real arithmetic but not in the op's FP32/bf16 rounding order, and wrong under
     `swiglu_limit` / per-tensor W4A4 intermediate quantization (whose calibrated scale would apply to a
-    rescaled intermediate). llm-compressor and ModelOpt exports tie the gate and up global scales, so real
-    checkpoints take the first branch.
+    rescaled intermediate). llm-compressor ties the gate and up global scales, and so do ModelOpt's
+    exports where every expert saw calibration tokens; published ModelOpt exports of GLM and DeepSeek-V3
+    style models have also been reported with untied ones (ratios up to 10x), which this refuses.
     """
     if torch.equal(gate_global_scale, up_global_scale):
         return gate_scales, up_scales, gate_global_scale
@@ -327,8 +344,9 @@ def join_gate_up(
         f"{gate_global_scale.item()!r} and {up_global_scale.item()!r}, decode {1 / gate_global_scale.item()!r} and "
         f"{1 / up_global_scale.item()!r}) that cannot be represented exactly: fused_moe takes one alpha per expert "
         "for the [gate; up] GEMM, and re-expressing one half's E4M3 block scales for the other's global scale is "
-        "exact only for power-of-two ratios within E4M3's range. Re-export the checkpoint with tied gate/up "
-        "global scales (llm-compressor and ModelOpt do this by default)."
+        "exact only for power-of-two ratios within E4M3's range; fp4moe does not re-quantize weights. Re-export "
+        "the checkpoint with tied gate/up global scales (llm-compressor does; ModelOpt does for experts that "
+        "saw calibration tokens)."
     )
 
 
@@ -422,9 +440,11 @@ class NVFP4Checkpoint:
         input_global_scale = None
         if input_scale:
             in_name = f"{prefix}.{names.input_global_scale}"
-            input_global_scale = _scalar_scales(
-                in_name, self.tensor(in_name, f"the W4A4 layer {prefix}"), 1, names.decode_direction
+            needed_for = (
+                f"the W4A4 layer {prefix}: per-tensor W4A4 takes the checkpoint's activation scales; load a "
+                "checkpoint without them with quant_mode='w4a16' or per_token_activation=True"
             )
+            input_global_scale = _scalar_scales(in_name, self.tensor(in_name, needed_for), 1, names.decode_direction)
         return NVFP4Linear(codes, block_scales, global_scale, input_global_scale)
 
     def moe_layer(

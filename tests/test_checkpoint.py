@@ -98,6 +98,26 @@ def test_detects_modelopt_from_config_json_or_hf_quant_config(tmp_path):
     assert NVFP4Checkpoint(tmp_path).format == in_config
 
 
+NVFP4_GROUP = {"weights": {"num_bits": 4, "type": "float", "group_size": 16}, "targets": ["Linear"]}
+
+
+@pytest.mark.parametrize(
+    "config, activation_scales",
+    [
+        ({"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4"}, False),  # weight-only, named per layer too
+        ({"quant_method": "modelopt", "quant_algo": "nvfp4"}, True),  # any letter case, as vLLM reads it
+        # Newer ModelOpt exports in compressed-tensors' schema: no input activations is weight-only.
+        ({"quant_method": "modelopt", "quant_algo": "NVFP4", "config_groups": {"g": {**NVFP4_GROUP,
+          "input_activations": None}}}, False),
+        # A config group whose format is null takes the config's (compressed-tensors' own rule).
+        ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"g": {
+          **NVFP4_GROUP, "format": None, "input_activations": None}}}, False),
+    ],
+)
+def test_format_variants_published_checkpoints_use(config, activation_scales):
+    assert detect_format(config).activation_scales == activation_scales
+
+
 def test_ignore_lists_in_each_pattern_language():
     ct = NVFP4Format("compressed-tensors", True, ("lm_head", "re:.*self_attn\\.k_proj$"))
     assert ct.is_ignored("lm_head") and ct.is_ignored("model.layers.3.self_attn.k_proj")
@@ -119,6 +139,8 @@ def test_ignore_lists_in_each_pattern_language():
         ({"quant_method": "compressed-tensors", "config_groups": {"g": {"format": "nvfp4-pack-quantized",
           "weights": {"num_bits": 4, "type": "int", "group_size": 128}}}}, NotImplementedError, "are not NVFP4"),
         ({"quant_method": "modelopt", "quant_algo": "FP8"}, NotImplementedError, "quant_algo 'FP8' is not served"),
+        ({"quant_method": "modelopt", "quant_algo": "NVFP4", "config_groups": {"a": {"input_activations": None},
+          "b": {"input_activations": {"num_bits": 4}}}}, NotImplementedError, "mix W4A4 and W4A16"),
     ],
 )
 def test_unknown_and_unsupported_formats_raise(config, error, message):
@@ -243,7 +265,7 @@ def test_a_missing_tensor_is_named(tmp_path):
 def test_a_missing_activation_scale_is_named(tmp_path):
     missing = f"{PREFIX}.1.down_proj.input_scale"
     ckpt = write(tmp_path, "modelopt", make_experts(), drop=[missing])
-    with pytest.raises(ValueError, match=rf"has no tensor '{missing}'"):
+    with pytest.raises(ValueError, match=rf"has no tensor '{missing}' .*without them with quant_mode='w4a16'"):
         load(ckpt)
     assert load(ckpt, activation_scales=False).fc2_input_scales is None  # W4A16 serving does not read it
 
