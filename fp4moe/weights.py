@@ -67,8 +67,11 @@ class MoEWeights:
         `fc2_input_scale` may also be `[E]`, one per expert: each expert's intermediate is quantized with
         its own scale, and its alpha decodes it.
         alpha = decode(weight) * decode(activation) = RN(RN(1/w_gs) * RN(1/in_gs)) with the per-tensor
-        input scales of W4A4 (the ModelOpt product `weight_scale_2 * input_scale`); without an input
-        scale (per-token W4A4, W4A16, pre-quantized activations) alpha is the weight decode scale alone.
+        input scales of W4A4; without an input scale (per-token W4A4, W4A16, pre-quantized activations)
+        alpha is the weight decode scale alone. Scales are held in the encode direction: a ModelOpt decode
+        scale `d` (`weight_scale_2`, `input_scale`) becomes `gs = RN(1/d)`, and `RN(1/gs)` is `d` or one
+        FP32 ulp from it, so alpha is ModelOpt's product `weight_scale_2 * input_scale` to within an ulp
+        or two, not always bitwise.
         """
 
         for name, scale in (("fc1_input_scale", fc1_input_scale), ("fc2_input_scale", fc2_input_scale)):
