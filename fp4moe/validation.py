@@ -442,9 +442,9 @@ def check_aligned_moe(
         )
     # A token chooses top_k distinct experts of the router's: of this rank's E, or, on an expert-parallel
     # rank that says so, of the global ones (DeepSeek-V3 at EP 64 routes 8 of 256 to ranks of 4 experts).
-    routed = ("E", experts) if global_num_experts is None else ("global_num_experts", global_num_experts)
-    if not 1 <= top_k <= routed[1]:
-        raise ValueError(f"topk_weights.shape[1] (top_k = {top_k}) must be in [1, {routed[0]} = {routed[1]}]")
+    bound_name, bound = ("E", experts) if global_num_experts is None else ("global_num_experts", global_num_experts)
+    if not 1 <= top_k <= bound:
+        raise ValueError(f"topk_weights.shape[1] (top_k = {top_k}) must be in [1, {bound_name} = {bound}]")
     check_shape("out", out, (rows, k))
     check_dim("sorted_token_ids", sorted_token_ids, 1)
     check_dim("expert_ids", expert_ids, 1)
