@@ -25,7 +25,8 @@ projections (`<experts>.{e}.gate_proj / up_proj / down_proj`, the Hugging Face c
 from fused 3-D tensors (`<experts>.gate_up_proj` `[E, 2I, H/2]` with `[gate; up]` rows and
 `<experts>.down_proj` `[E, H, I/2]`, with the same suffixes). Two facts of the MoE op contract shape what
 can be represented exactly; both choices are explained where they are made:
-- one weight global scale per expert for the whole `[gate; up]` GEMM (`join_gate_up`), and
+- one weight global scale per expert for the whole `[gate; up]` GEMM where the checkpoint's gate and up
+  scales allow it exactly, else one per half (`join_gate_up`), and
 - one activation global scale per layer for GEMM1, one per expert for GEMM2 (`NVFP4MoELayer.activation_scales`).
 """
 
@@ -306,48 +307,37 @@ def join_gate_up(
     gate_global_scale: torch.Tensor,
     up_scales: torch.Tensor,
     up_global_scale: torch.Tensor,
-    expert: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The block scales of the `[gate; up]` rows and their one global scale, exactly.
+    """The block scales of the `[gate; up]` rows and their global scales, exactly: FP32 [2] (gate, up).
 
-    `fused_moe` multiplies the whole GEMM1 accumulator row of an expert by one `w1_alpha[e]`, so gate and up
-    must share a global scale. The checkpoint's codes are never touched; when the two global scales (encode
-    direction, FP32 [1] each) differ, one half's E4M3 block scales are re-expressed for the other half's
-    global scale, `sf' = sf * gs_other / gs_own`, and that is accepted only when every `sf'` is itself an
-    E4M3 value, i.e. when `e2m1 * sf' / gs_other == e2m1 * sf / gs_own` holds exactly for every element.
-    That needs the two global scales to differ by a power of two (same FP32 mantissa; then
-    `RN(1/gs)` scales by the same power of two and the products are exact) and the scaled block scales to
-    stay in range (no saturation past 448, no bits lost below E4M3's subnormals). In general
-    `sf * ratio` is not an E4M3 value, and rounding it would re-quantize the weights, so anything else raises
-    `NotImplementedError` naming the expert and both scales. The other ways around the one-alpha contract are
-    not exact either: folding the up half's ratio into `w2_alpha` relies on SwiGLU being linear in `up`,
-    which is exact in real arithmetic but not in the op's FP32/bf16 rounding order, and wrong under
-    `swiglu_limit` / per-tensor W4A4 intermediate quantization (whose calibrated scale would apply to a
-    rescaled intermediate). llm-compressor ties the gate and up global scales, and so do ModelOpt's
-    exports where every expert saw calibration tokens; published ModelOpt exports of GLM and DeepSeek-V3
-    style models have also been reported with untied ones (ratios up to 10x), which this refuses.
+    Where the two global scales (encode direction, FP32 [1] each) are equal, both entries are that
+    scale. Where they differ by a power of two, one half's E4M3 block scales are re-expressed for the
+    other half's global scale, `sf' = sf * gs_other / gs_own`, if every `sf'` is itself an E4M3 value
+    (no saturation past 448, no bits lost below E4M3's subnormals), so that one alpha serves the expert
+    as before. Otherwise each half keeps its own global scale, and `MoEWeights` holds `[2, E]`: `fused_moe`
+    then takes `w1_alpha` per half (semantics §4.2). The checkpoint's codes are never touched.
+    llm-compressor ties the two scales, as ModelOpt does for experts that saw calibration tokens;
+    published ModelOpt exports of GLM and DeepSeek-V3-style models also have untied ones (ratios up to 10x).
     """
     if torch.equal(gate_global_scale, up_global_scale):
-        return gate_scales, up_scales, gate_global_scale
+        return gate_scales, up_scales, torch.cat((gate_global_scale, gate_global_scale))
     gate_exponent = torch.frexp(gate_global_scale)
     up_exponent = torch.frexp(up_global_scale)
     if torch.equal(gate_exponent.mantissa, up_exponent.mantissa):
         shift = int(gate_exponent.exponent - up_exponent.exponent)  # gs_gate = gs_up * 2^shift
         rescaled_up = _rescale_exactly(up_scales, shift)
         if rescaled_up is not None:
-            return gate_scales, rescaled_up, gate_global_scale
+            return gate_scales, rescaled_up, torch.cat((gate_global_scale, gate_global_scale))
         rescaled_gate = _rescale_exactly(gate_scales, -shift)
         if rescaled_gate is not None:
-            return rescaled_gate, up_scales, up_global_scale
-    raise NotImplementedError(
-        f"{expert}: gate_proj and up_proj have different weight global scales (encode direction "
-        f"{gate_global_scale.item()!r} and {up_global_scale.item()!r}, decode {1 / gate_global_scale.item()!r} and "
-        f"{1 / up_global_scale.item()!r}) that cannot be represented exactly: fused_moe takes one alpha per expert "
-        "for the [gate; up] GEMM, and re-expressing one half's E4M3 block scales for the other's global scale is "
-        "exact only for power-of-two ratios within E4M3's range; fp4moe does not re-quantize weights. Re-export "
-        "the checkpoint with tied gate/up global scales (llm-compressor does; ModelOpt does for experts that "
-        "saw calibration tokens)."
-    )
+            return rescaled_gate, up_scales, torch.cat((up_global_scale, up_global_scale))
+    return gate_scales, up_scales, torch.cat((gate_global_scale, up_global_scale))
+
+
+def _w1_global_scales(pairs: torch.Tensor) -> torch.Tensor:
+    """`MoEWeights.w1_global_scale` from each expert's (gate, up) global scales `[E, 2]`: `[E]` where
+    every expert's two are one, else `[2, E]`."""
+    return pairs[:, 0].clone() if torch.equal(pairs[:, 0], pairs[:, 1]) else pairs.t().contiguous()
 
 
 def _rescale_exactly(block_scales: torch.Tensor, shift: int) -> torch.Tensor | None:
@@ -482,7 +472,7 @@ class NVFP4Checkpoint:
         w1_scales = torch.empty(experts, 2 * intermediate, hidden // nvfp4.BLOCK_SIZE, dtype=torch.float8_e4m3fn)
         w2 = torch.empty(experts, hidden, intermediate // 2, dtype=torch.uint8)
         w2_scales = torch.empty(experts, hidden, intermediate // nvfp4.BLOCK_SIZE, dtype=torch.float8_e4m3fn)
-        w1_gs, w2_gs = torch.empty(experts), torch.empty(experts)
+        w1_gs, w2_gs = torch.empty(experts, 2), torch.empty(experts)
         fc1_in = torch.empty(experts, 2) if activation_scales else None
         fc2_in = torch.empty(experts) if activation_scales else None
         for e in range(experts):
@@ -490,7 +480,7 @@ class NVFP4Checkpoint:
             up = self.linear(f"{prefix}.{e}.up_proj", (intermediate, hidden), activation_scales)
             down = self.linear(f"{prefix}.{e}.down_proj", (hidden, intermediate), activation_scales)
             gate_scales, up_scales, w1_gs[e] = join_gate_up(
-                gate.block_scales, gate.global_scale, up.block_scales, up.global_scale, f"{prefix}.{e}"
+                gate.block_scales, gate.global_scale, up.block_scales, up.global_scale
             )
             w1[e, :intermediate], w1[e, intermediate:] = gate.codes, up.codes
             w1_scales[e, :intermediate], w1_scales[e, intermediate:] = gate_scales, up_scales
@@ -498,7 +488,9 @@ class NVFP4Checkpoint:
             if activation_scales:
                 fc1_in[e, 0], fc1_in[e, 1] = gate.input_global_scale[0], up.input_global_scale[0]
                 fc2_in[e] = down.input_global_scale[0]
-        weights = moe_weights_from_nvfp4(w1, w1_scales, w2, w2_scales, w1_global_scale=w1_gs, w2_global_scale=w2_gs)
+        weights = moe_weights_from_nvfp4(
+            w1, w1_scales, w2, w2_scales, w1_global_scale=_w1_global_scales(w1_gs), w2_global_scale=w2_gs
+        )
         return NVFP4MoELayer(weights, fc1_in, fc2_in)
 
     def _fused_experts(self, prefix, experts, hidden, intermediate, activation_scales) -> NVFP4MoELayer:
@@ -525,11 +517,12 @@ class NVFP4Checkpoint:
         if per_half:
             halves = w1_gs.view(experts, 2)
             w1_scales = w1_scales.clone()  # the memory-mapped tensor stays read-only
-            w1_gs = torch.empty(experts)
+            pairs = torch.empty(experts, 2)
             for e in range(experts):
                 gate, up = w1_scales[e, :intermediate], w1_scales[e, intermediate:]
-                gate_scales, up_scales, w1_gs[e] = join_gate_up(gate, halves[e, :1], up, halves[e, 1:], f"{prefix}.{e}")
+                gate_scales, up_scales, pairs[e] = join_gate_up(gate, halves[e, :1], up, halves[e, 1:])
                 w1_scales[e, :intermediate], w1_scales[e, intermediate:] = gate_scales, up_scales
+            w1_gs = _w1_global_scales(pairs)
         w2_gs_name = f"{prefix}.down_proj.{names.weight_global_scale}"
         w2_gs = _scalar_scales(
             w2_gs_name, self.tensor(w2_gs_name, f"the fused NVFP4 experts {prefix}"), experts, names.decode_direction

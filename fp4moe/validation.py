@@ -558,11 +558,23 @@ def check_moe_plan(topk_ids: torch.Tensor, num_local_experts: int, local_expert_
     check_moe_plan_fits_int32(topk_ids, num_local_experts, tile_m, f"the plan with tile_m = {tile_m}")
 
 
+def check_expert_alpha(name: str, alpha: torch.Tensor, experts: int, per_half: bool = False) -> None:
+    """FP32 per-expert alphas `[E]`; with `per_half` (a SwiGLU GEMM1) also `[2, E]`: row 0 the gate
+    half's, row 1 the up half's (checkpoints whose gate and up projections have their own global scales)."""
+    check_dtype(name, alpha, (torch.float32,))
+    if per_half and tuple(alpha.shape) == (2, experts):
+        return
+    if tuple(alpha.shape) != (experts,):
+        shapes = f"[E = {experts}] or, per SwiGLU half (gate, up), [2, E]" if per_half else f"[E = {experts}]"
+        raise ValueError(f"{name} must have shape {shapes}, got {tuple(alpha.shape)}")
+
+
 def check_expert_weights(
-    prefix: str, w: torch.Tensor, scales: torch.Tensor, alpha: torch.Tensor, anchor_name: str, anchor: torch.Tensor
+    prefix: str, w: torch.Tensor, scales: torch.Tensor, alpha: torch.Tensor, anchor_name: str, anchor: torch.Tensor,
+    per_half_alpha: bool = False,
 ) -> tuple:
-    """NVFP4 expert weights `uint8 [E, N, K/2]`, linear scales `[E, N, K/16]`, FP32 alpha `[E]`, all on
-    `anchor`'s device. Returns (E, N, K)."""
+    """NVFP4 expert weights `uint8 [E, N, K/2]`, linear scales `[E, N, K/16]`, FP32 alpha `[E]` (or
+    `[2, E]` with `per_half_alpha`, `check_expert_alpha`), all on `anchor`'s device. Returns (E, N, K)."""
     check_dtype(prefix, w, (torch.uint8,))
     check_dim(prefix, w, 3)
     experts, n, k = w.shape[0], w.shape[1], w.shape[2] * 2
@@ -572,8 +584,7 @@ def check_expert_weights(
         )
     check_dtype(f"{prefix}_scales", scales, (torch.float8_e4m3fn,))
     check_shape(f"{prefix}_scales (linear)", scales, (experts, n, k // BLOCK_SIZE))
-    check_dtype(f"{prefix}_alpha", alpha, (torch.float32,))
-    check_shape(f"{prefix}_alpha", alpha, (experts,))
+    check_expert_alpha(f"{prefix}_alpha", alpha, experts, per_half_alpha)
     for name, tensor in ((prefix, w), (f"{prefix}_scales", scales), (f"{prefix}_alpha", alpha)):
         check_same_device(name, tensor, anchor_name, anchor)
     return experts, n, k
@@ -647,7 +658,7 @@ def check_moe_gemm1(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, top_k,
     activation, swiglu_alpha, swiglu_beta, swiglu_limit, router_weights, output_global_scale, aux_amax_tile_n,
 ) -> None:
-    _, n, k = check_expert_weights("w1", w1, w1_scales, w1_alpha, "a", a)
+    _, n, k = check_expert_weights("w1", w1, w1_scales, w1_alpha, "a", a, per_half_alpha=activation == "swiglu")
     check_moe_activation_input("a", a, a_scales, a_per_token_scale, a.shape[0], k)
     check_plan_tensors(permuted_to_pair, tile_expert, a)
     if top_k < 1:
@@ -697,11 +708,11 @@ def check_moe_finalize(expanded, pair_to_permuted, top_k, out_dtype) -> None:
 
 
 def check_prepared_weights(
-    prefix: str, w, scales, alpha, anchor_name: str, anchor, alpha_name: str | None = None
+    prefix: str, w, scales, alpha, anchor_name: str, anchor, alpha_name: str | None = None, per_half_alpha: bool = False
 ) -> tuple:
     """Expert weights in the sm90 prepared layout (`fp4moe.weight_layout`): codes uint8
     `[E, J, T, 2048]`, scales uint8 `[E, J, T, 256]`, FP32 per-expert scalars `[E]` (named `alpha_name`,
-    default `<prefix>_alpha`). Returns (E, rows, K) padded."""
+    default `<prefix>_alpha`; `[2, E]` too with `per_half_alpha`). Returns (E, rows, K) padded."""
     alpha_name = alpha_name or f"{prefix}_alpha"
     from fp4moe import weight_layout
 
@@ -715,8 +726,7 @@ def check_prepared_weights(
         )
     check_dtype(f"{prefix}_scales (weight_layout='sm90')", scales, (torch.uint8,))
     check_shape(f"{prefix}_scales (weight_layout='sm90')", scales, (experts, row_blocks, k_tiles, weight_layout.SCALE_BYTES))
-    check_dtype(alpha_name, alpha, (torch.float32,))
-    check_shape(alpha_name, alpha, (experts,))
+    check_expert_alpha(alpha_name, alpha, experts, per_half_alpha)
     for name, tensor in ((prefix, w), (f"{prefix}_scales", scales), (alpha_name, alpha)):
         check_same_device(name, tensor, anchor_name, anchor)
     return experts, row_blocks * weight_layout.ROW_BLOCK, k_tiles * weight_layout.K_TILE
@@ -726,7 +736,9 @@ def _check_prepared_moe_weights(w1, w1_scales, w1_alpha, w2, w2_scales, w2_alpha
     """The prepared w1 / w2 pair of a layer of hidden size `hidden`; returns E."""
     from fp4moe import weight_layout
 
-    experts, rows1, k1 = check_prepared_weights("w1", w1, w1_scales, w1_alpha, "topk_ids", anchor)
+    experts, rows1, k1 = check_prepared_weights(
+        "w1", w1, w1_scales, w1_alpha, "topk_ids", anchor, per_half_alpha=activation == "swiglu"
+    )
     experts2, rows2, k2 = check_prepared_weights("w2", w2, w2_scales, w2_alpha, "topk_ids", anchor)
     intermediate = rows1 // 2 if activation == "swiglu" else rows1
     expected = {
@@ -787,7 +799,9 @@ def check_fused_moe(
     check_same_device("x", x, "topk_ids", topk_ids)
     if weight_layout == LINEAR:
         check_linear_layout_scales(("w1_scales", w1_scales), ("w2_scales", w2_scales))
-        experts, n1, hidden = check_expert_weights("w1", w1, w1_scales, w1_alpha, "topk_ids", topk_ids)
+        experts, n1, hidden = check_expert_weights(
+            "w1", w1, w1_scales, w1_alpha, "topk_ids", topk_ids, per_half_alpha=activation == "swiglu"
+        )
         intermediate = check_gated_rows(activation, n1, "w1")
         check_expert_weights("w2", w2, w2_scales, w2_alpha, "topk_ids", topk_ids)
         check_shape("w2", w2, (experts, hidden, intermediate // 2))

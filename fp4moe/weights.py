@@ -22,7 +22,8 @@ class MoEWeights:
     w1_scales: torch.Tensor
     """float8_e4m3fn [E, N1, H/16], linear layout."""
     w1_global_scale: torch.Tensor
-    """FP32 [E], encode direction."""
+    """FP32 [E], encode direction; or [2, E] for SwiGLU whose gate (row 0) and up (row 1) halves have
+    global scales of their own (checkpoints that do not tie them), which `alphas` keeps per half."""
     w2: torch.Tensor
     """uint8 [E, H, I/2]."""
     w2_scales: torch.Tensor
@@ -59,8 +60,8 @@ class MoEWeights:
         )
 
     def alphas(self, fc1_input_scale: torch.Tensor | None = None, fc2_input_scale: torch.Tensor | None = None):
-        """Per-expert GEMM alphas `(w1_alpha, w2_alpha)`, FP32 [E] each, what `fused_moe` multiplies each
-        expert's GEMM1 / GEMM2 accumulator by.
+        """Per-expert GEMM alphas `(w1_alpha, w2_alpha)`, FP32 [E] each (`w1_alpha` [2, E], per SwiGLU half,
+        where `w1_global_scale` is), what `fused_moe` multiplies each expert's GEMM1 / GEMM2 accumulator by.
 
         `fc1_input_scale`, `fc2_input_scale`: FP32, one element (shape [1] or []), encode direction
         (`2688 / amax` of the activation / of the intermediate), the per-tensor W4A4 scales; or None.
@@ -76,7 +77,7 @@ class MoEWeights:
 
         for name, scale in (("fc1_input_scale", fc1_input_scale), ("fc2_input_scale", fc2_input_scale)):
             if scale is not None:
-                check_input_scale(name, scale, self.w1_global_scale, per_expert=name == "fc2_input_scale")
+                check_input_scale(name, scale, self.w1_global_scale, self.num_experts, name == "fc2_input_scale")
 
         def alpha(weight_gs, input_gs):
             decode = nvfp4.decode_scale_from_global_scale(weight_gs)
@@ -95,13 +96,15 @@ class MoEWeights:
 _TENSOR_FIELDS = ("w1", "w1_scales", "w1_global_scale", "w2", "w2_scales", "w2_global_scale")
 
 
-def check_input_scale(name: str, scale: torch.Tensor, w1_global_scale: torch.Tensor, per_expert: bool) -> None:
+def check_input_scale(
+    name: str, scale: torch.Tensor, w1_global_scale: torch.Tensor, num_experts: int, per_expert: bool
+) -> None:
     """A per-tensor W4A4 activation scale: encode direction, FP32, one element (or, `per_expert`,
     one per expert: `[E]`), on the weights' device."""
     validation.check_tensor(name, scale)
     validation.check_dtype(name, scale, (torch.float32,))
     if per_expert:
-        validation.check_tensor_or_expert_scale(name, scale, w1_global_scale.shape[0])
+        validation.check_tensor_or_expert_scale(name, scale, num_experts)
     else:
         validation.check_one_element(
             name, scale,
@@ -167,9 +170,10 @@ def _linear_scales(scales: torch.Tensor, codes: torch.Tensor, sf_layout: str, na
     return torch.stack([nvfp4.to_linear(s, sf_layout, rows, cols) for s in scales])
 
 
-def _global_scale(global_scale, decode_scale, name: str, num_experts: int) -> torch.Tensor:
+def _global_scale(global_scale, decode_scale, name: str, num_experts: int, per_half: bool = False) -> torch.Tensor:
     """Per-expert encode-direction global scales, FP32 [E], from either direction (one scale per
-    expert, in any shape holding E elements: [E] or ModelOpt's stacked [E, 1])."""
+    expert, in any shape holding E elements: [E] or ModelOpt's stacked [E, 1]); with `per_half` (SwiGLU's
+    w1) also [2, E], the gate and up halves' own (row 0, row 1), kept as [2, E]."""
     if (global_scale is None) == (decode_scale is None):
         raise ValueError(f"pass exactly one of {name}_global_scale (encode direction) and {name}_decode_scale")
     given, argument = (global_scale, f"{name}_global_scale") if global_scale is not None else (
@@ -177,13 +181,17 @@ def _global_scale(global_scale, decode_scale, name: str, num_experts: int) -> to
     )
     if not given.is_floating_point():
         raise TypeError(f"{argument} must have a floating-point dtype, got {given.dtype}")
-    if given.numel() != num_experts:
+    halves = per_half and tuple(given.shape) == (2, num_experts)
+    if given.numel() != num_experts and not halves:
+        per_half_shape = ", or [2, E] per SwiGLU half (gate, up)" if per_half else ""
         raise ValueError(
-            f"{argument} must hold one scale per expert (E = {num_experts} elements), got shape {tuple(given.shape)}"
+            f"{argument} must hold one scale per expert (E = {num_experts} elements{per_half_shape}), "
+            f"got shape {tuple(given.shape)}"
         )
+    shape = (2, num_experts) if halves else (num_experts,)
     if global_scale is not None:
-        return global_scale.float().reshape(-1)
-    return nvfp4.global_scale_from_decode_scale(decode_scale).reshape(-1)
+        return global_scale.float().reshape(shape)
+    return nvfp4.global_scale_from_decode_scale(decode_scale).reshape(shape)
 
 
 def moe_weights_from_nvfp4(
@@ -209,7 +217,9 @@ def moe_weights_from_nvfp4(
     - `w1_global_scale` / `w2_global_scale`: FP32 `[E]`, one per expert, **encode** direction
       (`2688 / amax`, compressed-tensors' `weight_global_scale`); or instead
     - `w1_decode_scale` / `w2_decode_scale`: FP32 `[E]`, **decode** direction (`amax / 2688`, ModelOpt's
-      `weight_scale_2`), converted to `RN(1 / decode)`. Exactly one of the two per projection.
+      `weight_scale_2`), converted to `RN(1 / decode)`. Exactly one of the two per projection. For SwiGLU
+      `w1`, `[2, E]` gives the gate (row 0) and up (row 1) halves their own, as checkpoints that do not tie
+      them store; `alphas` then returns `w1_alpha` `[2, E]`, which `fused_moe` applies per half.
     - `sf_layout`: `"linear"` or `"swizzled"`, the layout of both scale tensors (stored linear).
     - `activation`: `"swiglu"` or `"relu2"`.
 
@@ -233,7 +243,7 @@ def moe_weights_from_nvfp4(
     return MoEWeights(
         w1=w1,
         w1_scales=_linear_scales(w1_scales, w1, sf_layout, "w1_scales"),
-        w1_global_scale=_global_scale(w1_global_scale, w1_decode_scale, "w1", experts),
+        w1_global_scale=_global_scale(w1_global_scale, w1_decode_scale, "w1", experts, activation == "swiglu"),
         w2=w2,
         w2_scales=_linear_scales(w2_scales, w2, sf_layout, "w2_scales"),
         w2_global_scale=_global_scale(w2_global_scale, w2_decode_scale, "w2", experts),

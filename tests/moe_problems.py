@@ -7,7 +7,7 @@ written here, one routed pair at a time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -68,17 +68,24 @@ def make_problem(
     local_expert_offset=0,
     device="cpu",
     seed=0,
+    per_half_w1_alpha=False,
     **options,
 ) -> MoEProblem:
     """A fresh random problem. `mode` is `w4a4` (per-tensor), `w4a4_per_token` or `w4a16`.
     Routing draws distinct global experts per token from `num_experts`; the weights cover the
-    `local_experts` (default all) starting at `local_expert_offset`."""
+    `local_experts` (default all) starting at `local_expert_offset`. `per_half_w1_alpha`: SwiGLU's up
+    half gets a global scale of its own (1.3 times the gate's, per expert 1.3^(e % 3)), so `w1_alpha` is
+    `[2, E]`, as from a checkpoint with untied gate/up scales."""
     g = torch.Generator().manual_seed(seed)
     local_experts = local_experts or num_experts
     rows = 2 * intermediate if activation == "swiglu" else intermediate
     w1 = torch.randn(local_experts, rows, hidden, generator=g) / hidden**0.5
     w2 = torch.randn(local_experts, hidden, intermediate, generator=g) / intermediate**0.5
     weights = fp4moe.quantize_moe_weights(w1, w2, activation).to(device)
+    if per_half_w1_alpha:
+        gate = weights.w1_global_scale
+        ratio = 1.3 ** (torch.arange(gate.shape[0], device=device) % 3 + 1)
+        weights = replace(weights, w1_global_scale=torch.stack((gate, gate * ratio)))
     x = (torch.randn(tokens, hidden, generator=g) * 2).to(torch.bfloat16).to(device)
     topk_ids = torch.argsort(torch.rand(tokens, num_experts, generator=g), dim=1)[:, :top_k]  # distinct per token
     topk_ids = topk_ids.to(torch.int32).to(device)
@@ -121,7 +128,11 @@ def loop_reference(p: MoEProblem) -> torch.Tensor:
             if not 0 <= e < w.num_experts:
                 continue
             weight = p.topk_weights[t, j]
-            h = (a[t] @ _dequant(w.w1[e], w.w1_scales[e]).T).float() * w1_alpha[e]
+            h = (a[t] @ _dequant(w.w1[e], w.w1_scales[e]).T).float()
+            if w1_alpha.dim() == 2:  # per SwiGLU half: [gate; up]
+                h = h * torch.cat((w1_alpha[0, e].expand(h.shape[0] // 2), w1_alpha[1, e].expand(h.shape[0] // 2)))
+            else:
+                h = h * w1_alpha[e]
             if a_pts is not None:
                 h = h * a_pts[t]
             if w.activation == "relu2":

@@ -199,7 +199,8 @@ def quantization_config(fmt: str, w4a4: bool, ignore: list[str]) -> dict:
             "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": group}, "ignore": ignore,
         }
-    return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ignore}
+    algo = "NVFP4" if w4a4 else "W4A16_NVFP4"  # ModelOpt names its weight-only NVFP4 apart
+    return {"quant_method": "modelopt", "quant_algo": algo, "group_size": 16, "exclude_modules": ignore}
 
 
 def _ignore_list(fmt: str, family: str) -> tuple[list[str], Callable[[str], bool]]:
@@ -224,13 +225,15 @@ def write_checkpoint(
     modelopt_config_file: bool = False,
     seed: int = 0,
     config_overrides: dict | None = None,
+    tied_gate_up: bool = True,
 ) -> TinyCheckpoint:
     """Quantize a tiny random `family` model and write it to `path` as a `fmt` NVFP4 checkpoint.
 
     `fused_experts` stores each layer's experts as 3-D `experts.gate_up_proj` / `experts.down_proj`
     tensors instead of per-expert projections; `shards > 1` splits the tensors over that many files with
     a `model.safetensors.index.json`; `modelopt_config_file` puts ModelOpt's config in
-    `hf_quant_config.json` instead of config.json.
+    `hf_quant_config.json` instead of config.json. `tied_gate_up=False` gives each expert's gate and up
+    projections global scales of their own (per-expert tensors only).
     """
     config = tiny_config(family, **(config_overrides or {}))
     model = dense_model(config, seed)
@@ -248,7 +251,7 @@ def write_checkpoint(
             reference.get_submodule(name).weight.data.copy_(q.dequantized(fmt))
         elif hasattr(module, "gate_up_proj"):
             tensors.update(_expert_tensors(name, module, reference.get_submodule(name), fmt, fused_experts,
-                                           expert_amax.get(name)))
+                                           expert_amax.get(name), tied_gate_up))
     written_modules = {n.rsplit(".", 1)[0] for n in tensors}
     for name, tensor in model.state_dict().items():
         module_name, attr = name.rsplit(".", 1)
@@ -276,13 +279,15 @@ def write_config(path: Path, qconfig: dict, model_config: dict, modelopt_config_
         json.dump(model_config, f)
 
 
-def _expert_tensors(name, experts, reference_experts, fmt, fused, amax) -> dict[str, torch.Tensor]:
+def _expert_tensors(name, experts, reference_experts, fmt, fused, amax, tied_gate_up=True) -> dict[str, torch.Tensor]:
     intermediate = experts.intermediate_dim
     per_expert = []
     for e in range(experts.num_experts):
         gate_up = experts.gate_up_proj[e].detach()
         fc1_amax, fc2_amax = (None, None) if amax is None else (float(amax[0][e]), float(amax[1][e]))
-        tied_amax = gate_up.abs().amax()  # gate and up share the weight global scale, as both tools do
+        # Gate and up share the weight global scale, as llm-compressor does (and ModelOpt for calibrated
+        # experts); untied, each half takes its own amax, as some published ModelOpt exports have it.
+        tied_amax = gate_up.abs().amax() if tied_gate_up else None
         gate = quantize_linear(gate_up[:intermediate], tied_amax, fc1_amax)
         up = quantize_linear(gate_up[intermediate:], tied_amax, fc1_amax)
         down = quantize_linear(experts.down_proj[e].detach(), input_amax=fc2_amax)

@@ -60,9 +60,14 @@ def load(ckpt, **kwargs):
 
 
 def decoded_experts(weights):
-    """The loaded experts' weights as the MoE op uses them: `e2m1 * sf` times the per-expert alpha."""
+    """The loaded experts' weights as the MoE op uses them: `e2m1 * sf` times the per-expert alpha (per
+    SwiGLU half where `w1_alpha` is `[2, E]`)."""
     w1_alpha, w2_alpha = weights.alphas()
-    w1 = nvfp4.dequantize_blocks(weights.w1, weights.w1_scales) * w1_alpha[:, None, None]
+    if w1_alpha.dim() == 2:
+        w1_alpha = w1_alpha.t().repeat_interleave(weights.w1.shape[1] // 2, dim=1)[:, :, None]  # [E, 2I, 1]
+    else:
+        w1_alpha = w1_alpha[:, None, None]
+    w1 = nvfp4.dequantize_blocks(weights.w1, weights.w1_scales) * w1_alpha
     w2 = nvfp4.dequantize_blocks(weights.w2, weights.w2_scales) * w2_alpha[:, None, None]
     return w1, w2
 
@@ -234,21 +239,38 @@ def test_gate_up_scales_a_power_of_two_apart_are_joined_exactly(tmp_path, fmt):
         torch.testing.assert_close(actual, expected, rtol=2**-22, atol=0)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_gate_up_scales_without_an_exact_representation_raise(tmp_path, fmt):
+def test_gate_up_scales_without_an_exact_join_keep_their_own(tmp_path, fmt, fused):
+    # Untied gate/up scales (up's decode scale 1.3x gate's): each half keeps its global scale, [2, E], and
+    # the codes and block scales are the checkpoint's, bit for bit.
     layers = make_experts(seed=6, up_decode_ratio=1.3)
-    message = rf"{PREFIX}\.0: gate_proj and up_proj have different weight global scales"
-    with pytest.raises(NotImplementedError, match=message):
-        load(write(tmp_path, fmt, layers))
+    replace = {}
+    if fused:  # gate_up_proj's global scales stored [E, 2]
+        decode = torch.stack([torch.stack((g.decode_scale, u.decode_scale)) for g, u, _ in layers])
+        suffix, per_half = {"compressed-tensors": ("weight_global_scale", 1.0 / decode),
+                            "modelopt": ("weight_scale_2", decode)}[fmt]
+        replace = {f"{PREFIX}.gate_up_proj.{suffix}": per_half}
+    weights = load(write(tmp_path, fmt, layers, fused=fused, replace=replace)).weights
+    gate_up = [(1.0 / g.decode_scale, 1.0 / u.decode_scale) for g, u, _ in layers]
+    expected = torch.tensor([[float(g) for g, _ in gate_up], [float(u) for _, u in gate_up]])
+    torch.testing.assert_close(weights.w1_global_scale, expected, rtol=2**-23, atol=0)
+    assert_bitwise_equal(weights.w1, torch.stack([torch.cat((g.codes, u.codes)) for g, u, _ in layers]), "w1")
+    scales = torch.stack([torch.cat((g.block_scales, u.block_scales)) for g, u, _ in layers])
+    assert_bitwise_equal(weights.w1_scales.float(), scales.float(), "w1 block scales")
+    assert weights.alphas()[0].shape == (2, len(layers))
+    for actual, expected in zip(decoded_experts(weights), reference_experts(layers, fmt)):
+        torch.testing.assert_close(actual, expected, rtol=2**-22, atol=0)
 
 
-def test_join_gate_up_refuses_a_rescale_that_leaves_e4m3():
+def test_join_gate_up_keeps_both_scales_where_a_rescale_would_leave_e4m3():
     gs = torch.tensor([100.0])
     big = torch.full((2, 1), 448.0).to(torch.float8_e4m3fn)
     tiny = torch.full((2, 1), 2.0**-9).to(torch.float8_e4m3fn)  # E4M3's smallest subnormal
     # up (gs / 2) would need its scales doubled past 448, gate its scales halved below 2^-9.
-    with pytest.raises(NotImplementedError, match="expert 7"):
-        join_gate_up(tiny, gs, big, gs / 2, "expert 7")
+    gate_scales, up_scales, global_scales = join_gate_up(tiny, gs, big, gs / 2)
+    assert gate_scales is tiny and up_scales is big
+    assert global_scales.tolist() == [100.0, 50.0]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -117,3 +117,17 @@ def test_the_block_on_a_gpu_serves_eager_compiled_and_graph_replayed_calls_alike
         static.copy_(x)
         graph.replay()
         assert_bitwise_equal(replayed, out)
+
+
+def test_experts_with_untied_gate_up_scales_serve_per_half_alphas():
+    """`MoEWeights` with `w1_global_scale` [2, E] (a checkpoint whose gate and up halves keep their own):
+    the block passes `w1_alpha` [2, E] on, and gives the loop reference's result for its routing."""
+    problem = make_problem(tokens=9, num_experts=EXPERTS, hidden=HIDDEN, intermediate=INTERMEDIATE, mode="w4a4",
+                           seed=4, per_half_w1_alpha=True)
+    block = fp4moe.FusedMoE(None, problem.weights, 2, quant_mode="w4a4", fc1_input_scale=problem.fc1_input_scale,
+                            fc2_input_scale=problem.fc2_input_scale)
+    assert block.w1_alpha.shape == (2, EXPERTS)
+    logits = torch.randn(9, EXPERTS, generator=torch.Generator().manual_seed(5))
+    out = block(problem.x, logits)
+    problem.topk_ids, problem.topk_weights = ops.route_softmax_topk(logits, 2, True)
+    assert_moe_close(out, loop_reference(problem))

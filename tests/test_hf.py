@@ -171,6 +171,20 @@ def test_a_model_loaded_onto_the_gpu_matches_the_reference(checkpoint, family, p
     assert torch.equal(generated.cpu(), expected), family
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_untied_gate_up_scales_load_exactly_per_half(checkpoint, fmt):
+    """Experts whose gate and up projections have global scales of their own (as some published ModelOpt
+    exports have them) load with those scales, `w1_alpha` per half, and serve the dequantized reference's
+    logits."""
+    ck = checkpoint("deepseek_v3", fmt, w4a4=False, tied_gate_up=False)
+    model = load(ck)
+    moe = model.model.layers[1].mlp.moe
+    assert moe.w1_alpha.shape == (2, moe.w1.shape[0]) and not torch.equal(moe.w1_alpha[0], moe.w1_alpha[1])
+    actual, expected = logits(model), logits(ck.reference)
+    assert relative_error(actual, expected) < W4A16_TOLERANCE
+    assert_top1_agrees(actual, expected)
+
+
 def test_sharded_fused_and_hf_quant_config_checkpoints_load_alike(checkpoint):
     plain = load(checkpoint("qwen3_moe", "modelopt"), quant_mode="w4a16")
     for options in (dict(shards=3), dict(fused_experts=True), dict(modelopt_config_file=True)):

@@ -41,6 +41,31 @@ def test_expert_parallel_shards(device, mode, shard, global_num_experts):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_per_half_w1_alpha_matches_the_loop_reference(device, mode, deterministic):
+    # Untied gate/up global scales: w1_alpha [2, E] scales the gate rows by row 0 and the up rows by row 1
+    # (on Hopper: the GEMM1 kernel's per-half alphas, `up_alpha`). Swapping the halves changes the result.
+    p = make_problem(tokens=13, top_k=2, num_experts=10, mode=mode, device=device, seed=21, per_half_w1_alpha=True,
+                     deterministic=deterministic)
+    w1_alpha = p.alphas[0]
+    assert w1_alpha.shape == (2, 10) and not torch.equal(w1_alpha[0], w1_alpha[1])
+    out = p.run()
+    assert_moe_close(out, loop_reference(p))
+    args = list(p.op_args())
+    args[5] = w1_alpha.flip(0).contiguous()
+    assert not torch.equal(ops.fused_moe(*args, **p.op_kwargs()), out)
+
+
+def test_per_half_w1_alpha_is_for_swiglu_only():
+    p = make_problem(tokens=3, activation="relu2", mode="w4a16")
+    args = list(p.op_args())
+    args[5] = args[5].expand(2, -1).contiguous()
+    with pytest.raises(ValueError, match=r"w1_alpha must have shape \[E = 8\], got \(2, 8\)"):
+        ops.fused_moe(*args, **p.op_kwargs())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_tokens_routed_only_to_other_shards_get_zero(device):
     p = make_problem(tokens=9, top_k=2, num_experts=16, local_experts=4, local_expert_offset=4, device=device, seed=5)
     p.topk_ids[2:5] = torch.tensor([0, 12], dtype=torch.int32, device=device)  # both experts non-local
@@ -459,6 +484,8 @@ def test_opcheck_every_moe_op(device):
     for tokens, mode in ((0, "w4a4"), (5, "w4a16"), (3, "w4a4_per_token")):
         q = make_problem(tokens=tokens, mode=mode, device=device, seed=tokens)
         opcheck(ops.fused_moe.default, q.op_args(), q.op_kwargs())
+    q = make_problem(tokens=5, mode="w4a4", device=device, seed=9, per_half_w1_alpha=True)
+    opcheck(ops.fused_moe.default, q.op_args(), q.op_kwargs())
 
 
 def test_inference_only():

@@ -52,6 +52,10 @@ GEMM_VARIANTS = [
     ("gemm1", (256, 4096, 7168, 128, 8, 8, 128, 8, 2, 264), 7168, 2048, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 1, True, None, True, True),
     ("gemm1", (16, 1024, 6144, 128, 64, 16, 128, 8, 1, 132), 6144, 512, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 1, True, None, True, True),
     ("gemm2_expanded", (256, 7168, 2048, 128, 8, 8, 128, 8, 2, 264), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, 1, 32, 1, False, None, True, True),
+    # Experts whose gate and up halves keep their own global scales (`w1_alpha` [2, E], `up_alpha`):
+    # W4A16 at decode, and per-token W4A4's aux-amax GEMM1 in 192-row prefill tiles.
+    ("gemm1", (256, 4096, 7168, 128, 8, 8, 128, 8, 2, 264), 7168, 2048, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 0, True),
+    ("gemm1", (256, 4096, 7168, 128, 192, 32, 64, 7, 1, 132), 7168, 2048, 8, "swiglu", (None, None, None), False, True, False, True, 1, 32, 0, True),
     # The deterministic finalize's per-pair GEMM2 in CTAs of seven consumer groups where those balance its
     # waves (`moe_launch.per_pair_gemm2_shape`: DeepSeek-V3 at T = 1).
     ("gemm2_expanded", (256, 7168, 2048, 448, 8, 8, 64, 13, 1, 132), 2048, 7168, 8, "none", (None, None, None), True),

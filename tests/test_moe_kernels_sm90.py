@@ -295,6 +295,19 @@ def test_w4a16_token_counts_match_the_reference_pipeline(tokens):
         assert_moe_close(out, run_reference(p))
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4_per_token"])
+@pytest.mark.parametrize("tokens", [1, 100, 1000])
+def test_per_half_w1_alpha_matches_the_loop_reference_at_every_tile(mode, tokens):
+    # w1_alpha [2, E] (experts whose gate and up halves keep their own global scales): GEMM1's per-half
+    # alphas (`up_alpha`) in decode tiles (T = 1; per-token W4A4's GEMM2 quantizing its own rows) and in
+    # prefill tiles (T = 1000; per-token W4A4 on the aux-amax path), against the loop reference (at
+    # T = 1000 the reference pipeline, whose per-half alphas the CPU tests hold to the loop reference).
+    p = make_problem(tokens=tokens, hidden=256, intermediate=128, num_experts=32, top_k=8, mode=mode, device="cuda",
+                     seed=60 + tokens, per_half_w1_alpha=True)
+    assert p.alphas[0].shape == (2, 32)
+    assert_moe_close(run_prepared(p), loop_reference(p) if tokens <= 100 else run_reference(p))
+
+
 @pytest.mark.parametrize("shard", [0, 3])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("global_num_experts", [None, 16])

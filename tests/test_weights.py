@@ -84,7 +84,9 @@ BAD_CHECKPOINTS = [
     (TypeError, "sf_layout must be a Python str, got int", _adopt(sf_layout=0)),
     (ValueError, "activation must be one of", _adopt(activation="gelu")),
     # Global scales: one per expert, in either direction, as tensors.
-    (ValueError, r"w1_global_scale must hold one scale per expert \(E = 3 elements\), got shape \(4,\)",
+    (ValueError,
+     r"w1_global_scale must hold one scale per expert \(E = 3 elements, or \[2, E\] per SwiGLU half \(gate, up\)\), "
+     r"got shape \(4,\)",
      _adopt(w1_global_scale=torch.ones(_E + 1))),
     (ValueError, r"w2_global_scale must hold one scale per expert .* got shape \(3, 2\)",
      _adopt(w2_global_scale=torch.ones(_E, 2))),
