@@ -315,7 +315,7 @@ def join_gate_up(
     other half's global scale, `sf' = sf * gs_other / gs_own`, if every `sf'` is itself an E4M3 value
     (no saturation past 448, no bits lost below E4M3's subnormals), so that one alpha serves the expert
     as before. Otherwise each half keeps its own global scale, and `MoEWeights` holds `[2, E]`: `fused_moe`
-    then takes `w1_alpha` per half (semantics §4.2). The checkpoint's codes are never touched.
+    then takes `w1_alpha` per half (semantics §3.3). The checkpoint's codes are never touched.
     llm-compressor ties the two scales, as ModelOpt does for experts that saw calibration tokens;
     published ModelOpt exports of GLM and DeepSeek-V3-style models also have untied ones (ratios up to 10x).
     """
