@@ -173,7 +173,8 @@ def _linear_scales(scales: torch.Tensor, codes: torch.Tensor, sf_layout: str, na
 def _global_scale(global_scale, decode_scale, name: str, num_experts: int, per_half: bool = False) -> torch.Tensor:
     """Per-expert encode-direction global scales, FP32 [E], from either direction (one scale per
     expert, in any shape holding E elements: [E] or ModelOpt's stacked [E, 1]); with `per_half` (SwiGLU's
-    w1) also [2, E], the gate and up halves' own (row 0, row 1), kept as [2, E]."""
+    w1) also [2, E], the gate and up halves' own (row 0, row 1), kept as [2, E] (a stacked [E, 2] is the
+    caller's to transpose: at E = 2 the two shapes coincide)."""
     if (global_scale is None) == (decode_scale is None):
         raise ValueError(f"pass exactly one of {name}_global_scale (encode direction) and {name}_decode_scale")
     given, argument = (global_scale, f"{name}_global_scale") if global_scale is not None else (

@@ -74,7 +74,7 @@ def make_problem(
     """A fresh random problem. `mode` is `w4a4` (per-tensor), `w4a4_per_token` or `w4a16`.
     Routing draws distinct global experts per token from `num_experts`; the weights cover the
     `local_experts` (default all) starting at `local_expert_offset`. `per_half_w1_alpha`: SwiGLU's up
-    half gets a global scale of its own (1.3 times the gate's, per expert 1.3^(e % 3)), so `w1_alpha` is
+    half gets a global scale of its own (the gate's times 1.3^(e % 3 + 1) for expert e), so `w1_alpha` is
     `[2, E]`, as from a checkpoint with untied gate/up scales."""
     g = torch.Generator().manual_seed(seed)
     local_experts = local_experts or num_experts

@@ -235,6 +235,8 @@ def write_checkpoint(
     `hf_quant_config.json` instead of config.json. `tied_gate_up=False` gives each expert's gate and up
     projections global scales of their own (per-expert tensors only).
     """
+    if fused_experts and not tied_gate_up:
+        raise ValueError("fused experts store one global scale per expert: untied gate/up scales need per-expert tensors")
     config = tiny_config(family, **(config_overrides or {}))
     model = dense_model(config, seed)
     reference = copy.deepcopy(model)

@@ -575,7 +575,7 @@ def gemm1_values(
         a_per_token_scale is not None, float32, aux_amax,
         output_scales=0 if output_global_scale is None else output_global_scale.numel(),
         tiling_invariant=tiling_invariant,
-        up_alpha=w1_alpha.dim() == 2,  # [2, E] contiguous: the kernel's [2E], gate alphas then up alphas
+        up_alpha=w1_alpha.dim() == 2,  # [2, E] flattened: the kernel's [2E], gate alphas then up alphas
     )
     launch_gemm(
         kernel, w1, w1_scales, a, permuted_to_pair, tile_expert, w1_alpha.reshape(-1), router_weights, out,
