@@ -328,11 +328,13 @@ class FusedMoE(nn.Module):
         if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states must be [..., H = {self.hidden_size}], got {tuple(hidden_states.shape)}")
         validation.check_same_device("hidden_states", hidden_states, "the module's w1", self.w1)
+        _refuse_grad("hidden_states", hidden_states)
         shape = hidden_states.shape
         tokens = hidden_states.reshape(-1, shape[-1])
         x = tokens.to(torch.bfloat16)
         if router_logits is not None:
             self._check_router_logits(router_logits, shape)
+            _refuse_grad("router_logits", router_logits)
             logits = router_logits.reshape(tokens.shape[0], router_logits.shape[-1]).float()
         elif self.router_weight is None:
             raise ValueError("this FusedMoE has no router (router_weight=None): pass router_logits to forward")
@@ -353,3 +355,13 @@ class FusedMoE(nn.Module):
             weight_layout=self.weight_layout, global_num_experts=logits.shape[-1],
         )
         return out.reshape(shape).to(hidden_states.dtype)
+
+
+def _refuse_grad(name: str, tensor: torch.Tensor) -> None:
+    """`FusedMoE` is inference-only: an input that requires grad (grad mode on) is named here, rather than
+    in the error of the first fp4moe op it would reach (the routing's)."""
+    if torch.is_grad_enabled() and tensor.requires_grad:
+        raise NotImplementedError(
+            f"FusedMoE is inference-only (its fp4moe ops have no autograd formula) and {name} requires grad: "
+            "call it under torch.no_grad() / torch.inference_mode(), or detach it"
+        )

@@ -223,6 +223,20 @@ def test_parameters_are_taken_as_their_values():
     assert torch.equal(copy.deepcopy(moe)(x), reference(x))
 
 
+def test_inputs_that_require_grad_are_refused_by_name():
+    # The block is inference-only: an input that requires grad (grad mode on) is named in the error, not
+    # the routing op it would first reach; under no_grad the same call runs.
+    moe = fp4moe.FusedMoE.from_dense(_R, _W1, _W2, TOP_K, **PER_TOKEN)
+    x = torch.randn(3, HIDDEN).to(torch.bfloat16).requires_grad_()
+    with pytest.raises(NotImplementedError, match="hidden_states requires grad"):
+        moe(x)
+    logits = torch.randn(3, EXPERTS, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="router_logits requires grad"):
+        moe(x.detach(), logits)
+    with torch.no_grad():
+        assert torch.equal(moe(x), moe(x.detach())) and torch.equal(moe(x, logits), moe(x.detach(), logits.detach()))
+
+
 def test_expert_parallel_router_and_routing_defaults():
     # A router over 16 global experts, this rank holding experts [8, 16); DeepSeek-V3 routing with the
     # default routed_scaling_factor (1.0), which equals passing 1.0.
