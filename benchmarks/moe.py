@@ -20,6 +20,7 @@ matplotlib).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import sys
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.ceilings import Ceilings, measure_ceilings
+from benchmarks.gpu_state import GpuStateSampler
 from benchmarks.moe_cases import SHAPES, SMOKE_SHAPES, MoECase, MoEProblem
 from benchmarks.moe_checks import SpotCheck
 from benchmarks.moe_implementations import REGISTRY, Implementation
@@ -134,10 +136,13 @@ def run_cell(
                 return {**result, "status": "fail"}
             # On the reference backend the eager warm-up and the two checked replays are warm-up enough.
             replays, warmup = (args.reference_replays, 0) if on_reference else (args.replays, args.warmup)
-            timing = time_replays(call, device, replays, warmup, args.cold_l2, args.l2_flush)
+            with GpuStateSampler(device) if device.type == "cuda" else contextlib.nullcontext() as gpu_state:
+                timing = time_replays(call, device, replays, warmup, args.cold_l2, args.l2_flush)
     except Exception as error:  # one broken implementation must not end the sweep: its cells say why
         return {**result, "status": "error", "error": f"{type(error).__name__}: {error}"}
     result = {**result, "status": "ok", **dataclasses.asdict(timing)}
+    if gpu_state is not None:
+        result["gpu_state"] = gpu_state.summary()
     if ceilings is not None:
         result["bandwidth_pct"] = 100 * case.bytes_moved / timing.median_s / ceilings.read_bytes_per_s
         result["flops_pct"] = 100 * case.flops / timing.median_s / ceilings.gemm_flops_per_s

@@ -67,18 +67,42 @@ def header(results: dict) -> str:
     )
 
 
+CLOCK_COLUMN = "SM MHz (power-capped)"
+CLOCK_NOTE = (
+    f"{CLOCK_COLUMN}: while the row's cells were timed, the lowest of their median SM clocks and the largest "
+    "share of their NVML samples under the software power cap (`benchmarks.gpu_state`)."
+)
+
+
+def _row_states(row: dict, implementations: list[str]) -> list[dict]:
+    return [state for name in implementations if (state := row["results"][name].get("gpu_state"))]
+
+
+def clock_text(row: dict, implementations: list[str]) -> str:
+    """`CLOCK_COLUMN`'s cell of a row: "-" where no cell of it was sampled."""
+    states = _row_states(row, implementations)
+    if not states:
+        return "-"
+    clock = min(state["sm_clock_mhz_median"] for state in states)
+    shares = [state["power_capped_share"] for state in states if state["power_capped_share"] is not None]
+    return f"{clock:.0f} ({max(shares):.0%})" if shares else f"{clock:.0f}"
+
+
 def shape_table(shape_result: dict, implementations: list[str]) -> str:
     shape, rows = shape_result["shape"], shape_result["rows"]
     judged = all("floor_s" in row for row in rows)  # a smoke test has no floor
+    sampled = any(_row_states(row, implementations) for row in rows)  # NVML on a GPU
     headers = ["T", "local pairs", "experts", "MB"] + (["floor us"] if judged else [])
-    headers += [column_name(n, rows) for n in implementations]
+    headers += [column_name(n, rows) for n in implementations] + ([CLOCK_COLUMN] if sampled else [])
     body = [
         [str(row["num_tokens"]), str(row["local_pairs"]), str(row["touched_experts"]), f"{row['bytes'] / 1e6:.1f}"]
         + ([_microseconds(row["floor_s"])] if judged else [])
         + [cell_text(row["results"][name]) for name in implementations]
+        + ([clock_text(row, implementations)] if sampled else [])
         for row in rows
     ]
-    return f"## {shape['name']} ({shape['description']})\n\n" + markdown_table(headers, body)
+    note = f"\n\n{CLOCK_NOTE}" if sampled else ""
+    return f"## {shape['name']} ({shape['description']})\n\n" + markdown_table(headers, body) + note
 
 
 def write_plot(results: dict, path: Path) -> bool:

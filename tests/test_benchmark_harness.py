@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from benchmarks import moe, moe_implementations, report, timing
+from benchmarks import moe, moe_implementations, moe_report, report, timing
 from benchmarks import quantize as quantize_benchmark
 from benchmarks.moe_cases import W4A16
 from fp4moe import provenance
@@ -134,6 +134,57 @@ def test_smoke_run_writes_the_tables(smoke_run):
     if not on_gpu:
         assert "Smoke test: on cpu" in stdout and "not performance numbers" in stdout and capped
         assert "%" not in stdout and "floor us" not in stdout and "Ceilings" not in stdout
+        assert moe_report.CLOCK_COLUMN not in stdout  # no NVML samples without a GPU
+
+
+def test_the_gpu_state_sampler_records_the_power_cap_share(monkeypatch):
+    """`benchmarks.gpu_state` against a stand-in NVML: the share of samples whose clock event reasons carry
+    the software power cap bit; an NVML that cannot say leaves the share None and still records clocks."""
+    import itertools
+    import sys
+    import types
+
+    from benchmarks import gpu_state
+
+    reasons = itertools.cycle([gpu_state.SW_POWER_CAP, 0])
+    monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlDeviceGetCurrentClocksEventReasons=lambda h: next(reasons)))
+    monkeypatch.setattr(torch.cuda, "_get_pynvml_handler", lambda device: "handle", raising=False)
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda device: 1740)
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda device: 700_000)
+    with gpu_state.GpuStateSampler(torch.device("cuda")) as sampler:
+        time.sleep(0.05)
+    summary = sampler.summary()
+    assert summary["sm_clock_mhz_median"] == 1740 and summary["power_w_max"] == 700.0 and summary["samples"] >= 3
+    assert 0.3 <= summary["power_capped_share"] <= 0.7
+
+    def cannot_say(handle):
+        raise RuntimeError("not supported")
+
+    monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlDeviceGetCurrentClocksEventReasons=cannot_say))
+    with gpu_state.GpuStateSampler(torch.device("cuda")) as sampler:
+        time.sleep(0.01)
+    assert sampler.summary()["power_capped_share"] is None and sampler.summary()["sm_clock_mhz_min"] == 1740
+
+
+def test_the_moe_table_gives_each_row_its_slowest_clock_and_power_cap_share():
+    """Where cells were sampled (`benchmarks.gpu_state`), a row's clock column is the lowest median SM clock
+    of its cells and the largest share of samples under the power cap; unsampled rows read "-"."""
+    def cell(clock=None, capped=None):
+        state = None if clock is None else {"sm_clock_mhz_median": clock, "sm_clock_mhz_min": clock - 100,
+                                             "power_w_max": 700.0, "power_capped_share": capped, "samples": 50}
+        return {"status": "ok", "median_s": 1e-3, "backend": "cute_sm90", "gpu_state": state}
+
+    def row(tokens, results):
+        return {"num_tokens": tokens, "local_pairs": 8 * tokens, "touched_experts": 8, "bytes": 1e6, "results": results}
+
+    rows = [row(1, {"a": cell(1980, 0.0), "b": cell(1980, 0.0)}), row(4096, {"a": cell(1740, 0.9), "b": cell(1755, 0.95)}),
+            row(8192, {"a": cell(), "b": cell()})]
+    table = moe_report.shape_table({"shape": {"name": "s", "description": "d"}, "rows": rows}, ["a", "b"])
+    lines = table.splitlines()
+    assert moe_report.CLOCK_COLUMN in lines[2] and table.endswith(moe_report.CLOCK_NOTE)
+    assert lines[4].endswith("| 1980 (0%) |") and lines[5].endswith("| 1740 (95%) |") and lines[6].endswith("| - |")
+    unsampled = [row(1, {"a": cell(), "b": cell()})]
+    assert moe_report.CLOCK_COLUMN not in moe_report.shape_table({"shape": {"name": "s", "description": "d"}, "rows": unsampled}, ["a", "b"])
 
 
 def test_results_go_to_a_temporary_folder_unless_asked(monkeypatch, tmp_path, capsys):
