@@ -82,7 +82,6 @@ def _check_routing(options: dict, experts: int, device: torch.device, device_of:
     """The routing options, checked by the routing op's validation on an empty batch of logits on
     `device` (that of `device_of`: the router weight, or the expert weights without one)."""
     validation.check_choice("routing", options["routing"], ROUTINGS)
-    validation.check_choice("quant_mode", options["quant_mode"], validation.MOE_QUANT_MODES)
     logits = torch.empty((0, experts), dtype=torch.float32, device=device)
     if options["routing"] == "softmax":
         ignored = [name for name in DEEPSEEK_V3_ONLY if options[name] is not None]
