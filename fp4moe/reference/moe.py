@@ -175,8 +175,7 @@ def moe_gemm1(
     rows = gather_live(decode_activation(a, a_scales), token, live)
     y = grouped_gemm(rows, tile_expert, w1, w1_scales)
     if w1_alpha.dim() == 2:  # per SwiGLU half: row 0 scales the gate rows, row 1 the up rows
-        y = y * torch.cat((w1_alpha[0][row_expert][:, None].expand(-1, y.shape[1] // 2),
-                           w1_alpha[1][row_expert][:, None].expand(-1, y.shape[1] // 2)), dim=1)
+        y = y * w1_alpha[:, row_expert].t().repeat_interleave(y.shape[1] // 2, dim=1)
     else:
         y = y * w1_alpha[row_expert][:, None]
     if a_per_token_scale is not None:
