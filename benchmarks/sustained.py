@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda")
     env = environment(device, MODULE, argv)
-    results = {"benchmark": "sustained", "environment": env, "config": {k: v for k, v in vars(args).items() if k != "out_dir"}, "rows": []}
+    config = {key: value for key, value in vars(args).items() if key != "out_dir"}
+    results = {"benchmark": "sustained", "environment": env, "config": config, "rows": []}
     rows = []
     with torch.inference_mode():
         if args.gemm_size:
