@@ -363,7 +363,7 @@ class MoEGemmSm90:
         self.tile_k = tile_k
         self.stages = stages
         self.loads_ahead = tile_rows <= LOADS_AHEAD_TILE_ROWS
-        self.inline_wgmma = tile_rows <= INLINE_WGMMA_TILE_ROWS
+        self.inline_wgmma = tile_rows <= INLINE_WGMMA_TILE_ROWS or blocks_per_consumer(tile_features, tile_rows) == 2
         assert not warp_mma or (tile_rows <= WARP_MMA_TILE_ROWS and not quantizes_rows)
         self.warp_mma = warp_mma
         assert stages >= (MIN_LOADS_AHEAD_STAGES if self.loads_ahead else 2)
@@ -1301,23 +1301,23 @@ class MoEGemmSm90:
         warpgroup.fence()
         variant_mma, accs = variant
         if const_expr(self.inline_wgmma):
-            acc = accs[0]  # decode tiles: one block per group
-            fragment = fragments[0]
             low, high, stage_units, k_units = b_operand
-            stage_descriptor = dev.pack_descriptor(low + Uint32(b_tile) * Uint32(stage_units), high)
-            fragment_words = cute.recast_tensor(fragment, Uint32)
-            rows = cute.size(acc) * 2
+            tile_offset = Uint32(cute.arch.make_warp_uniform(b_tile)) * Uint32(stage_units)
+            stage_descriptor = dev.pack_descriptor(low + tile_offset, high)
             for b in cutlass.range_constexpr(self.k16_per_tile):
                 descriptor = stage_descriptor
                 if const_expr(k_units[b] != 0):
                     descriptor = stage_descriptor + Int64(k_units[b])
-                values = dev.wgmma_rs_bf16(
-                    [acc[i] for i in range(cute.size(acc))],
-                    [fragment_words[(0, p % 2, p // 2), 0, b] for p in range(4)],
-                    descriptor, rows,
-                )
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    acc[i] = values[i]
+                for j in self.issued_blocks(blocks):
+                    acc = accs[j]
+                    fragment_words = cute.recast_tensor(fragments[j], Uint32)
+                    values = dev.wgmma_rs_bf16(
+                        [acc[i] for i in range(cute.size(acc))],
+                        [fragment_words[(0, p % 2, p // 2), 0, b] for p in range(4)],
+                        descriptor, cute.size(acc) * 2,
+                    )
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        acc[i] = values[i]
         else:
             for b in cutlass.range_constexpr(self.k16_per_tile):
                 for j in self.issued_blocks(blocks):
