@@ -13,7 +13,7 @@ import pytest
 from fp4moe import dispatch, nvfp4
 from fp4moe.kernels.sm90 import moe_gemm, moe_launch
 from fp4moe.kernels.sm90.quantize_launch import per_token_numerator
-from fp4moe.kernels.sm90.moe_gemm import variant_rows
+from fp4moe.kernels.sm90.moe_gemm import blocks_per_consumer, variant_rows
 from tests.sm90_compile import compile_in_subprocess, sass
 
 PER_TOKEN_NUMERATOR = per_token_numerator(nvfp4.DEFAULT_GLOBAL_SCALE_INV)
@@ -321,20 +321,27 @@ def test_quantizing_gemms_fill_their_activation_panels_themselves(compiled):
                 assert instruction in sass, (instruction, GEMM_VARIANTS[i])
 
 
-def test_decode_wgmmas_advance_one_64_bit_descriptor(compiled):
-    """Decode tiles (`moe_gemm.INLINE_WGMMA_TILE_ROWS`) issue their k loop's `wgmma`s as inline PTX whose
-    descriptors are one 64-bit base per k tile plus an immediate: ptxas adds each with one `UIADD3.64`
-    rather than rebuilding both descriptor words per `HGMMA`; larger tiles keep `cute.gemm`'s (and
+def test_inline_wgmmas_advance_one_64_bit_descriptor(compiled):
+    """Decode tiles (`moe_gemm.INLINE_WGMMA_TILE_ROWS`) and tiles of two weight blocks per consumer issue
+    their k loop's `wgmma`s as inline PTX whose descriptors are one warp-uniform 64-bit base per k tile
+    plus an immediate: ptxas adds each with one `UIADD3.64` rather than rebuilding both descriptor words
+    per `HGMMA` (and moving them to uniform registers); the other tiles keep `cute.gemm`'s (and
     `mma.sync` takes no descriptor)."""
     for i, (_epilogue, key, *_rest) in enumerate(GEMM_VARIANTS):
         sass = _sass(compiled, f"gemm_{i}")
-        inline = key[4] <= moe_gemm.INLINE_WGMMA_TILE_ROWS and not _warp_mma(key, _rest)
+        blocks = blocks_per_consumer(key[3], key[4])
+        inline = (key[4] <= moe_gemm.INLINE_WGMMA_TILE_ROWS or blocks == 2) and not _warp_mma(key, _rest)
         assert ("UIADD3.64" in sass) == inline, GEMM_VARIANTS[i]
         if inline:
-            # Every HGMMA but the first of its k tile (which takes the base) follows a 64-bit add.
+            # Every k16 step but the first of its k tile (which takes the base) follows a 64-bit add, which
+            # the step's `HGMMA`s (one per weight block) share.
             k16_steps = key[6] // 16
-            adds, mmas = sass.count("UIADD3.64"), sass.count("HGMMA")
-            assert adds >= mmas * (k16_steps - 1) // k16_steps, (adds, mmas, GEMM_VARIANTS[i])
+            adds, steps = sass.count("UIADD3.64"), sass.count("HGMMA") // blocks
+            assert adds >= steps * (k16_steps - 1) // k16_steps, (adds, steps, GEMM_VARIANTS[i])
+        if inline:
+            # No `HGMMA` waits for its descriptor to move from a thread's registers to uniform ones.
+            instructions = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]+\*/", line)]
+            assert not any("HGMMA" in b and "R2UR" in a for a, b in zip(instructions, instructions[1:])), GEMM_VARIANTS[i]
 
 
 def test_decode_left_shifts_on_the_fma_pipe(compiled):

@@ -56,8 +56,11 @@ INLINE_WGMMA_TILE_ROWS = 8
 loop's `wgmma`s as inline PTX (`gemm_device.wgmma_rs_bf16`) whose descriptors are one 64-bit base per
 k tile plus an immediate: ptxas then spends one uniform `UIADD3.64` per `HGMMA`, where `cute.gemm`'s
 descriptors cost it three (both words rebuilt). They also carry the stage each k step releases
-instead of recomputing it. Larger tiles keep `cute.gemm`: at 16 rows and two CTAs per SM (104
-registers per consumer) the inline form makes ptxas spill loop-invariant values. 0 turns it off."""
+instead of recomputing it. So do the tiles of two weight blocks per consumer (the prefill's
+256-feature CTAs, `mainloop_two_blocks`), where `cute.gemm` rebuilt the descriptor in a thread's
+registers and moved both words to uniform ones for every `HGMMA` (two `R2UR`s each, a tenth of the
+k loop's instructions). Other tiles keep `cute.gemm`: at 16 rows and two CTAs per SM (104 registers per
+consumer) the inline form makes ptxas spill loop-invariant values. 0 turns it off for decode tiles."""
 WARP_MMA_TILE_ROWS = 8
 """Tiles of this many rows can multiply with per-warp `mma.sync` instead of `wgmma`
 (`MoEGemmSm90(warp_mma=True)`, `mainloop_warp_mma`): m16n8k16 is a warp's 16 weight rows against the
@@ -1302,6 +1305,7 @@ class MoEGemmSm90:
         variant_mma, accs = variant
         if const_expr(self.inline_wgmma):
             low, high, stage_units, k_units = b_operand
+            # The stage is the same on every thread; said so, ptxas keeps the descriptor in uniform registers.
             tile_offset = Uint32(cute.arch.make_warp_uniform(b_tile)) * Uint32(stage_units)
             stage_descriptor = dev.pack_descriptor(low + tile_offset, high)
             for b in cutlass.range_constexpr(self.k16_per_tile):
