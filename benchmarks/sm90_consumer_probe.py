@@ -16,6 +16,9 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
 - `barriers_only` keeps only the consumers' waits and releases (and the `wgmma` group waits, with no
   group in flight). The producer, its bulk copies and gathers are unchanged, so its time is the
   pipeline's own (memory and producer).
+- `no_epilogue`, `no_gemm1_epilogue`, `no_gemm2_epilogue` (chosen with `--variants`) keep the GEMMs'
+  code but skip the epilogue of both GEMMs, of GEMM1 or of GEMM2 at run time (`NoEpilogue`): what the
+  consumers' epilogues, which no `wgmma` overlaps, cost.
 - `panel_no_scan`, `panel_no_quantize`, `panel_none` (chosen with `--variants`) change only a GEMM that
   quantizes its own activation rows (per-token W4A4 on the rescan path, DeepSeek-V3 at T = 1-3): every
   row's maximum taken as 1 instead of scanned, the rows stored unquantized, or no panel work at all.
@@ -40,7 +43,7 @@ from unittest import mock
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Uint32
+from cutlass import Uint32, const_expr
 
 from benchmarks import precompile
 from benchmarks.gpu_state import hopper_gpu
@@ -116,6 +119,35 @@ class BarriersOnly(MoEGemmSm90):
         return values
 
 
+NEVER_ACCUMULATED = -3.0e38
+"""An accumulator value no probe input produces: the epilogue variants run the epilogue only for it."""
+
+
+class NoEpilogue(MoEGemmSm90):
+    """The epilogues of the GEMMs in `skipped` compiled as they are but skipped at run time (run only
+    when an accumulator holds `NEVER_ACCUMULATED`): the registers, the k loop and the `wgmma`s are the
+    default's, the stores and the activation are gone. With `--whole-call` both GEMMs of a call are built
+    from one variant, so each variant names the GEMMs it skips."""
+
+    skipped = ("gemm1", "gemm2_fused", "gemm2_expanded")
+
+    @cute.jit
+    def finish(self, acc, *operands):
+        if const_expr(self.epilogue in self.skipped):
+            if acc[0] == cutlass.Float32(NEVER_ACCUMULATED):
+                MoEGemmSm90.finish(self, acc, *operands)
+        else:
+            MoEGemmSm90.finish(self, acc, *operands)
+
+
+class NoGemm1Epilogue(NoEpilogue):
+    skipped = ("gemm1",)
+
+
+class NoGemm2Epilogue(NoEpilogue):
+    skipped = ("gemm2_fused", "gemm2_expanded")
+
+
 class PanelNoScan(MoEGemmSm90):
     """A GEMM that quantizes its rows (per-token W4A4, `quantizes_rows`) takes every row's maximum as 1
     instead of scanning the rows: the panel without its first pass over the rows."""
@@ -150,11 +182,13 @@ class PanelNone(MoEGemmSm90):
 VARIANTS = {
     "default": MoEGemmSm90, "no_decode": NoDecode, "no_mma": NoMma, "barriers_only": BarriersOnly,
     "panel_no_scan": PanelNoScan, "panel_no_quantize": PanelNoQuantize, "panel_none": PanelNone,
+    "no_epilogue": NoEpilogue, "no_gemm1_epilogue": NoGemm1Epilogue, "no_gemm2_epilogue": NoGemm2Epilogue,
 }
 CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]
 """The variants of the consumers' k step, timed by default. The `panel_*` variants change only GEMMs
 that quantize their rows (per-token W4A4 on the rescan path, `--whole-call --impl fused_moe_w4a4_token`
-at DeepSeek-V3 T = 1-3): the panel's scan, its quantization, or all of it removed."""
+at DeepSeek-V3 T = 1-3): the panel's scan, its quantization, or all of it removed. The `no_*epilogue`
+variants (`NoEpilogue`) skip the epilogues of both GEMMs or of one."""
 
 
 @contextlib.contextmanager

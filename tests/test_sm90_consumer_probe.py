@@ -1,8 +1,9 @@
 """The consumer probe's variants (`benchmarks.sm90_consumer_probe`, no GPU needed) remove what they say
 they remove: the consumer variants from the default GEMM1 of DeepSeek-V3 decode, and nothing of the
-producer; the panel variants from the GEMM2 that quantizes its rows (per-token W4A4, T = 1), and nothing
+producer; the epilogue variant nothing of the code; the panel variants from the GEMM2 that quantizes its rows (per-token W4A4, T = 1), and nothing
 of its consumers or its weight stream."""
 
+import re
 import textwrap
 
 import pytest
@@ -16,7 +17,7 @@ _SCRIPT = textwrap.dedent(
     from benchmarks import sm90_consumer_probe as probe
     out = Path(sys.argv[1])
     _, configs1, _ = probe.gemm_configurations(1, 132)
-    for name in probe.CONSUMER_VARIANTS:
+    for name in (*probe.CONSUMER_VARIANTS, "no_epilogue"):
         compiled = probe.compile_variant(name, "gemm1", configs1[0][0])
         (out / f"{name}.cubin").write_bytes(compiled.__cubin__)
     """
@@ -26,7 +27,7 @@ _SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def variants(tmp_path_factory):
     out = compile_in_subprocess(_SCRIPT, {}, tmp_path_factory.mktemp("consumer_probe"))
-    return {name: sass(out / f"{name}.cubin") for name in ("default", "no_decode", "no_mma", "barriers_only")}
+    return {name: sass(out / f"{name}.cubin") for name in ("default", "no_decode", "no_mma", "barriers_only", "no_epilogue")}
 
 
 def test_each_variant_drops_its_part_of_the_consumer_k_step(variants):
@@ -39,6 +40,16 @@ def test_each_variant_drops_its_part_of_the_consumer_k_step(variants):
     assert count("barriers_only", "HGMMA") == 0 and count("barriers_only", "HMUL2.BF16_V2") == 0
     for name in variants:  # the producer's bulk copies and gathers are every variant's
         assert "UBLKCP.S.G" in variants[name] and "LDGSTS" in variants[name], name
+
+
+def test_the_epilogue_variant_keeps_the_epilogue_code_behind_a_run_time_test(variants):
+    def count(name, instruction):
+        return len(re.findall(rf"\b{instruction}\b", variants[name]))
+
+    # Every MMA and every store of the default stays in the code; the skip is one comparison per block.
+    for instruction in ("HGMMA", "STG", "HMUL2.BF16_V2"):
+        assert count("no_epilogue", instruction) == count("default", instruction) > 0, instruction
+    assert count("no_epilogue", "FSETP") > count("default", "FSETP")
 
 
 _PANEL_SCRIPT = textwrap.dedent(
