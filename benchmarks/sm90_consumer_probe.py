@@ -18,7 +18,9 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
   pipeline's own (memory and producer).
 - `no_epilogue`, `no_gemm1_epilogue`, `no_gemm2_epilogue` (chosen with `--variants`) keep the GEMMs'
   code but skip the epilogue of both GEMMs, of GEMM1 or of GEMM2 at run time (`NoEpilogue`): what the
-  consumers' epilogues, which no `wgmma` overlaps, cost.
+  consumers' epilogues, which no `wgmma` overlaps, cost. `no_gemm1_stores` skips GEMM1's stores only
+  (the activation kept); `gemm2_vector_reduce` is no removal but an alternative: every GEMM2 tile adds
+  four features per `red.global.v4.f32.add`.
 - `panel_no_scan`, `panel_no_quantize`, `panel_none` (chosen with `--variants`) change only a GEMM that
   quantizes its own activation rows (per-token W4A4 on the rescan path, DeepSeek-V3 at T = 1-3): every
   row's maximum taken as 1 instead of scanned, the rows stored unquantized, or no panel work at all.
@@ -148,6 +150,27 @@ class NoGemm2Epilogue(NoEpilogue):
     skipped = ("gemm2_fused", "gemm2_expanded")
 
 
+class NoGemm1Stores(MoEGemmSm90):
+    """GEMM1's epilogue computed (the activation, the router weight) but its bf16 stores skipped at run
+    time (made only for `NEVER_ACCUMULATED`)."""
+
+    @cute.jit
+    def store_gemm1(self, value, feature, row, pair, weight, outputs):
+        weighted = self.router_weight(value, pair, weight)
+        if weighted == cutlass.Float32(NEVER_ACCUMULATED):
+            MoEGemmSm90.store_gemm1(self, value, feature, row, pair, weight, outputs)
+        return weighted
+
+
+class Gemm2VectorReduce(MoEGemmSm90):
+    """Every GEMM2 tile adds four features per instruction (`red.global.v4.f32.add`, the decode tiles'
+    `quad_stores`) instead of one: a design alternative, whose outputs are the default's."""
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.quad_stores = self.epilogue != "gemm1"
+
+
 class PanelNoScan(MoEGemmSm90):
     """A GEMM that quantizes its rows (per-token W4A4, `quantizes_rows`) takes every row's maximum as 1
     instead of scanning the rows: the panel without its first pass over the rows."""
@@ -183,6 +206,7 @@ VARIANTS = {
     "default": MoEGemmSm90, "no_decode": NoDecode, "no_mma": NoMma, "barriers_only": BarriersOnly,
     "panel_no_scan": PanelNoScan, "panel_no_quantize": PanelNoQuantize, "panel_none": PanelNone,
     "no_epilogue": NoEpilogue, "no_gemm1_epilogue": NoGemm1Epilogue, "no_gemm2_epilogue": NoGemm2Epilogue,
+    "no_gemm1_stores": NoGemm1Stores, "gemm2_vector_reduce": Gemm2VectorReduce,
 }
 CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]
 """The variants of the consumers' k step, timed by default. The `panel_*` variants change only GEMMs

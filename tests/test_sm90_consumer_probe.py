@@ -17,7 +17,7 @@ _SCRIPT = textwrap.dedent(
     from benchmarks import sm90_consumer_probe as probe
     out = Path(sys.argv[1])
     _, configs1, _ = probe.gemm_configurations(1, 132)
-    for name in (*probe.CONSUMER_VARIANTS, "no_epilogue"):
+    for name in (*probe.CONSUMER_VARIANTS, "no_epilogue", "no_gemm1_stores"):
         compiled = probe.compile_variant(name, "gemm1", configs1[0][0])
         (out / f"{name}.cubin").write_bytes(compiled.__cubin__)
     """
@@ -27,7 +27,8 @@ _SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def variants(tmp_path_factory):
     out = compile_in_subprocess(_SCRIPT, {}, tmp_path_factory.mktemp("consumer_probe"))
-    return {name: sass(out / f"{name}.cubin") for name in ("default", "no_decode", "no_mma", "barriers_only", "no_epilogue")}
+    names = ("default", "no_decode", "no_mma", "barriers_only", "no_epilogue", "no_gemm1_stores")
+    return {name: sass(out / f"{name}.cubin") for name in names}
 
 
 def test_each_variant_drops_its_part_of_the_consumer_k_step(variants):
@@ -42,14 +43,41 @@ def test_each_variant_drops_its_part_of_the_consumer_k_step(variants):
         assert "UBLKCP.S.G" in variants[name] and "LDGSTS" in variants[name], name
 
 
-def test_the_epilogue_variant_keeps_the_epilogue_code_behind_a_run_time_test(variants):
+def test_the_epilogue_variants_keep_the_epilogue_code_behind_a_run_time_test(variants):
     def count(name, instruction):
         return len(re.findall(rf"\b{instruction}\b", variants[name]))
 
-    # Every MMA and every store of the default stays in the code; the skip is one comparison per block.
-    for instruction in ("HGMMA", "STG", "HMUL2.BF16_V2"):
-        assert count("no_epilogue", instruction) == count("default", instruction) > 0, instruction
-    assert count("no_epilogue", "FSETP") > count("default", "FSETP")
+    # Every MMA and every store of the default stays in the code; the skip is one comparison per block
+    # (`no_epilogue`) or per store (`no_gemm1_stores`).
+    for name in ("no_epilogue", "no_gemm1_stores"):
+        for instruction in ("HGMMA", "STG", "HMUL2.BF16_V2", "MUFU.EX2"):
+            assert count(name, instruction) == count("default", instruction) > 0, (name, instruction)
+        assert count(name, "FSETP") > count("default", "FSETP"), name
+    assert count("no_gemm1_stores", "FSETP") > count("no_epilogue", "FSETP")
+
+
+_VECTOR_REDUCE_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from benchmarks import sm90_consumer_probe as probe
+    out = Path(sys.argv[1])
+    _, _, configs2 = probe.gemm_configurations(4096, 132)
+    for name in ("default", "gemm2_vector_reduce"):
+        compiled = probe.compile_variant(name, "gemm2_fused", configs2[0][0])
+        (out / f"{name}.cubin").write_bytes(compiled.__cubin__)
+    """
+)
+
+
+def test_the_vector_reduce_variant_adds_four_features_per_instruction_in_prefill_tiles(tmp_path):
+    out = compile_in_subprocess(_VECTOR_REDUCE_SCRIPT, {}, tmp_path)
+    code = {name: sass(out / f"{name}.cubin") for name in ("default", "gemm2_vector_reduce")}
+    scalar = {name: text.count("REDG.E.ADD.F32.FTZ.RN") for name, text in code.items()}
+    vector = {name: text.count("REDG.E.ADD.F32x4.FTZ.RN") for name, text in code.items()}
+    assert scalar["default"] > 0 and vector["default"] == 0
+    assert vector["gemm2_vector_reduce"] > 0 and scalar["gemm2_vector_reduce"] < scalar["default"]
+    assert code["gemm2_vector_reduce"].count("HGMMA") == code["default"].count("HGMMA") > 0
 
 
 _PANEL_SCRIPT = textwrap.dedent(
