@@ -19,8 +19,9 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
 - `no_epilogue`, `no_gemm1_epilogue`, `no_gemm2_epilogue` (chosen with `--variants`) keep the GEMMs'
   code but skip the epilogue of both GEMMs, of GEMM1 or of GEMM2 at run time (`NoEpilogue`): what the
   consumers' epilogues, which no `wgmma` overlaps, cost. `no_gemm1_stores` skips GEMM1's stores only
-  (the activation kept); `gemm2_vector_reduce` is no removal but an alternative: every GEMM2 tile adds
-  four features per `red.global.v4.f32.add`.
+  (the activation kept); `half_gemm2_epilogue` skips GEMM2's in the odd CTAs only (whether its atomics
+  are bound per SM or by the L2 as a whole); `gemm2_vector_reduce` is no removal but an alternative: every
+  GEMM2 tile adds four features per `red.global.v4.f32.add`.
 - `panel_no_scan`, `panel_no_quantize`, `panel_none` (chosen with `--variants`) change only a GEMM that
   quantizes its own activation rows (per-token W4A4 on the rescan path, DeepSeek-V3 at T = 1-3): every
   row's maximum taken as 1 instead of scanned, the rows stored unquantized, or no panel work at all.
@@ -150,6 +151,21 @@ class NoGemm2Epilogue(NoEpilogue):
     skipped = ("gemm2_fused", "gemm2_expanded")
 
 
+class HalfGemm2Epilogue(MoEGemmSm90):
+    """GEMM2's epilogue skipped at run time in the odd CTAs only: if its atomics are bound by each SM's
+    issue and queues, the even CTAs' epilogues take as long as before and the call hardly shortens; if by
+    the L2 as a whole, they shorten too."""
+
+    @cute.jit
+    def finish(self, acc, *operands):
+        if const_expr(self.epilogue == "gemm1"):
+            MoEGemmSm90.finish(self, acc, *operands)
+        else:
+            even_cta = cute.arch.block_idx()[0] % 2 == 0
+            if even_cta | (acc[0] == cutlass.Float32(NEVER_ACCUMULATED)):
+                MoEGemmSm90.finish(self, acc, *operands)
+
+
 class NoGemm1Stores(MoEGemmSm90):
     """GEMM1's epilogue computed (the activation, the router weight) but its bf16 stores skipped at run
     time (made only for `NEVER_ACCUMULATED`)."""
@@ -207,6 +223,7 @@ VARIANTS = {
     "panel_no_scan": PanelNoScan, "panel_no_quantize": PanelNoQuantize, "panel_none": PanelNone,
     "no_epilogue": NoEpilogue, "no_gemm1_epilogue": NoGemm1Epilogue, "no_gemm2_epilogue": NoGemm2Epilogue,
     "no_gemm1_stores": NoGemm1Stores, "gemm2_vector_reduce": Gemm2VectorReduce,
+    "half_gemm2_epilogue": HalfGemm2Epilogue,
 }
 CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]
 """The variants of the consumers' k step, timed by default. The `panel_*` variants change only GEMMs

@@ -56,28 +56,32 @@ def test_the_epilogue_variants_keep_the_epilogue_code_behind_a_run_time_test(var
     assert count("no_gemm1_stores", "FSETP") > count("no_epilogue", "FSETP")
 
 
-_VECTOR_REDUCE_SCRIPT = textwrap.dedent(
+_GEMM2_EPILOGUE_SCRIPT = textwrap.dedent(
     """
     import sys
     from pathlib import Path
     from benchmarks import sm90_consumer_probe as probe
     out = Path(sys.argv[1])
     _, _, configs2 = probe.gemm_configurations(4096, 132)
-    for name in ("default", "gemm2_vector_reduce"):
+    for name in ("default", "gemm2_vector_reduce", "half_gemm2_epilogue"):
         compiled = probe.compile_variant(name, "gemm2_fused", configs2[0][0])
         (out / f"{name}.cubin").write_bytes(compiled.__cubin__)
     """
 )
 
 
-def test_the_vector_reduce_variant_adds_four_features_per_instruction_in_prefill_tiles(tmp_path):
-    out = compile_in_subprocess(_VECTOR_REDUCE_SCRIPT, {}, tmp_path)
-    code = {name: sass(out / f"{name}.cubin") for name in ("default", "gemm2_vector_reduce")}
+def test_the_gemm2_epilogue_variants_of_prefill_tiles(tmp_path):
+    """`gemm2_vector_reduce` adds four features per instruction; `half_gemm2_epilogue` keeps every
+    reduction in the code (it skips them at run time in half the CTAs)."""
+    out = compile_in_subprocess(_GEMM2_EPILOGUE_SCRIPT, {}, tmp_path)
+    code = {name: sass(out / f"{name}.cubin") for name in ("default", "gemm2_vector_reduce", "half_gemm2_epilogue")}
     scalar = {name: text.count("REDG.E.ADD.F32.FTZ.RN") for name, text in code.items()}
     vector = {name: text.count("REDG.E.ADD.F32x4.FTZ.RN") for name, text in code.items()}
     assert scalar["default"] > 0 and vector["default"] == 0
     assert vector["gemm2_vector_reduce"] > 0 and scalar["gemm2_vector_reduce"] < scalar["default"]
     assert code["gemm2_vector_reduce"].count("HGMMA") == code["default"].count("HGMMA") > 0
+    assert scalar["half_gemm2_epilogue"] == scalar["default"]
+    assert code["half_gemm2_epilogue"].count("HGMMA") == code["default"].count("HGMMA")
 
 
 _PANEL_SCRIPT = textwrap.dedent(
