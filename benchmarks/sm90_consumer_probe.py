@@ -137,10 +137,14 @@ class NoEpilogue(MoEGemmSm90):
     @cute.jit
     def finish(self, acc, *operands):
         if const_expr(self.epilogue in self.skipped):
-            if acc[0] == cutlass.Float32(NEVER_ACCUMULATED):
+            if self.runs_epilogue(acc):
                 MoEGemmSm90.finish(self, acc, *operands)
         else:
             MoEGemmSm90.finish(self, acc, *operands)
+
+    def runs_epilogue(self, acc):
+        """Whether a skipped epilogue runs after all (plain Python, run while the kernel is traced)."""
+        return acc[0] == cutlass.Float32(NEVER_ACCUMULATED)
 
 
 class NoGemm1Epilogue(NoEpilogue):
@@ -151,19 +155,13 @@ class NoGemm2Epilogue(NoEpilogue):
     skipped = ("gemm2_fused", "gemm2_expanded")
 
 
-class HalfGemm2Epilogue(MoEGemmSm90):
+class HalfGemm2Epilogue(NoGemm2Epilogue):
     """GEMM2's epilogue skipped at run time in the odd CTAs only: if its atomics are bound by each SM's
     issue and queues, the even CTAs' epilogues take as long as before and the call hardly shortens; if by
     the L2 as a whole, they shorten too."""
 
-    @cute.jit
-    def finish(self, acc, *operands):
-        if const_expr(self.epilogue == "gemm1"):
-            MoEGemmSm90.finish(self, acc, *operands)
-        else:
-            even_cta = cute.arch.block_idx()[0] % 2 == 0
-            if even_cta | (acc[0] == cutlass.Float32(NEVER_ACCUMULATED)):
-                MoEGemmSm90.finish(self, acc, *operands)
+    def runs_epilogue(self, acc):
+        return (cute.arch.block_idx()[0] % 2 == 0) | super().runs_epilogue(acc)
 
 
 class NoGemm1Stores(MoEGemmSm90):
