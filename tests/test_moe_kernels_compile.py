@@ -338,7 +338,6 @@ def test_inline_wgmmas_advance_one_64_bit_descriptor(compiled):
             k16_steps = key[6] // 16
             adds, steps = sass.count("UIADD3.64"), sass.count("HGMMA") // blocks
             assert adds >= steps * (k16_steps - 1) // k16_steps, (adds, steps, GEMM_VARIANTS[i])
-        if inline:
             # No `HGMMA` waits for its descriptor to move from a thread's registers to uniform ones.
             instructions = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]+\*/", line)]
             assert not any("HGMMA" in b and "R2UR" in a for a, b in zip(instructions, instructions[1:])), GEMM_VARIANTS[i]

@@ -1,7 +1,8 @@
 """The consumer probe's variants (`benchmarks.sm90_consumer_probe`, no GPU needed) remove what they say
 they remove: the consumer variants from the default GEMM1 of DeepSeek-V3 decode, and nothing of the
-producer; the epilogue variant nothing of the code; the panel variants from the GEMM2 that quantizes its rows (per-token W4A4, T = 1), and nothing
-of its consumers or its weight stream."""
+producer; the epilogue variants nothing of the code (they skip it at run time); the panel variants from
+the GEMM2 that quantizes its rows (per-token W4A4, T = 1), and nothing of its consumers or its weight
+stream."""
 
 import re
 import textwrap
