@@ -365,6 +365,23 @@ def test_decode_left_shifts_on_the_fma_pipe(compiled):
         assert loop.count("IMAD.SHL") >= 3 * words // 2 and loop.count("IMAD.HI") < words // 2, (counts, GEMM_VARIANTS[i])
 
 
+def test_prefill_swiglu_divides_without_the_ieee_slow_path(compiled):
+    """GEMM1's SwiGLU in prefill tiles outside the tiling-invariant pipelines
+    (`moe_launch.divides_sigmoid_fast`) divides with `div.full.f32`: no slow-path `CALL` of the IEEE
+    division (nor its other calls) in the bf16-out epilogues. Elsewhere the IEEE division keeps its call."""
+    checked = set()
+    for i, (epilogue, key, *rest) in enumerate(GEMM_VARIANTS):
+        activation, output_scales = rest[3], rest[11] if len(rest) > 11 else 0
+        if epilogue != "gemm1" or activation != "swiglu" or output_scales:
+            continue
+        tiling_invariant = len(rest) > 15 and rest[15]
+        fast = moe_launch.divides_sigmoid_fast(epilogue, activation, key[4], tiling_invariant)
+        assert fast == (key[4] > moe_gemm.LOADS_AHEAD_TILE_ROWS and not tiling_invariant), GEMM_VARIANTS[i]
+        assert ("CALL.REL" in _sass(compiled, f"gemm_{i}")) != fast, GEMM_VARIANTS[i]
+        checked.add(fast)
+    assert checked == {True, False}
+
+
 def _variant_rows(key) -> list[int]:
     """The rows of each variant of a GEMM's k loop (`moe_gemm.variant_rows`)."""
     return variant_rows(key[4], key[5], key[3])

@@ -171,6 +171,17 @@ def magnitudes_bf16x2(low, high, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
+def divide_full(numerator, denominator, *, loc=None, ip=None) -> Float32:
+    """`div.full.f32`: `numerator / denominator` within 2 ulp over the whole FP32 range, in a few
+    instructions and no branch. The IEEE division (`/`, `div.rn.f32`) takes a slow-path call behind a
+    branch per division, and the reconvergence region around each keeps ptxas from interleaving a
+    thread's independent divisions (SwiGLU's, one per output value of the GEMM1 epilogue)."""
+    return Float32(
+        _asm(T.f32(), "div.full.f32 $0, $1, $2;", "=f,f,f", (Float32(numerator), Float32(denominator)), False, loc, ip)
+    )
+
+
+@dsl_user_op
 def max_bf16x2(a, b, *, loc=None, ip=None) -> Uint32:
     """The lane-wise maximum of two bf16 pairs; a NaN lane gives the other operand's (maxNum)."""
     return Uint32(_asm(T.i32(), "max.bf16x2 $0, $1, $2;", "=r,r,r", (Uint32(a), Uint32(b)), False, loc, ip))

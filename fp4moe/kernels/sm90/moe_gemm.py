@@ -338,6 +338,7 @@ class MoEGemmSm90:
         quantizes_rows: bool = False,
         per_token_numerator: float | None = None,
         warp_mma: bool = False,
+        fast_sigmoid: bool = False,
     ):
         assert epilogue in EPILOGUES
         assert tile_features in (64, 128, 256, 448) and prepared_rows % tile_features == 0
@@ -375,6 +376,8 @@ class MoEGemmSm90:
         self.top_k = top_k
         self.activation = activation
         self.swiglu = (swiglu_alpha, swiglu_beta, swiglu_limit)
+        assert not fast_sigmoid or (epilogue == "gemm1" and activation == "swiglu")
+        self.fast_sigmoid = fast_sigmoid
         self.router_weighted = router_weighted
         assert not float32_out or epilogue == "gemm1"
         assert not aux_amax or (epilogue == "gemm1" and not float32_out)
@@ -1415,19 +1418,26 @@ class MoEGemmSm90:
 
     @cute.jit
     def activate(self, gate, up):
-        """SwiGLU on FP32 values (docs/semantics.md §3.3), in the reference's operation order."""
+        """SwiGLU on FP32 values (docs/semantics.md §3.3), in the reference's operation order; with
+        `fast_sigmoid` the sigmoid's division within 2 ulp (`gemm_device.divide_full`), as its `exp` is
+        within a few."""
         swiglu_alpha, swiglu_beta, swiglu_limit = self.swiglu
         if const_expr(swiglu_limit is not None):
             gate = cute.arch.fmin(gate, Float32(swiglu_limit))
             up = cute.arch.fmax(cute.arch.fmin(up, Float32(swiglu_limit)), Float32(-swiglu_limit))
         result = Float32(0.0)
         if const_expr(swiglu_alpha is None and swiglu_beta is None):
-            result = gate / (Float32(1.0) + cute.math.exp(-gate)) * up
+            result = self.divide(gate, Float32(1.0) + cute.math.exp(-gate)) * up
         else:
             alpha = 1.0 if swiglu_alpha is None else swiglu_alpha
             beta = 0.0 if swiglu_beta is None else swiglu_beta
-            result = gate / (Float32(1.0) + cute.math.exp(-(gate * Float32(alpha)))) * (up + Float32(beta))
+            result = self.divide(gate, Float32(1.0) + cute.math.exp(-(gate * Float32(alpha)))) * (up + Float32(beta))
         return result
+
+    @cute.jit
+    def divide(self, numerator, denominator):
+        """The sigmoid's division: IEEE (`div.rn.f32`), or with `fast_sigmoid` `div.full.f32`."""
+        return dev.divide_full(numerator, denominator) if self.fast_sigmoid else numerator / denominator
 
     def chunk_values(self, c):
         """The accumulator elements of epilogue chunk `c` (`epilogue_rows` rows; 4 elements per 8 rows).

@@ -45,6 +45,7 @@ from fp4moe.kernels.sm90.moe_gemm import (
     AUX_AMAX_COLUMNS,
     EPILOGUE_ROWS,
     INLINE_WGMMA_TILE_ROWS,
+    LOADS_AHEAD_TILE_ROWS,
     TWO_BLOCK_TALL_TILE_ROWS,
     WARP_MMA_TILE_ROWS,
     MoEGemmSm90,
@@ -227,6 +228,15 @@ def uses_warp_mma(shape_key: tuple) -> bool:
     return tile_rows <= WARP_MMA_TILE_ROWS and tile_features == weight_layout.ROW_BLOCK
 
 
+def divides_sigmoid_fast(epilogue: str, activation: str, tile_rows: int, tiling_invariant: bool) -> bool:
+    """Whether a GEMM1's SwiGLU divides within 2 ulp (`moe_gemm.MoEGemmSm90(fast_sigmoid=True)`) instead of
+    exactly: in prefill tiles (more than `moe_gemm.LOADS_AHEAD_TILE_ROWS` rows), where the IEEE division's
+    slow-path branch per output value made the epilogue a measured part of the call and `div.full.f32`
+    made whole calls up to 13% faster (runs log); not in decode tiles, bound by the weight stream, and not
+    where the bits must not depend on the tiling (`tiling_invariant`)."""
+    return epilogue == "gemm1" and activation == "swiglu" and tile_rows > LOADS_AHEAD_TILE_ROWS and not tiling_invariant
+
+
 @compile_function
 def compile_gemm(
     epilogue: str, shape_key: tuple, act_k: int, out_features: int, top_k: int, activation: str,
@@ -248,6 +258,7 @@ def compile_gemm(
     pipeline, whose tiles the expected pairs may change), and `wgmma` gives the same bits whatever they are."""
     experts, rows, k, tile_features, tile_rows, granule, tile_k, stages, ctas_per_sm, max_ctas = shape_key
     warp_mma = uses_warp_mma(shape_key) and per_token_numerator is None and not tiling_invariant
+    fast_sigmoid = divides_sigmoid_fast(epilogue, activation, tile_rows, tiling_invariant)
     kernel = MoEGemmSm90(
         epilogue=epilogue, num_experts=experts, prepared_rows=rows, prepared_k=k, act_k=act_k,
         out_features=out_features, tile_features=tile_features, tile_rows=tile_rows, row_granule=granule, tile_k=tile_k,
@@ -256,7 +267,7 @@ def compile_gemm(
         row_scaled=row_scaled, float32_out=float32_out, aux_amax=aux_amax, k_splits=k_splits,
         epilogue_rows=epilogue_rows, nvfp4_out=output_scales > 0 and epilogue == "gemm1", up_alpha=up_alpha,
         output_scaled=output_scales > 0 and epilogue != "gemm1", quantizes_rows=per_token_numerator is not None,
-        per_token_numerator=per_token_numerator, warp_mma=warp_mma,
+        per_token_numerator=per_token_numerator, warp_mma=warp_mma, fast_sigmoid=fast_sigmoid,
     )
     tiles = (experts, rows // weight_layout.ROW_BLOCK, k // weight_layout.K_TILE)
     codes = make_fake_compact_tensor(
@@ -283,7 +294,7 @@ def compile_gemm(
     key = (
         "moe_gemm", epilogue, shape_key, act_k, out_features, top_k, activation, swiglu, router_weighted, row_scaled,
         float32_out, aux_amax, k_splits, epilogue_rows, output_scales, up_alpha, per_token_numerator, live_tiles,
-        warp_mma,
+        warp_mma, fast_sigmoid,
     )
     return compile_kernel(
         kernel, codes, scales, act, _i32(rows_dim), _i32(_dynamic()), alpha, router, row_scales, out, aux,
