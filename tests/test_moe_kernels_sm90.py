@@ -295,6 +295,22 @@ def test_w4a16_token_counts_match_the_reference_pipeline(tokens):
         assert_moe_close(out, run_reference(p))
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("activation", ["swiglu", "gptoss"])
+def test_swiglu_in_prefill_tiles_matches_the_reference_pipeline(activation, deterministic):
+    """Prefill tiles: GEMM1's SwiGLU divides within 2 ulp (`moe_launch.divides_sigmoid_fast`), except in
+    the deterministic pipeline, with the default and the GPT-OSS parameters (inputs that reach the limit)."""
+    from fp4moe.kernels.sm90 import moe_launch
+
+    p = make_problem(tokens=400, hidden=256, intermediate=128, num_experts=16, top_k=8, mode="w4a16", device="cuda",
+                     seed=11, deterministic=deterministic, **SWIGLU_VARIANTS[activation])
+    if activation == "gptoss":
+        p.x *= 4
+    tile_m = fp4moe.moe_dispatch(400, 8, 16, "w4a16", False, device="cuda").tile_m
+    assert moe_launch.divides_sigmoid_fast("gemm1", "swiglu", tile_m, deterministic) != deterministic
+    assert_moe_close(run_prepared(p), run_reference(p))
+
+
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4_per_token"])
 @pytest.mark.parametrize("tokens", [1, 100, 1000])
 def test_per_half_w1_alpha_matches_the_loop_reference_at_every_tile(mode, tokens):
