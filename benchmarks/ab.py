@@ -1,7 +1,7 @@
 """A same-lease A/B of the MoE benchmark: source trees run alternately, the ratio of every round.
 
     python -m benchmarks.ab run --rounds 4 --out DIR [--cache-root DIR] TREE [TREE ...] -- [benchmarks.moe arguments]
-    python -m benchmarks.ab compare DIR BASE OTHER [OTHER ...]
+    python -m benchmarks.ab compare [--statistic median|trimmed_mean] DIR BASE OTHER [OTHER ...]
 
 A tree is a folder holding a whole copy of the sources, named by the folder: `git archive HEAD | tar -x -C
 .ab/main` for the base, the same plus `git diff | (cd .ab/change && patch -p1)` for a working change (`.ab/`
@@ -10,10 +10,12 @@ and `.kc/`, for the kernel caches, are git-ignored: name them in the device call
 tree first on `PYTHONPATH` and, with `--cache-root`, the kernel cache `<cache root>/<tree>` (filled on a CPU
 by `python -m benchmarks.precompile` run from the same tree, for the same cells), the trees' order reversed
 every other round so that drift within the lease falls on each. `compare` prints, per (shape, T,
-implementation), the mean over the rounds of each tree's median and the ratio base / other of every round
-(above 1: the other tree is faster), and the cells whose status is not `ok`. Rounds of the same kernels
-differ by a few percent within a lease: read the ratios across rounds and beside cells whose kernels the
-trees share.
+implementation), the mean over the rounds of each tree's median (or `--statistic trimmed_mean`: mean of
+the replays without the fastest and slowest tenth) and the ratio base / other of every round (above 1: the
+other tree is faster), and the cells whose status is not `ok`. Rounds of the same kernels differ by a few
+percent within a lease: read the ratios across rounds and beside cells whose kernels the trees share. A
+cell whose replays fall into two clusters (its `min_s` and `max_s` far apart, the median near one or the
+other from round to round) is better compared by its trimmed mean; say which statistic decides before the run.
 """
 
 from __future__ import annotations
@@ -59,38 +61,45 @@ def run(trees: list[Path], rounds: int, out: Path, cache_root: Path | None, moe_
     return failed
 
 
-def load(out: Path, tree: str) -> tuple[dict, dict]:
-    """({(shape, T, implementation): {round: median us}}, {(shape, T, implementation): status}) of a tree's
-    result files (`DIR/<tree>/r<round>/*.json`), statuses other than `ok` only."""
-    medians, statuses = defaultdict(dict), {}
+STATISTICS = ("median", "trimmed_mean")
+STATISTICS_HELP = """what to take of each cell's replays (`benchmarks.timing.Timing`): their median, or their
+mean without the fastest and slowest tenth, for cells whose replays fall into two clusters"""
+
+
+def load(out: Path, tree: str, statistic: str = "median") -> tuple[dict, dict]:
+    """({(shape, T, implementation): {round: us}}, {(shape, T, implementation): status}) of a tree's
+    result files (`DIR/<tree>/r<round>/*.json`): each cell's `statistic` of its replays, and statuses
+    other than `ok` only."""
+    field = f"{statistic}_s"
+    times, statuses = defaultdict(dict), {}
     for path in sorted((out / tree).glob("r*/*.json")):
         report = json.loads(path.read_text())
         for shape in report["shapes"]:
             for row in shape["rows"]:
                 for implementation, cell in row["results"].items():
                     key = (shape["shape"]["name"], row["num_tokens"], implementation)
-                    if cell.get("median_s"):
-                        medians[key][path.parent.name] = cell["median_s"] * 1e6
+                    if cell.get(field):
+                        times[key][path.parent.name] = cell[field] * 1e6
                     if cell.get("status") != "ok":
                         statuses[key] = cell.get("status")
-    return medians, statuses
+    return times, statuses
 
 
-def compare(out: Path, base: str, others: list[str]) -> list[str]:
+def compare(out: Path, base: str, others: list[str], statistic: str = "median") -> list[str]:
     """The comparison's lines (see the module docstring)."""
-    base_medians, base_statuses = load(out, base)
-    loaded = {tree: load(out, tree) for tree in others}
+    base_times, base_statuses = load(out, base, statistic)
+    loaded = {tree: load(out, tree, statistic) for tree in others}
     lines = []
-    for key in sorted(base_medians):
+    for key in sorted(base_times):
         shape, tokens, implementation = key
-        line = f"{shape:16s} T={tokens:<5d} {implementation:28s} {base}: {statistics.mean(base_medians[key].values()):9.1f}"
-        for tree, (medians, _) in loaded.items():
-            rounds = sorted(set(base_medians[key]) & set(medians.get(key, {})))
+        line = f"{shape:16s} T={tokens:<5d} {implementation:28s} {base}: {statistics.mean(base_times[key].values()):9.1f}"
+        for tree, (times, _) in loaded.items():
+            rounds = sorted(set(base_times[key]) & set(times.get(key, {})))
             if not rounds:
                 continue
-            ratios = [base_medians[key][r] / medians[key][r] for r in rounds]
+            ratios = [base_times[key][r] / times[key][r] for r in rounds]
             line += (
-                f" | {tree}: {statistics.mean(medians[key][r] for r in rounds):9.1f}"
+                f" | {tree}: {statistics.mean(times[key][r] for r in rounds):9.1f}"
                 f" ratio {statistics.mean(ratios):.3f} [" + " ".join(f"{x:.3f}" for x in ratios) + "]"
             )
         lines.append(line)
@@ -116,10 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     compare_parser.add_argument("out", type=Path)
     compare_parser.add_argument("base")
     compare_parser.add_argument("others", nargs="+")
+    compare_parser.add_argument("--statistic", choices=STATISTICS, default="median", help=STATISTICS_HELP)
     args = parser.parse_args(argv)
     if args.command == "run":
         return 1 if run(args.trees, args.rounds, args.out, args.cache_root, moe_arguments) else 0
-    print("\n".join(compare(args.out, args.base, args.others)))
+    print("\n".join(compare(args.out, args.base, args.others, args.statistic)))
     return 0
 
 

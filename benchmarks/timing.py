@@ -34,16 +34,30 @@ host then queues every replay before the GPU reaches them, so the events measure
 host's launch rate when a replay is shorter than its launch."""
 
 
+TRIM_SHARE = 0.1
+"""The share of the replays at each end that `Timing.trimmed_mean_s` leaves out."""
+
+
 @dataclass(frozen=True)
 class Timing:
+    """`median_s` is what every report shows. `trimmed_mean_s`, the mean of the replays without the
+    fastest and slowest `TRIM_SHARE` of them, is for comparisons of cells whose replays fall into two
+    clusters (a persistent grid's tail can end one of two ways): their median jumps between the clusters
+    with the share of replays in each, while the trimmed mean moves with that share (`benchmarks.ab
+    compare --statistic trimmed_mean`)."""
+
     median_s: float
     min_s: float
     max_s: float
     replays: int
+    trimmed_mean_s: float
 
     @classmethod
     def of(cls, seconds: list[float]) -> Timing:
-        return cls(statistics.median(seconds), min(seconds), max(seconds), len(seconds))
+        ordered = sorted(seconds)
+        cut = int(len(ordered) * TRIM_SHARE)
+        kept = ordered[cut: len(ordered) - cut]
+        return cls(statistics.median(seconds), ordered[0], ordered[-1], len(seconds), statistics.fmean(kept))
 
 
 class PreparedCall:

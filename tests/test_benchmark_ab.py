@@ -11,7 +11,7 @@ _STUB = textwrap.dedent(
     from pathlib import Path
     out = Path(sys.argv[sys.argv.index("--out-dir") + 1])
     assert sys.argv[-1] == "--smoke" and os.environ["FP4MOE_KERNEL_CACHE"].endswith("{name}")
-    result = {{"median_s": {seconds}, "status": "{status}"}}
+    result = {{"median_s": {seconds}, "trimmed_mean_s": 3 * {seconds}, "status": "{status}"}}
     report = {{"shapes": [{{"shape": {{"name": "tiny"}}, "rows": [{{"num_tokens": 1, "results": {{"fused_moe_w4a16": result}}}}]}}]}}
     (out / "moe_stub.json").write_text(json.dumps(report))
     """
@@ -38,6 +38,14 @@ def test_each_tree_runs_in_its_own_process_and_the_ratios_are_per_round(tmp_path
     lines = ab.compare(out, "main", ["change", "broken"])
     assert "main:       2.0" in lines[0] and "change:       1.0 ratio 2.000 [2.000 2.000]" in lines[0]
     assert lines[1:] == ["broken: tiny 1 fused_moe_w4a16 status error"]
+
+
+def test_the_comparison_takes_the_chosen_statistic(tmp_path):
+    trees = [_tree(tmp_path, "main", 2e-6), _tree(tmp_path, "change", 1e-6)]
+    out = tmp_path / "out"
+    assert ab.run(trees, 1, out, tmp_path / "caches", ["--smoke"]) == 0
+    assert "main:       6.0" in ab.compare(out, "main", ["change"], "trimmed_mean")[0]
+    assert "main:       2.0" in ab.compare(out, "main", ["change"])[0]
 
 
 def test_a_failed_run_is_counted_and_the_others_go_on(tmp_path):

@@ -90,6 +90,7 @@ def test_smoke_run_measures_every_implementation(smoke_run):
                 assert cell["status"] == "ok", cell
                 assert cell["rel_err"] <= cell["tolerance"]
                 assert cell["median_s"] > 0 and cell["min_s"] <= cell["median_s"] <= cell["max_s"]
+                assert cell["min_s"] <= cell["trimmed_mean_s"] <= cell["max_s"]
                 if on_gpu:
                     assert cell["bandwidth_pct"] > 0 and cell["flops_pct"] >= 0
                 else:
@@ -240,6 +241,13 @@ def test_interleaved_timing_rotates_the_calls_and_times_each_once_per_round():
     assert log == ["a", "b"] * warmup + ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
     assert fast.replays == slow.replays == replays
     assert slow.median_s >= 0.004 > fast.median_s
+
+
+def test_the_trimmed_mean_leaves_out_a_tenth_of_the_replays_at_each_end():
+    seconds = [1.0] * 12 + [2.0] * 6 + [100.0, 0.001]  # two clusters, one outlier at each end
+    t = timing.Timing.of(seconds)
+    assert (t.median_s, t.min_s, t.max_s, t.replays) == (1.0, 0.001, 100.0, 20)
+    assert t.trimmed_mean_s == (11 * 1.0 + 5 * 2.0) / 16
 
 
 def test_an_unknown_l2_flush_is_refused():
