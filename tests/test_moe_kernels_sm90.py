@@ -311,6 +311,21 @@ def test_swiglu_in_prefill_tiles_matches_the_reference_pipeline(activation, dete
     assert_moe_close(run_prepared(p), run_reference(p))
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4_per_token"])
+@pytest.mark.parametrize("hidden", [256, 208])
+def test_gemm2_prefill_epilogue_matches_the_reference_pipeline(hidden, mode, deterministic):
+    """GEMM2's epilogue in tiles of more than 32 rows (`MoEGemmSm90.write_gemm2_chunk`): chunks whose rows
+    are all used write unpredicated, chunks with padding rows (each expert's last tile) predicate each
+    element, and so do features past H = 208 (its last 64-feature block holds 16), in the fused reduction
+    and the deterministic pipeline's per-pair rows."""
+    p = make_problem(tokens=400, hidden=hidden, intermediate=128, num_experts=16, top_k=8, mode=mode, device="cuda",
+                     seed=hidden + len(mode), deterministic=deterministic)
+    quant_mode, per_token = mode.removesuffix("_per_token"), mode.endswith("_per_token")
+    assert fp4moe.moe_dispatch(400, 8, 16, quant_mode, per_token, device="cuda").tile_m > 32
+    assert_moe_close(run_prepared(p), run_reference(p))
+
+
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4_per_token"])
 @pytest.mark.parametrize("tokens", [1, 100, 1000])
 def test_per_half_w1_alpha_matches_the_loop_reference_at_every_tile(mode, tokens):

@@ -18,7 +18,8 @@ fragment, exactly:
 
 Everything else is inline PTX for instructions the DSL does not expose as plainly: the 1-D bulk copy
 onto an mbarrier, `ldmatrix` and the per-warp `mma.sync` of decode tiles, `cp.async` with a zero-fill
-source size, `red.global.add.f32` and its four-word form, 16-byte stores of four FP32 values.
+source size, `red.global.add.f32` and its four-word form, predicated FP32 stores and 16-byte stores of four
+FP32 values.
 """
 
 from __future__ import annotations
@@ -138,9 +139,30 @@ def bf16x2(low, high, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
-def reduce_add_f32(gmem_address, value, *, loc=None, ip=None) -> None:
-    """`red.global.add.f32`: an atomic FP32 addition without a returned value."""
-    _asm(None, "red.global.add.f32 [$0], $1;", "l,f", (Int64(gmem_address), Float32(value)), True, loc, ip)
+def reduce_add_f32(gmem_address, value, predicate=None, *, loc=None, ip=None) -> None:
+    """`red.global.add.f32`: an atomic FP32 addition without a returned value; with `predicate`, only
+    where it is nonzero (the instruction predicated off otherwise)."""
+    _predicated(
+        "red.global.add.f32 [$0], $1;", "l,f", (Int64(gmem_address), Float32(value)), predicate, loc, ip
+    )
+
+
+@dsl_user_op
+def store_global_f32(gmem_address, value, predicate=None, *, loc=None, ip=None) -> None:
+    """An FP32 store to global memory; with `predicate`, only where it is nonzero."""
+    _predicated("st.global.f32 [$0], $1;", "l,f", (Int64(gmem_address), Float32(value)), predicate, loc, ip)
+
+
+def _predicated(ptx: str, constraints: str, operands, predicate, loc, ip) -> None:
+    """Inline `ptx` (operands `$0 ..`), guarded by `predicate` (an integer, nonzero: run) unless it is None."""
+    if predicate is None:
+        _asm(None, ptx, constraints, operands, True, loc, ip)
+        return
+    guard = len(operands)
+    _asm(
+        None, f"{{ .reg .pred p; setp.ne.b32 p, ${guard}, 0; @p {ptx} }}", f"{constraints},r",
+        (*operands, Int32(predicate)), True, loc, ip,
+    )
 
 
 @dsl_user_op

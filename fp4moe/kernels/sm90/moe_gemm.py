@@ -1654,13 +1654,24 @@ class MoEGemmSm90:
         the factor, then the element into the token's output row (`red.global.add.f32`, fused finalize)
         or the pair's (expanded). Decode tiles (`quad_stores`) write four consecutive features of a row
         per instruction instead: `red.global.v4.f32.add` or a 16-byte store, after the four lanes that
-        hold features m .. m + 3 of rows n and n + 1 exchange their elements (`quad_transpose`)."""
+        hold features m .. m + 3 of rows n and n + 1 exchange their elements (`quad_transpose`).
+
+        Larger tiles write one element per instruction (`write_gemm2_elements`), with few instructions
+        around it. A chunk whose rows and features are all used by every lane of the warp (a
+        warp-uniform vote) writes without predicates; a chunk with padding rows, or features past
+        `out_features`, predicates each instruction on its own element, which ptxas turns into a branch
+        around it. Row-scaled GEMM2s (per-token W4A4) always predicate: their rows' activation scales
+        take the registers that the two forms of a chunk need, and ptxas spills."""
         out_address = mOut.iterator.toint()
         factor = Float32(1.0)
         if const_expr(self.output_scaled):
             factor = mOutputScale[0]
         row_bytes = Int64(mOut.stride[0]) * 4
         quad_lane = (cute.arch.lane_idx() >> 2) & 3  # which of the four lanes of features m .. m + 3
+        first_m, _ = coordinates[0, 0, 0]
+        first_feature = block * 64 + first_m
+        first_address = out_address + Int64(first_feature) * 4
+        features_used = [Int32(first_feature + 8 * half < self.out_features) for half in range(2)]
         for c in cutlass.range_constexpr(self.tile_rows // self.epilogue_rows):
             pairs, weights, scales = self.epilogue_rows_of(
                 early_rows, coordinates, first_row, c, row_factors, mPermutedToPair, num_pairs
@@ -1684,18 +1695,37 @@ class MoEGemmSm90:
                         else:
                             dev.store_global_v4_f32(out_address + Int64(pair) * row_bytes + Int64(feature) * 4, values)
             else:
-                for v in cutlass.range_constexpr(self.chunk_values(c).start, self.chunk_values(c).stop):
-                    m, _ = coordinates[v, 0, 0]
-                    feature = block * 64 + m
-                    same_row = v - 2 * ((v // 2) % 2)
-                    pair = pairs[same_row]
-                    if (pair >= 0) & (feature < self.out_features):
-                        y = self.gemm2_output(acc[v, 0, 0], alpha, same_row, weights, scales, factor)
-                        if const_expr(self.epilogue == "gemm2_fused"):
-                            token = pair // self.top_k
-                            dev.reduce_add_f32(out_address + Int64(token) * row_bytes + Int64(feature) * 4, y)
-                        else:
-                            mOut[pair, feature] = y
+                chunk = (acc, self.chunk_values(c), alpha, pairs, weights, scales, factor, first_address, row_bytes)
+                if const_expr(self.row_scaled):
+                    self.write_gemm2_elements(*chunk, features_used)
+                else:
+                    chunk_used = features_used[0] & features_used[1]
+                    for v in cutlass.range_constexpr(self.chunk_values(c).start, self.chunk_values(c).stop, 4):
+                        chunk_used = chunk_used & Int32(pairs[v] >= 0) & Int32(pairs[v + 1] >= 0)
+                    if cute.arch.vote_all_sync(chunk_used != 0):
+                        self.write_gemm2_elements(*chunk, None)
+                    else:
+                        self.write_gemm2_elements(*chunk, features_used)
+
+    def write_gemm2_elements(self, acc, elements, alpha, pairs, weights, scales, factor, first_address, row_bytes, features_used):
+        """`finish_gemm2`'s accumulator `elements` (of one epilogue chunk) in tiles of more than 32 rows,
+        one instruction each. A thread's elements are features f and f + 8 of its rows (element v: f + 8 *
+        `half`, the row of element `same_row`), so the second feature is an immediate offset from the
+        row's address. With `features_used` (per half, whether the feature is below `out_features`) each
+        instruction is predicated on its element being used; without, every element is. Plain Python,
+        run while the kernel is traced."""
+        write = dev.reduce_add_f32 if self.epilogue == "gemm2_fused" else dev.store_global_f32
+        for v in elements:
+            half = (v // 2) % 2
+            same_row = v - 2 * half
+            pair = pairs[same_row]
+            row = Uint32(pair) // Uint32(self.top_k) if self.epilogue == "gemm2_fused" else pair
+            address = first_address + Int64(row) * row_bytes + 32 * half
+            y = self.gemm2_output(acc[v, 0, 0], alpha, same_row, weights, scales, factor)
+            if features_used is None:
+                write(address, y)
+            else:
+                write(address, y, Int32(pair >= 0) & features_used[half])
 
     def gemm2_output(self, value, alpha, row, weights, scales, factor):
         """An accumulator element of row `row` of the epilogue's chunk, as GEMM2 writes it: times `alpha`,
