@@ -21,7 +21,10 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
   consumers' epilogues, which no `wgmma` overlaps, cost. `no_gemm1_stores` skips GEMM1's stores only
   (the activation kept); `half_gemm2_epilogue` skips GEMM2's in the odd CTAs only (whether its atomics
   are bound per SM or by the L2 as a whole); `gemm2_vector_reduce` is no removal but an alternative: every
-  GEMM2 tile adds four features per `red.global.v4.f32.add`.
+  GEMM2 tile adds four features per `red.global.v4.f32.add`. `gemm2_plain_stores` and `gemm2_math_only`
+  keep the fused GEMM2's epilogue but make its element-wise atomics plain stores, or skip them at run
+  time with their values and addresses computed (`Gemm2ReductionReplaced`): whether the atomicity, the
+  stores or the instructions cost.
 - `panel_no_scan`, `panel_no_quantize`, `panel_none` (chosen with `--variants`) change only a GEMM that
   quantizes its own activation rows (per-token W4A4 on the rescan path, DeepSeek-V3 at T = 1-3): every
   row's maximum taken as 1 instead of scanned, the rows stored unquantized, or no panel work at all.
@@ -40,13 +43,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import struct
 import sys
 from unittest import mock
 
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Uint32, const_expr
+from cutlass import Float32, Int32, Int64, Uint32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 from benchmarks import precompile
 from benchmarks.gpu_state import hopper_gpu
@@ -185,6 +191,42 @@ class Gemm2VectorReduce(MoEGemmSm90):
         self.quad_stores = self.epilogue != "gemm1"
 
 
+def float32_bits(value: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", value))[0]
+
+
+@dsl_user_op
+def reduce_add_f32_never(gmem_address, value, predicate, *, loc=None, ip=None) -> None:
+    """`red.global.add.f32` made only for `NEVER_ACCUMULATED` (`Gemm2MathOnly`): the value, its address
+    and predicate computed, no memory traffic."""
+    llvm.inline_asm(
+        None, [v.ir_value(loc=loc, ip=ip) for v in (Int64(gmem_address), Float32(value), Int32(predicate))],
+        "{ .reg .pred p, q; setp.ne.b32 p, $2, 0; setp.eq.f32 q, $1, 0f%08X; and.pred p, p, q; "
+        "@p red.global.add.f32 [$0], $1; }" % float32_bits(NEVER_ACCUMULATED), "l,f,r",
+        has_side_effects=True, loc=loc, ip=ip,
+    )
+
+
+class Gemm2ReductionReplaced(MoEGemmSm90):
+    """The fused GEMM2's element-wise `red.global.add.f32` (tiles of more than 32 rows) traced as
+    `reduction` instead; everything else, the epilogue's arithmetic and addresses included, is the
+    default's. Which part of that epilogue costs: the atomicity, the stores, or the instructions."""
+
+    reduction = None
+
+    def finish_gemm2(self, *operands):  # plain Python: runs while `finish` is traced
+        with mock.patch.object(dev, "reduce_add_f32", self.reduction):
+            MoEGemmSm90.finish_gemm2(self, *operands)
+
+
+class Gemm2PlainStores(Gemm2ReductionReplaced):
+    reduction = staticmethod(dev.store_global_f32)
+
+
+class Gemm2MathOnly(Gemm2ReductionReplaced):
+    reduction = staticmethod(reduce_add_f32_never)
+
+
 class PanelNoScan(MoEGemmSm90):
     """A GEMM that quantizes its rows (per-token W4A4, `quantizes_rows`) takes every row's maximum as 1
     instead of scanning the rows: the panel without its first pass over the rows."""
@@ -221,7 +263,8 @@ VARIANTS = {
     "panel_no_scan": PanelNoScan, "panel_no_quantize": PanelNoQuantize, "panel_none": PanelNone,
     "no_epilogue": NoEpilogue, "no_gemm1_epilogue": NoGemm1Epilogue, "no_gemm2_epilogue": NoGemm2Epilogue,
     "no_gemm1_stores": NoGemm1Stores, "gemm2_vector_reduce": Gemm2VectorReduce,
-    "half_gemm2_epilogue": HalfGemm2Epilogue,
+    "half_gemm2_epilogue": HalfGemm2Epilogue, "gemm2_plain_stores": Gemm2PlainStores,
+    "gemm2_math_only": Gemm2MathOnly,
 }
 CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]
 """The variants of the consumers' k step, timed by default. The `panel_*` variants change only GEMMs
