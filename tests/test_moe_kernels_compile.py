@@ -382,6 +382,25 @@ def test_prefill_swiglu_divides_without_the_ieee_slow_path(compiled):
     assert checked == {True, False}
 
 
+def test_gemm2_writes_the_used_chunks_of_prefill_tiles_without_a_branch_per_element(compiled):
+    """GEMM2 in tiles of more than `INLINE_WGMMA_TILE_ROWS` rows (`MoEGemmSm90.write_gemm2_elements`): a chunk
+    whose rows are all used goes out as one branch-free run of scalar reductions (fused) or stores (per-pair
+    rows), beside the predicated form for the other chunks, in which ptxas branches around each element.
+    Row-scaled GEMM2s (per-token W4A4) keep only the predicated form."""
+    checked = set()
+    for i, (epilogue, key, *rest) in enumerate(GEMM_VARIANTS):
+        if epilogue == "gemm1" or key[4] <= moe_gemm.INLINE_WGMMA_TILE_ROWS:
+            continue
+        write = "REDG.E.ADD.F32.FTZ.RN" if epilogue == "gemm2_fused" else "STG.E "
+        segments = re.split(r"\bBRA\b", _sass(compiled, f"gemm_{i}"))  # straight-line stretches
+        longest = max(segment.count(write) for segment in segments if "BSSY" not in segment)
+        row_scaled = len(rest) > 6 and rest[6]
+        assert (longest >= 8) != row_scaled, (longest, GEMM_VARIANTS[i])
+        assert longest >= 1, GEMM_VARIANTS[i]
+        checked.add(row_scaled)
+    assert checked == {True, False}
+
+
 def _variant_rows(key) -> list[int]:
     """The rows of each variant of a GEMM's k loop (`moe_gemm.variant_rows`)."""
     return variant_rows(key[4], key[5], key[3])
