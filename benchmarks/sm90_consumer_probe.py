@@ -196,11 +196,12 @@ def float32_bits(value: float) -> int:
 
 
 @dsl_user_op
-def reduce_add_f32_never(gmem_address, value, predicate, *, loc=None, ip=None) -> None:
+def reduce_add_f32_never(gmem_address, value, predicate=None, *, loc=None, ip=None) -> None:
     """`red.global.add.f32` made only for `NEVER_ACCUMULATED` (`Gemm2MathOnly`): the value, its address
     and predicate computed, no memory traffic."""
+    predicate = Int32(1) if predicate is None else Int32(predicate)
     llvm.inline_asm(
-        None, [v.ir_value(loc=loc, ip=ip) for v in (Int64(gmem_address), Float32(value), Int32(predicate))],
+        None, [v.ir_value(loc=loc, ip=ip) for v in (Int64(gmem_address), Float32(value), predicate)],
         "{ .reg .pred p, q; setp.ne.b32 p, $2, 0; setp.eq.f32 q, $1, 0f%08X; and.pred p, p, q; "
         "@p red.global.add.f32 [$0], $1; }" % float32_bits(NEVER_ACCUMULATED), "l,f,r",
         has_side_effects=True, loc=loc, ip=ip,
