@@ -209,7 +209,7 @@ def reduce_add_f32_never(gmem_address, value, predicate=None, *, loc=None, ip=No
 
 
 class Gemm2ReductionReplaced(MoEGemmSm90):
-    """The fused GEMM2's element-wise `red.global.add.f32` (tiles of more than 32 rows) traced as
+    """The fused GEMM2's element-wise `red.global.add.f32` (tiles of more than 8 rows) traced as
     `reduction` instead; everything else, the epilogue's arithmetic and addresses included, is the
     default's. Which part of that epilogue costs: the atomicity, the stores, or the instructions."""
 

@@ -315,7 +315,7 @@ def test_swiglu_in_prefill_tiles_matches_the_reference_pipeline(activation, dete
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4_per_token"])
 @pytest.mark.parametrize("hidden", [256, 208])
 def test_gemm2_prefill_epilogue_matches_the_reference_pipeline(hidden, mode, deterministic):
-    """GEMM2's epilogue in tiles of more than 32 rows (`MoEGemmSm90.write_gemm2_chunk`): chunks whose rows
+    """GEMM2's epilogue in tiles of more than 8 rows (`MoEGemmSm90.write_gemm2_elements`): chunks whose rows
     are all used write unpredicated, chunks with padding rows (each expert's last tile) predicate each
     element, and so do features past H = 208 (its last 64-feature block holds 16), in the fused reduction
     and the deterministic pipeline's per-pair rows."""

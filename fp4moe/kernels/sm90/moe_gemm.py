@@ -1708,8 +1708,8 @@ class MoEGemmSm90:
                         self.write_gemm2_elements(*chunk, features_used)
 
     def write_gemm2_elements(self, acc, elements, alpha, pairs, weights, scales, factor, first_address, row_bytes, features_used):
-        """`finish_gemm2`'s accumulator `elements` (of one epilogue chunk) in tiles of more than 32 rows,
-        one instruction each. A thread's elements are features f and f + 8 of its rows (element v: f + 8 *
+        """`finish_gemm2`'s accumulator `elements` (of one epilogue chunk) in tiles of more than
+        `INLINE_WGMMA_TILE_ROWS` rows, one instruction each. A thread's elements are features f and f + 8 of its rows (element v: f + 8 *
         `half`, the row of element `same_row`), so the second feature is an immediate offset from the
         row's address. With `features_used` (per half, whether the feature is below `out_features`) each
         instruction is predicated on its element being used; without, every element is. Plain Python,
