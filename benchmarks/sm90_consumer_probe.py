@@ -24,7 +24,8 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
   GEMM2 tile adds four features per `red.global.v4.f32.add`. `gemm2_plain_stores` and `gemm2_math_only`
   keep the fused GEMM2's epilogue but make its element-wise atomics plain stores, or skip them at run
   time with their values and addresses computed (`Gemm2ReductionReplaced`): whether the atomicity, the
-  stores or the instructions cost.
+  stores or the instructions cost. `no_alpha_loads` takes every item's `alpha` as a constant instead of
+  loading its expert's (in prefill tiles after the k loop, before the epilogue).
 - `panel_no_scan`, `panel_no_quantize`, `panel_none` (chosen with `--variants`) change only a GEMM that
   quantizes its own activation rows (per-token W4A4 on the rescan path, DeepSeek-V3 at T = 1-3): every
   row's maximum taken as 1 instead of scanned, the rows stored unquantized, or no panel work at all.
@@ -228,6 +229,15 @@ class Gemm2MathOnly(Gemm2ReductionReplaced):
     reduction = staticmethod(reduce_add_f32_never)
 
 
+class NoAlphaLoads(MoEGemmSm90):
+    """Every item's `alpha` a constant instead of its expert's, loaded from global memory (in prefill
+    tiles after the k loop, a round trip before the epilogue's first element): what that load costs."""
+
+    def item_alpha(self, mAlpha, expert):
+        alpha = Float32(2.0**dev.WEIGHT_DECODE_EXPONENT)
+        return alpha if self.epilogue != "gemm1" else (alpha, alpha)
+
+
 class PanelNoScan(MoEGemmSm90):
     """A GEMM that quantizes its rows (per-token W4A4, `quantizes_rows`) takes every row's maximum as 1
     instead of scanning the rows: the panel without its first pass over the rows."""
@@ -265,7 +275,7 @@ VARIANTS = {
     "no_epilogue": NoEpilogue, "no_gemm1_epilogue": NoGemm1Epilogue, "no_gemm2_epilogue": NoGemm2Epilogue,
     "no_gemm1_stores": NoGemm1Stores, "gemm2_vector_reduce": Gemm2VectorReduce,
     "half_gemm2_epilogue": HalfGemm2Epilogue, "gemm2_plain_stores": Gemm2PlainStores,
-    "gemm2_math_only": Gemm2MathOnly,
+    "gemm2_math_only": Gemm2MathOnly, "no_alpha_loads": NoAlphaLoads,
 }
 CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]
 """The variants of the consumers' k step, timed by default. The `panel_*` variants change only GEMMs

@@ -64,7 +64,8 @@ _GEMM2_EPILOGUE_SCRIPT = textwrap.dedent(
     from benchmarks import sm90_consumer_probe as probe
     out = Path(sys.argv[1])
     _, _, configs2 = probe.gemm_configurations(4096, 132)
-    for name in ("default", "gemm2_vector_reduce", "half_gemm2_epilogue", "gemm2_plain_stores", "gemm2_math_only"):
+    for name in ("default", "gemm2_vector_reduce", "half_gemm2_epilogue", "gemm2_plain_stores", "gemm2_math_only",
+                 "no_alpha_loads"):
         compiled = probe.compile_variant(name, "gemm2_fused", configs2[0][0])
         (out / f"{name}.cubin").write_bytes(compiled.__cubin__)
     """
@@ -76,7 +77,8 @@ def test_the_gemm2_epilogue_variants_of_prefill_tiles(tmp_path):
     reduction in the code (it skips them at run time in half the CTAs); `gemm2_plain_stores` stores where
     the default reduces; `gemm2_math_only` keeps every reduction behind a run-time test on its value."""
     out = compile_in_subprocess(_GEMM2_EPILOGUE_SCRIPT, {}, tmp_path)
-    names = ("default", "gemm2_vector_reduce", "half_gemm2_epilogue", "gemm2_plain_stores", "gemm2_math_only")
+    names = ("default", "gemm2_vector_reduce", "half_gemm2_epilogue", "gemm2_plain_stores", "gemm2_math_only",
+             "no_alpha_loads")
     code = {name: sass(out / f"{name}.cubin") for name in names}
     scalar = {name: text.count("REDG.E.ADD.F32.FTZ.RN") for name, text in code.items()}
     vector = {name: text.count("REDG.E.ADD.F32x4.FTZ.RN") for name, text in code.items()}
@@ -86,7 +88,9 @@ def test_the_gemm2_epilogue_variants_of_prefill_tiles(tmp_path):
     assert scalar["half_gemm2_epilogue"] == scalar["default"] == scalar["gemm2_math_only"]
     assert scalar["gemm2_plain_stores"] == 0 and code["gemm2_plain_stores"].count("STG.E ") == scalar["default"]
     assert code["gemm2_math_only"].count("FSETP") > code["default"].count("FSETP")
-    for name in ("half_gemm2_epilogue", "gemm2_plain_stores", "gemm2_math_only"):
+    assert code["no_alpha_loads"].count("LDG.E ") == code["default"].count("LDG.E ") - 1
+    assert scalar["no_alpha_loads"] == scalar["default"]
+    for name in ("half_gemm2_epilogue", "gemm2_plain_stores", "gemm2_math_only", "no_alpha_loads"):
         assert code[name].count("HGMMA") == code["default"].count("HGMMA"), name
 
 
