@@ -1709,11 +1709,11 @@ class MoEGemmSm90:
 
     def write_gemm2_elements(self, acc, elements, alpha, pairs, weights, scales, factor, first_address, row_bytes, features_used):
         """`finish_gemm2`'s accumulator `elements` (of one epilogue chunk) in tiles of more than
-        `INLINE_WGMMA_TILE_ROWS` rows, one instruction each. A thread's elements are features f and f + 8 of its rows (element v: f + 8 *
-        `half`, the row of element `same_row`), so the second feature is an immediate offset from the
-        row's address. With `features_used` (per half, whether the feature is below `out_features`) each
-        instruction is predicated on its element being used; without, every element is. Plain Python,
-        run while the kernel is traced."""
+        `INLINE_WGMMA_TILE_ROWS` rows, one instruction each. A thread's elements are features f and f + 8
+        of its rows (element v: f + 8 * `half`, the row of element `same_row`), so the second feature is an
+        immediate offset from the row's address. With `features_used` (per half, whether the feature is
+        below `out_features`) each instruction is predicated on its element being used; without, every
+        element is. Plain Python, run while the kernel is traced."""
         write = dev.reduce_add_f32 if self.epilogue == "gemm2_fused" else dev.store_global_f32
         for v in elements:
             half = (v // 2) % 2
