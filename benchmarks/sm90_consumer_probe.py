@@ -44,16 +44,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import struct
 import sys
 from unittest import mock
 
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int32, Int64, Uint32, const_expr
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass import Float32, Int32, Uint32, const_expr
 
 from benchmarks import precompile
 from benchmarks.gpu_state import hopper_gpu
@@ -192,21 +189,12 @@ class Gemm2VectorReduce(MoEGemmSm90):
         self.quad_stores = self.epilogue != "gemm1"
 
 
-def float32_bits(value: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", value))[0]
-
-
-@dsl_user_op
-def reduce_add_f32_never(gmem_address, value, predicate=None, *, loc=None, ip=None) -> None:
-    """`red.global.add.f32` made only for `NEVER_ACCUMULATED` (`Gemm2MathOnly`): the value, its address
-    and predicate computed, no memory traffic."""
-    predicate = Int32(1) if predicate is None else Int32(predicate)
-    llvm.inline_asm(
-        None, [v.ir_value(loc=loc, ip=ip) for v in (Int64(gmem_address), Float32(value), predicate)],
-        "{ .reg .pred p, q; setp.ne.b32 p, $2, 0; setp.eq.f32 q, $1, 0f%08X; and.pred p, p, q; "
-        "@p red.global.add.f32 [$0], $1; }" % float32_bits(NEVER_ACCUMULATED), "l,f,r",
-        has_side_effects=True, loc=loc, ip=ip,
-    )
+def reduce_add_f32_never(gmem_address, value, predicate=None, reduce_add_f32=dev.reduce_add_f32) -> None:
+    """`gemm_device.reduce_add_f32` (bound at import, as the variant patches the module's name) made only
+    for `NEVER_ACCUMULATED` (`Gemm2MathOnly`): the value, its address and predicate computed, no memory
+    traffic. Plain Python, run while the kernel is traced."""
+    never = Int32(value == Float32(NEVER_ACCUMULATED))
+    reduce_add_f32(gmem_address, value, never if predicate is None else never & predicate)
 
 
 class Gemm2ReductionReplaced(MoEGemmSm90):
