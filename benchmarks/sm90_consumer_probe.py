@@ -16,6 +16,8 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
 - `barriers_only` keeps only the consumers' waits and releases (and the `wgmma` group waits, with no
   group in flight). The producer, its bulk copies and gathers are unchanged, so its time is the
   pipeline's own (memory and producer).
+- `no_weight_copies` (chosen with `--variants`) issues no weight copies: the consumers' k steps run on
+  whatever the stages hold, with no wait for weight bytes: the consumers' own time.
 - `no_epilogue`, `no_gemm1_epilogue`, `no_gemm2_epilogue` (chosen with `--variants`) keep the GEMMs'
   code but skip the epilogue of both GEMMs, of GEMM1 or of GEMM2 at run time (`NoEpilogue`): what the
   consumers' epilogues, which no `wgmma` overlaps, cost. `no_gemm1_stores` skips GEMM1's stores only
@@ -226,6 +228,16 @@ class NoAlphaLoads(MoEGemmSm90):
         return alpha if self.epilogue != "gemm1" else (alpha, alpha)
 
 
+class NoWeightCopies(MoEGemmSm90):
+    """The producer issues no weight copies: each stage's `full` barrier expects no bytes, so the
+    consumers run their whole k step on whatever the stage holds (the activation rows still copied).
+    Its time is the consumers' own, with no wait for the weights' memory traffic."""
+
+    @cute.jit
+    def copy_weights(self, k, stage, full, weights):
+        cute.arch.mbarrier_arrive_and_expect_tx(full + stage, 0)
+
+
 class PanelNoScan(MoEGemmSm90):
     """A GEMM that quantizes its rows (per-token W4A4, `quantizes_rows`) takes every row's maximum as 1
     instead of scanning the rows: the panel without its first pass over the rows."""
@@ -263,7 +275,7 @@ VARIANTS = {
     "no_epilogue": NoEpilogue, "no_gemm1_epilogue": NoGemm1Epilogue, "no_gemm2_epilogue": NoGemm2Epilogue,
     "no_gemm1_stores": NoGemm1Stores, "gemm2_vector_reduce": Gemm2VectorReduce,
     "half_gemm2_epilogue": HalfGemm2Epilogue, "gemm2_plain_stores": Gemm2PlainStores,
-    "gemm2_math_only": Gemm2MathOnly, "no_alpha_loads": NoAlphaLoads,
+    "gemm2_math_only": Gemm2MathOnly, "no_alpha_loads": NoAlphaLoads, "no_weight_copies": NoWeightCopies,
 }
 CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]
 """The variants of the consumers' k step, timed by default. The `panel_*` variants change only GEMMs

@@ -774,28 +774,35 @@ class MoEGemmSm90:
         copies of the weights (`full` expects their bytes) and, with `copies` (`produce_item`'s: where
         they go, the thread's column chunk and rows), every thread's `cp.async` copies of its activation
         chunks, whose arrival on `full` the caller adds."""
-        mCodes, mScales, storage, first_block, k_first = weights
         cute.arch.mbarrier_wait(empty + stage, phase ^ 1)
         if cute.arch.thread_idx()[0] == 0:
-            barrier = (full + stage).toint()
-            cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.cta_row_blocks * (self.code_bytes + self.scale_bytes))
-            for g in cutlass.range_constexpr(self.cta_row_blocks):
-                tile_index = self.weight_tile(first_block + g, k_first + k)
-                smem_slot = stage * self.cta_row_blocks + g
-                dev.bulk_copy_to_shared(
-                    storage.codes.data_ptr().toint() + smem_slot * self.code_bytes,
-                    mCodes.iterator.toint() + tile_index * weight_layout.CODE_BYTES,
-                    self.code_bytes,
-                    barrier,
-                )
-                dev.bulk_copy_to_shared(
-                    storage.scales.data_ptr().toint() + smem_slot * self.scale_bytes,
-                    mScales.iterator.toint() + tile_index * weight_layout.SCALE_BYTES,
-                    self.scale_bytes,
-                    barrier,
-                )
+            self.copy_weights(k, stage, full, weights)
         if const_expr(copies is not None):
+            k_first = weights[-1]
             self.copy_k_tile(k, stage, k_first, mAct, copies)
+
+    @cute.jit
+    def copy_weights(self, k, stage, full, weights):
+        """Thread 0: item k tile `k`'s weight codes and scales into `stage`, one bulk copy per 64-row
+        block each, completing on `full` (which expects their bytes)."""
+        mCodes, mScales, storage, first_block, k_first = weights
+        barrier = (full + stage).toint()
+        cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.cta_row_blocks * (self.code_bytes + self.scale_bytes))
+        for g in cutlass.range_constexpr(self.cta_row_blocks):
+            tile_index = self.weight_tile(first_block + g, k_first + k)
+            smem_slot = stage * self.cta_row_blocks + g
+            dev.bulk_copy_to_shared(
+                storage.codes.data_ptr().toint() + smem_slot * self.code_bytes,
+                mCodes.iterator.toint() + tile_index * weight_layout.CODE_BYTES,
+                self.code_bytes,
+                barrier,
+            )
+            dev.bulk_copy_to_shared(
+                storage.scales.data_ptr().toint() + smem_slot * self.scale_bytes,
+                mScales.iterator.toint() + tile_index * weight_layout.SCALE_BYTES,
+                self.scale_bytes,
+                barrier,
+            )
 
     @cute.jit
     def copy_k_tile(self, k, stage, k_first, mAct, copies):
