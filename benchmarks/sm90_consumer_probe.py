@@ -76,8 +76,11 @@ from fp4moe.kernels.sm90.moe_gemm import PANEL_BARRIER, PANEL_WARPS, WARP_SIZE, 
 class NoDecode(MoEGemmSm90):
     """The code words and scales loaded from shared memory, stored into the fragment undecoded."""
 
-    def word_pairs(self, code, scales, b):
-        return [code ^ scales[b // 2], code, code >> 1, code >> 2]
+    def step_scales(self, scale_words):
+        return lambda b: scale_words if self.shares_scales else scale_words[b // 2]
+
+    def word_pairs(self, code, scale):
+        return [code ^ scale, code, code >> 1, code >> 2]
 
 
 class NoMma(MoEGemmSm90):
@@ -98,9 +101,10 @@ class NoMma(MoEGemmSm90):
         words, _ = operands
         folded = Uint32(0)
         for kk in cutlass.range_constexpr(self.k64_per_tile):
-            codes, scales = words[0][kk]
+            codes, scale_words = words[0][kk]
+            step_scale = self.step_scales(scale_words)
             for b in cutlass.range_constexpr(4):
-                for pair in self.word_pairs(codes[b], scales, b):
+                for pair in self.word_pairs(codes[b], step_scale(b)):
                     folded = folded ^ pair
         values[0][0] = values[0][0] + folded.to(cutlass.Float32)
         return values
@@ -111,7 +115,7 @@ class BarriersOnly(MoEGemmSm90):
 
     def load_words(self, codes_smem, scales_smem, stage):
         return [
-            [((Uint32(0),) * 4, (Uint32(0),) * 2) for _ in range(self.k64_per_tile)]
+            [((Uint32(0),) * 4, Uint32(0) if self.shares_scales else (Uint32(0),) * 2) for _ in range(self.k64_per_tile)]
             for _ in range(self.blocks_per_consumer)
         ]
 

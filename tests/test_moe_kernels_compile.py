@@ -365,6 +365,29 @@ def test_decode_left_shifts_on_the_fma_pipe(compiled):
         assert loop.count("IMAD.SHL") >= 3 * words // 2 and loop.count("IMAD.HI") < words // 2, (counts, GEMM_VARIANTS[i])
 
 
+def test_decode_tiles_expand_each_scale_pair_once_per_quad(compiled):
+    """In tiles of at most `moe_gemm.SHARED_SCALES_TILE_ROWS` rows each lane of a quad expands one k16 step's
+    scale pair (`cvt.rn.f16x2.e4m3x2`, `F2FP`) per 64 K and the quad shares the four by `SHFL.IDX`: per
+    code word (four `HMUL2`) a quarter of an `F2FP` and one shuffle. The other tiles that load ahead
+    expand every word's pair in every lane and shuffle nothing in their k loops."""
+    checked = set()
+    for i, (_epilogue, key, *_rest) in enumerate(GEMM_VARIANTS):
+        if key[4] > moe_gemm.LOADS_AHEAD_TILE_ROWS:
+            continue
+        lines = _sass(compiled, f"gemm_{i}").splitlines()
+        mma = "HMMA" if _warp_mma(key, _rest) else "HGMMA"
+        mmas = [n for n, line in enumerate(lines) if mma in line]
+        loop = "\n".join(lines[mmas[0] - 150: mmas[-1]])
+        words, expansions, shuffles = loop.count("HMUL2") // 4, loop.count("F2FP.F16.E4M3"), loop.count("SHFL.IDX")
+        shares = key[4] <= moe_gemm.SHARED_SCALES_TILE_ROWS
+        if shares:
+            assert words > 0 and 4 * expansions <= words + 4 and shuffles >= words, ((words, expansions, shuffles), GEMM_VARIANTS[i])
+        else:
+            assert words > 0 and expansions >= words and shuffles == 0, ((words, expansions, shuffles), GEMM_VARIANTS[i])
+        checked.add(shares)
+    assert checked == {True, False}
+
+
 def test_prefill_swiglu_divides_without_the_ieee_slow_path(compiled):
     """GEMM1's SwiGLU in prefill tiles outside the tiling-invariant pipelines
     (`moe_launch.divides_sigmoid_fast`) divides with `div.full.f32`: no slow-path `CALL` of the IEEE

@@ -45,7 +45,7 @@ def test_each_variant_drops_its_part_of_the_consumer_k_step(variants):
 
 
 def test_no_weight_copies_keeps_the_whole_consumer(variants):
-    for instruction in ("HGMMA", "HMUL2.BF16_V2", "LDS.128"):
+    for instruction in ("HGMMA", "HMUL2.BF16_V2", "SHFL.IDX", "LDS.128"):
         assert variants["no_weight_copies"].count(instruction) == variants["default"].count(instruction) > 0, instruction
 
 

@@ -10,7 +10,10 @@ fragment, exactly:
 - `expand_scale_pair`: two E4M3 block scales (rows g and g + 8) become a bf16 pair equal to
   `scale * 2^118` through `cvt.rn.f16x2.e4m3x2` (exact: every E4M3 value is a normal f16) and an
   integer re-bias of the f16 exponent (E4M3 has 3 mantissa bits, so f16 -> bf16 drops only zeros).
-  Zero scales expand to a nonzero value; the prepare step zeroes the codes of such blocks.
+  Zero scales expand to a nonzero value; the prepare step zeroes the codes of such blocks. The four
+  lanes of a quad hold the same two rows and need the same four k16 steps' scales: each expands one
+  step's pair and `quad_broadcast` hands it to the other three, so the expansion's two ALU operations
+  are paid once per quad, not once per lane.
 - `scale_pair`: one `mul.rn.bf16x2` per pair multiplies the two, giving `e2m1 * scale * 2^-8`: every
   E2M1 x E4M3 product is exact in bf16, and the factor 2^-8 keeps it inside the normal range. The
   epilogue multiplies the FP32 accumulator by `alpha * 2^8` (`WEIGHT_DECODE_EXPONENT`), an exact
@@ -106,6 +109,13 @@ def load_shared_v2(smem_address, *, loc=None, ip=None):
     struct = llvm.StructType.get_literal([T.i32()] * 2)
     result = _asm(struct, "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r", (Int32(smem_address),), True, loc, ip)
     return tuple(Uint32(llvm.extractvalue(T.i32(), result, [i], loc=loc, ip=ip)) for i in range(2))
+
+
+@dsl_user_op
+def load_shared_u16(smem_address, *, loc=None, ip=None) -> Uint32:
+    """One 16-bit word from a 2-byte aligned shared-memory address, zero-extended (side-effecting, as
+    `load_shared_v4`)."""
+    return Uint32(_asm(T.i32(), "ld.shared.u16 $0, [$1];", "=r,r", (Int32(smem_address),), True, loc, ip))
 
 
 @dsl_user_op
@@ -262,6 +272,14 @@ def expand_scale_pair(scale_word, high_half: bool, *, loc=None, ip=None) -> Uint
     ptx = "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $1; " f"cvt.rn.f16x2.e4m3x2 $0, {half}; }}"
     f16_pair = Uint32(_asm(T.i32(), ptx, "=r,r", (Uint32(scale_word),), False, loc, ip))
     return (f16_pair >> 3) + Uint32(SCALE_REBIAS | (SCALE_REBIAS << 16))
+
+
+@dsl_user_op
+def quad_broadcast(value, quad_lane: int, *, loc=None, ip=None) -> Uint32:
+    """`value` of lane `quad_lane` (0..3) of the calling lane's quad (lanes `4 q .. 4 q + 3`), on every
+    lane of the quad: one `shfl.sync.idx` in segments of four lanes. All 32 lanes must call it."""
+    ptx = f"shfl.sync.idx.b32 $0, $1, {quad_lane}, 0x1c1f, 0xffffffff;"
+    return Uint32(_asm(T.i32(), ptx, "=r,r", (Uint32(value),), True, loc, ip))
 
 
 @dsl_user_op

@@ -89,6 +89,12 @@ LOADS_AHEAD_TILE_ROWS = 32
 tile's code words and scales from shared memory before issuing this one's `wgmma`s, so that the next
 decode finds them in registers. Larger tiles, whose `wgmma`s take longer than the decode, gain nothing
 and would hold the extra registers across their wide accumulators."""
+SHARED_SCALES_TILE_ROWS = 16
+"""Tiles of at most this many rows (decode, bound by the consumers' instruction issue, whose busiest
+pipe is the ALU the decode's masks and shifts take) expand each k16 step's block scales once per quad
+of lanes and share them by `shfl` (`step_scales`): two ALU operations per code word fewer, four
+shuffles per 64 K more, which made whole decode calls faster. Larger tiles, whose `wgmma`s hide the
+decode, keep one expansion per lane: there the shuffles made whole calls no faster (runs log)."""
 MIN_LOADS_AHEAD_STAGES = 3
 """A consumer that loads ahead holds three stages at once: the previous k tile's (its `wgmma`s may
 still read the B tile), this one's and the next one's."""
@@ -263,8 +269,9 @@ class MoEGemmSm90:
       their places in a stage are fixed for the whole item, so a copy costs a few integer operations
       and the instruction (no dependent shared-memory lookup per copy).
     - warpgroups 1.. — consumers, one 64-row block of features each, or two (`blocks_per_consumer`). Per k
-      tile: wait on `full`, load the thread's code words (16 bytes per 64 K) and scales (8 bytes) from
-      shared memory, decode them into the A fragment (`gemm_device`), `wgmma` RS against the B tile, commit;
+      tile: wait on `full`, load the thread's code words (16 bytes per 64 K) and scales (8 bytes; in decode
+      tiles 2, expanded once per quad and shared, `SHARED_SCALES_TILE_ROWS`) from shared memory, decode
+      them into the A fragment (`gemm_device`), `wgmma` RS against the B tile, commit;
       wait for the previous k tile's `wgmma` and release its stage (`empty`, one arrival per thread). Tiles
       of up to `LOADS_AHEAD_TILE_ROWS` rows load the next k tile's words before this one's `wgmma`s instead
       of after its wait on `full`, so the decode never waits for shared memory. A fragments alternate
@@ -367,6 +374,7 @@ class MoEGemmSm90:
         self.tile_k = tile_k
         self.stages = stages
         self.loads_ahead = tile_rows <= LOADS_AHEAD_TILE_ROWS
+        self.shares_scales = tile_rows <= SHARED_SCALES_TILE_ROWS
         self.inline_wgmma = tile_rows <= INLINE_WGMMA_TILE_ROWS or blocks_per_consumer(tile_features, tile_rows) == 2
         assert not warp_mma or (tile_rows <= WARP_MMA_TILE_ROWS and not quantizes_rows)
         self.warp_mma = warp_mma
@@ -1014,7 +1022,10 @@ class MoEGemmSm90:
         coordinates = thr_mma.partition_C(cute.make_identity_tensor((weight_layout.ROW_BLOCK, self.tile_rows)))
         first_block = group * self.blocks_per_consumer  # the group's first weight block in the CTA
         codes_smem = storage.codes.data_ptr().toint() + first_block * self.code_bytes + thread * 16
+        # The thread's row pair's eight scale bytes (with `shares_scales`, the two of k16 step `thread % 4`).
         scales_smem = storage.scales.data_ptr().toint() + first_block * self.scale_bytes + (thread // 4) * 8
+        if const_expr(self.shares_scales):
+            scales_smem += (thread % 4) * 2
 
         iteration = Int32(0)  # k tiles this CTA has consumed so far (the producer's count)
         first, end, step = self.item_bounds(mTileExpert, mLiveTiles)
@@ -1206,12 +1217,13 @@ class MoEGemmSm90:
         word, its four A pairs (`word_pairs`) times the k16 step's B pair of registers (`mma.sync`)."""
         words, matrices = operands
         for kk in cutlass.range_constexpr(self.k64_per_tile):
-            codes, scales = words[0][kk]
+            codes, scale_words = words[0][kk]
+            step_scale = self.step_scales(scale_words)
             for b in cutlass.range_constexpr(4):
                 k16 = 4 * kk + b
                 parity = k16 % 2
                 b_pair = matrices[k16 // 2][2 * parity: 2 * parity + 2]
-                values[parity] = dev.mma_bf16_m16n8k16(values[parity], self.word_pairs(codes[b], scales, b), b_pair)
+                values[parity] = dev.mma_bf16_m16n8k16(values[parity], self.word_pairs(codes[b], step_scale(b)), b_pair)
         return values
 
     def matrix_addresses(self, storage, b_layout, thread):
@@ -1344,21 +1356,34 @@ class MoEGemmSm90:
         return tuple(range(self.blocks_per_consumer)) if blocks is None else blocks
 
     def load_words(self, codes_smem, scales_smem, stage):
-        """The thread's code words and scale words of one k tile, from pipeline `stage` in shared
-        memory: per 64 K, four code words (16 bytes) and two scale words. Plain Python, run while the
-        kernel is traced."""
+        """The thread's code words and scales of one k tile, from pipeline `stage` in shared memory: per
+        64 K, four code words (16 bytes) and the scale bytes of rows g and g + 8 (`step_scales`' input):
+        all four k16 steps' (two words), or with `shares_scales` those of step `lane % 4` (one half-word).
+        Plain Python, run while the kernel is traced."""
         codes_address = codes_smem + stage * (self.cta_row_blocks * self.code_bytes)
         scales_address = scales_smem + stage * (self.cta_row_blocks * self.scale_bytes)
+        load_scales = dev.load_shared_u16 if self.shares_scales else dev.load_shared_v2
         return [
             [
                 (
                     dev.load_shared_v4(codes_address + j * self.code_bytes + kk * weight_layout.CODE_BYTES),
-                    dev.load_shared_v2(scales_address + j * self.scale_bytes + kk * weight_layout.SCALE_BYTES),
+                    load_scales(scales_address + j * self.scale_bytes + kk * weight_layout.SCALE_BYTES),
                 )
                 for kk in range(self.k64_per_tile)
             ]
             for j in range(self.blocks_per_consumer)
         ]
+
+    def step_scales(self, scale_words):
+        """k16 step `b` -> its bf16 scale pair (rows g, g + 8) in a 64 K slice, from the thread's scale bytes
+        (`load_words`): with `shares_scales` each lane of the quad expands its own step's pair and the quad
+        shares them (here, once); else the lane expands each step's pair when it is asked for. Plain Python,
+        run while the kernel is traced."""
+        if self.shares_scales:
+            expanded = dev.expand_scale_pair(scale_words, False)
+            shared = [dev.quad_broadcast(expanded, b) for b in range(4)]
+            return lambda b: shared[b]
+        return lambda b: dev.expand_scale_pair(scale_words[b // 2], b % 2 == 1)
 
     @cute.jit
     def decode_words(self, fragments, words):
@@ -1373,16 +1398,16 @@ class MoEGemmSm90:
         """One weight block's A fragment of a k tile from its words (`load_words`' entry of the block)."""
         fragment_words = cute.recast_tensor(fragment, Uint32)
         for kk in cutlass.range_constexpr(self.k64_per_tile):
-            codes, scales = words[kk]
+            codes, scale_words = words[kk]
+            step_scale = self.step_scales(scale_words)
             for b in cutlass.range_constexpr(4):
-                for p, pair in enumerate(self.word_pairs(codes[b], scales, b)):
+                for p, pair in enumerate(self.word_pairs(codes[b], step_scale(b))):
                     fragment_words[(0, p % 2, p // 2), 0, kk * 4 + b] = pair
 
-    def word_pairs(self, code, scales, b):
-        """The four bf16 pairs of code word `b` of a 64 K slice, exactly decoded and scaled: pairs 0 and 2
-        take row g's scale, 1 and 3 row g + 8's (the low and high lanes of `expand_scale_pair`). Plain
-        Python, run while the kernel is traced."""
-        scale = dev.expand_scale_pair(scales[b // 2], b % 2 == 1)
+    def word_pairs(self, code, scale):
+        """The four bf16 pairs of a code word, exactly decoded and scaled by its k16 step's scale pair
+        (`step_scales`): pairs 0 and 2 take row g's scale, 1 and 3 row g + 8's. Plain Python, run while
+        the kernel is traced."""
         return [dev.scale_pair(dev.decode_pair(code, p), scale, p % 2 == 1) for p in range(4)]
 
     # -----------------------------------------------------------------------------------------------
