@@ -92,8 +92,8 @@ and would hold the extra registers across their wide accumulators."""
 SHARED_SCALES_TILE_ROWS = 16
 """Tiles of at most this many rows (decode, bound by the consumers' instruction issue, whose busiest
 pipe is the ALU the decode's masks and shifts take) expand each k16 step's block scales once per quad
-of lanes and share them by `shfl` (`step_scales`): two ALU operations per code word fewer, four
-shuffles per 64 K more, which made whole decode calls faster. Larger tiles, whose `wgmma`s hide the
+of lanes and share them by `shfl` (`step_scales`): per 64 K, two ALU operations instead of eight and
+four shuffles more, which made whole decode calls faster. Larger tiles, whose `wgmma`s hide the
 decode, keep one expansion per lane: there the shuffles made whole calls no faster (runs log)."""
 MIN_LOADS_AHEAD_STAGES = 3
 """A consumer that loads ahead holds three stages at once: the previous k tile's (its `wgmma`s may
