@@ -17,7 +17,8 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
   group in flight). The producer, its bulk copies and gathers are unchanged, so its time is the
   pipeline's own (memory and producer).
 - `no_weight_copies` (chosen with `--variants`) issues no weight copies: the consumers' k steps run on
-  whatever the stages hold, with no wait for weight bytes: the consumers' own time.
+  whatever the stages hold, with no wait for weight bytes: the consumers' own time. (GEMM2 still
+  prefetches its first items' weights into L2 before its wait, `prefetch_first_items`.)
 - `no_epilogue`, `no_gemm1_epilogue`, `no_gemm2_epilogue` (chosen with `--variants`) keep the GEMMs'
   code but skip the epilogue of both GEMMs, of GEMM1 or of GEMM2 at run time (`NoEpilogue`): what the
   consumers' epilogues, which no `wgmma` overlaps, cost. `no_gemm1_stores` skips GEMM1's stores only

@@ -11,9 +11,9 @@ fragment, exactly:
   `scale * 2^118` through `cvt.rn.f16x2.e4m3x2` (exact: every E4M3 value is a normal f16) and an
   integer re-bias of the f16 exponent (E4M3 has 3 mantissa bits, so f16 -> bf16 drops only zeros).
   Zero scales expand to a nonzero value; the prepare step zeroes the codes of such blocks. The four
-  lanes of a quad hold the same two rows and need the same four k16 steps' scales: each expands one
-  step's pair and `quad_broadcast` hands it to the other three, so the expansion's two ALU operations
-  are paid once per quad, not once per lane.
+  lanes of a quad hold the same two rows and need the same four k16 steps' scales: in decode tiles
+  (`moe_gemm.SHARED_SCALES_TILE_ROWS`) each expands one step's pair and `quad_broadcast` hands it to the
+  other three, so the expansion's two ALU operations are paid once per quad, not once per lane.
 - `scale_pair`: one `mul.rn.bf16x2` per pair multiplies the two, giving `e2m1 * scale * 2^-8`: every
   E2M1 x E4M3 product is exact in bf16, and the factor 2^-8 keeps it inside the normal range. The
   epilogue multiplies the FP32 accumulator by `alpha * 2^8` (`WEIGHT_DECODE_EXPONENT`), an exact
