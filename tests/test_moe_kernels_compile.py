@@ -343,6 +343,18 @@ def test_inline_wgmmas_advance_one_64_bit_descriptor(compiled):
             assert not any("HGMMA" in b and "R2UR" in a for a, b in zip(instructions, instructions[1:])), GEMM_VARIANTS[i]
 
 
+def _decode_k_loops(compiled):
+    """(variant, shape key, SASS of its k loop: from 150 lines before its first MMA to its last) of every
+    GEMM whose tiles are bound by the consumers' decode (`moe_gemm.LOADS_AHEAD_TILE_ROWS`)."""
+    for i, (_epilogue, key, *rest) in enumerate(GEMM_VARIANTS):
+        if key[4] > moe_gemm.LOADS_AHEAD_TILE_ROWS:
+            continue
+        lines = _sass(compiled, f"gemm_{i}").splitlines()
+        mma = "HMMA" if _warp_mma(key, rest) else "HGMMA"
+        mmas = [n for n, line in enumerate(lines) if mma in line]
+        yield GEMM_VARIANTS[i], key, "\n".join(lines[mmas[0] - 150: mmas[-1]])
+
+
 def test_decode_left_shifts_on_the_fma_pipe(compiled):
     """Of a code word's five rotations (`weight_layout.PAIR_ROTATIONS`, `PAIR3_MANTISSA_ROTATION`) only
     pair 1's wraps bits around: pair 2's and pair 3's other bits are left shifts, which ptxas issues as
@@ -351,18 +363,12 @@ def test_decode_left_shifts_on_the_fma_pipe(compiled):
     In the k loops of the tiles bound by the consumers' decode (`moe_gemm.LOADS_AHEAD_TILE_ROWS`), per
     code word (four `HMUL2`): fewer than three 32-bit `SHF` (four with rotations only), at least one and
     a half `IMAD.SHL`, and `IMAD.HI` only outside the decode (fewer than one per two words)."""
-    for i, (_epilogue, key, *_rest) in enumerate(GEMM_VARIANTS):
-        if key[4] > moe_gemm.LOADS_AHEAD_TILE_ROWS:
-            continue
-        lines = _sass(compiled, f"gemm_{i}").splitlines()
-        mma = "HMMA" if _warp_mma(key, _rest) else "HGMMA"
-        mmas = [n for n, line in enumerate(lines) if mma in line]
-        loop = "\n".join(lines[mmas[0] - 150: mmas[-1]])
+    for variant, key, loop in _decode_k_loops(compiled):
         words = loop.count("HMUL2") // 4
         shifts = len(re.findall(r"\bSHF\.[LR]\.(?:U32|W)\b", loop))
         counts = (shifts, loop.count("IMAD.SHL"), loop.count("IMAD.HI"), words)
-        assert words > 0 and shifts < 3 * words, (counts, GEMM_VARIANTS[i])
-        assert loop.count("IMAD.SHL") >= 3 * words // 2 and loop.count("IMAD.HI") < words // 2, (counts, GEMM_VARIANTS[i])
+        assert words > 0 and shifts < 3 * words, (counts, variant)
+        assert loop.count("IMAD.SHL") >= 3 * words // 2 and loop.count("IMAD.HI") < words // 2, (counts, variant)
 
 
 def test_decode_tiles_expand_each_scale_pair_once_per_quad(compiled):
@@ -371,19 +377,13 @@ def test_decode_tiles_expand_each_scale_pair_once_per_quad(compiled):
     code word (four `HMUL2`) a quarter of an `F2FP` and one shuffle. The other tiles that load ahead
     expand every word's pair in every lane and shuffle nothing in their k loops."""
     checked = set()
-    for i, (_epilogue, key, *_rest) in enumerate(GEMM_VARIANTS):
-        if key[4] > moe_gemm.LOADS_AHEAD_TILE_ROWS:
-            continue
-        lines = _sass(compiled, f"gemm_{i}").splitlines()
-        mma = "HMMA" if _warp_mma(key, _rest) else "HGMMA"
-        mmas = [n for n, line in enumerate(lines) if mma in line]
-        loop = "\n".join(lines[mmas[0] - 150: mmas[-1]])
+    for variant, key, loop in _decode_k_loops(compiled):
         words, expansions, shuffles = loop.count("HMUL2") // 4, loop.count("F2FP.F16.E4M3"), loop.count("SHFL.IDX")
         shares = key[4] <= moe_gemm.SHARED_SCALES_TILE_ROWS
         if shares:
-            assert words > 0 and 4 * expansions <= words + 4 and shuffles >= words, ((words, expansions, shuffles), GEMM_VARIANTS[i])
+            assert words > 0 and 4 * expansions <= words + 4 and shuffles >= words, ((words, expansions, shuffles), variant)
         else:
-            assert words > 0 and expansions >= words and shuffles == 0, ((words, expansions, shuffles), GEMM_VARIANTS[i])
+            assert words > 0 and expansions >= words and shuffles == 0, ((words, expansions, shuffles), variant)
         checked.add(shares)
     assert checked == {True, False}
 
