@@ -4,13 +4,13 @@
 
 Runs, each in its own process and in this order, `benchmarks.moe --replays N --shapes glm qwen3_30b_a3b
 deepseek_v3_ep32`, `benchmarks.moe --replays N --shapes deepseek_v3` and `benchmarks.moe_host`. They write
-into a folder `record` outside `--out-dir`, each step's output in `<step>.log` beside its results, and
-after every step that folder is packed into `<out-dir>/record.tgz`: the call returns one file (the device
-returns at most eight from `$OUT`; the three steps write eight results and three logs), and a call cut off
-by its time limit still returns the steps it finished. Unpack with `tar -xzf record.tgz`. `--kernel-cache`
-sets `FP4MOE_KERNEL_CACHE` for every step (a cache filled on the CPU by `benchmarks.precompile` for the
-same sources). Every step runs even when an earlier one fails; the exit status is 1 if any failed, and the
-log tail of each failed step is printed.
+into a folder `record` outside `--out-dir`, each step's output in `<step>.log` beside its results, and after
+every step (and when a step is interrupted) that folder is packed into `<out-dir>/record.tgz`: the call
+returns one file (the device returns at most eight from `$OUT`; the three steps write eight results and
+three logs), and a call cut off by its time limit still returns the steps it finished. Unpack with `tar
+-xzf record.tgz`. `--kernel-cache` sets `FP4MOE_KERNEL_CACHE` for every step (a cache filled on the CPU
+by `benchmarks.precompile` for the same sources). Every step runs even when an earlier one fails; the exit
+status is 1 if any failed, and the log tail of each failed step is printed.
 """
 
 from __future__ import annotations
@@ -69,8 +69,10 @@ def run(out_dir: Path, replays: int, kernel_cache: Path | None) -> int:
                 tail = log.read_text(errors="replace").splitlines()[-20:]
                 print(f"[record] {name} exited with status {status}; its log ends:", *tail, sep="\n", flush=True)
             pack(results, archive)
-    finally:
+    except BaseException:  # stopped mid-step: keep what that step had written
         pack(results, archive)
+        raise
+    finally:
         shutil.rmtree(work)
     print(f"[record] {archive}: {'all steps passed' if not failed else f'{failed} step(s) failed'}", flush=True)
     return failed
