@@ -95,7 +95,7 @@ def fused_moe(
         activation, swiglu_alpha, swiglu_beta, swiglu_limit,
         topk_weights if apply_router_weight_on_input else None,
         fc2_input_scale if nvfp4_intermediate else None, aux_tile_n, expected_pairs=choice.expected_local_pairs,
-        tiling_invariant=deterministic,
+        tiling_invariant=deterministic, routing=(topk_ids, local_expert_offset),
     )
     intermediate_per_token_scale = None
     if not nvfp4_intermediate:

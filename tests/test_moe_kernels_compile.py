@@ -76,7 +76,12 @@ def _fused_moe_variants():
         expected = moe_launch.expected_tiles(tokens * 8, 256, tile)
         gemm1 = moe_launch.GemmShape((256, 64, 112, 2048), tile, expected, 132).key()
         gemm2, splits = moe_launch.fused_gemm2_tiling(moe_launch.GemmShape((256, 112, 32, 2048), tile, expected, 132))
-        variants.append(("gemm1", gemm1, 7168, 2048, 8, "swiglu", (None, None, None), False))
+        # A decode GEMM1 prefetches the routed experts' weights (`moe_launch.ROUTED_PREFETCH_PAIRS`).
+        prefetches = tokens * 8 <= moe_launch.ROUTED_PREFETCH_PAIRS
+        variants.append(
+            ("gemm1", gemm1, 7168, 2048, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 0, False,
+             None, False, False, prefetches)
+        )
         variants.append(
             ("gemm2_fused", gemm2.key(), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, splits)
         )
@@ -109,6 +114,12 @@ def _expert_parallel_variants():
 def _quantizes(rest) -> bool:
     """Whether a `GEMM_VARIANTS` entry (after its key) quantizes its rows: a per-token numerator given."""
     return len(rest) > 13 and rest[13] is not None
+
+
+def _prefetches_routed(rest) -> bool:
+    """Whether a `GEMM_VARIANTS` entry (after its key) is a GEMM1 that prefetches from the routing
+    (`compile_gemm`'s `prefetches_routed`, after `tiling_invariant`)."""
+    return len(rest) > 16 and rest[16]
 
 
 def _warp_mma(key, rest) -> bool:
@@ -319,6 +330,20 @@ def test_quantizing_gemms_fill_their_activation_panels_themselves(compiled):
             assert "LDGSTS" not in sass, GEMM_VARIANTS[i]
             for instruction in ("LDG.E.128", "REDUX", "SHFL.BFLY", "STS.128", "FENCE.VIEW.ASYNC.S"):
                 assert instruction in sass, (instruction, GEMM_VARIANTS[i])
+
+
+def test_decode_gemm1_prefetches_the_routed_experts_weights_before_it_waits(compiled):
+    """`moe_gemm.MoEGemmSm90(prefetches_routed=True)`: bulk L2 prefetches (`UBLKPF`) of the routed experts'
+    first k tiles, issued before the kernel's `griddepcontrol.wait` (`ACQBULK`), so that they overlap
+    the plan kernel. GEMM1s without it prefetch nothing (GEMM2 prefetches its own first items)."""
+    variants = [(i, v) for i, v in enumerate(GEMM_VARIANTS) if v[0] == "gemm1"]
+    assert any(_prefetches_routed(v[2:]) for _, v in variants)
+    for i, variant in variants:
+        sass = _sass(compiled, f"gemm_{i}")
+        if _prefetches_routed(variant[2:]):
+            assert 0 <= sass.find("UBLKPF.L2") < sass.find("ACQBULK"), variant
+        else:
+            assert "UBLKPF" not in sass, variant
 
 
 def test_inline_wgmmas_advance_one_64_bit_descriptor(compiled):

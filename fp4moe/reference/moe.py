@@ -201,13 +201,14 @@ def moe_gemm1(
 def gemm1(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, layout, top_k,
     activation, swiglu_alpha, swiglu_beta, swiglu_limit, router_weights, output_global_scale, aux_amax_tile_n,
-    *, expected_pairs=None, tiling_invariant=False,
+    *, expected_pairs=None, tiling_invariant=False, routing=None,
 ):
     """The pipeline's GEMM1 stage: `moe_gemm1` on weights in either layout (prepared weights are read
     with their padded intermediate size, whose extra features are exact zeros). `expected_pairs`, the
-    local pairs kernel backends size their tiles for (`MoEDispatch.expected_local_pairs`), and
-    `tiling_invariant`, which asks a kernel backend for bits that do not depend on its tiles, are unused:
-    the reference has no tiles."""
+    local pairs kernel backends size their tiles for (`MoEDispatch.expected_local_pairs`),
+    `tiling_invariant`, which asks a kernel backend for bits that do not depend on its tiles, and
+    `routing` (the routing the plan was built from, from which a kernel backend may prefetch weights)
+    are unused: the reference has no tiles and reads its weights as it goes."""
     gated = activation == "swiglu"
     w1, w1_scales = weight_layout.as_linear(w1, w1_scales, layout, gated=gated, rows=None, k=_input_k(a, a_scales))
     return moe_gemm1(

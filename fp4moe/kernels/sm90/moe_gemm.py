@@ -72,6 +72,11 @@ register per row and load while it stores. `MoEGemmSm90(epilogue_rows=...)` take
 EXCHANGE_BARRIER = 5
 """First named barrier of the SwiGLU NVFP4 epilogue's warp pairs (`5 + 2 * group + pair`): 0 is the
 CTA's, 1 to 4 the consumer groups' `warpgroup_any`."""
+ROUTED_PREFETCH_BYTES = 4 << 20
+"""The most weight bytes GEMM1 prefetches into L2 from the routing before it waits for the plan
+(`MoEGemmSm90(prefetches_routed=True)`, `prefetch_routed_weights`), while the plan kernel (and, for
+W4A4, the activation quantizer) still runs and no GEMM has asked DRAM for a byte. 4 MB measured faster
+than 12 MB, which made DeepSeek-V3 and Qwen3-30B-A3B at T = 1 slower than no prefetch (runs log)."""
 EARLY_ROWS_TILE_ROWS = 16
 """Tiles of at most this many rows (decode) load their epilogue's plan entries and router weights
 before the MMAs, which hide the loads' latency; larger tiles would hold too many registers. Their rows
@@ -297,7 +302,10 @@ class MoEGemmSm90:
     `alpha[e] * 2^8` (the decode's `2^-8`, `gemm_device`), then per `epilogue`.
 
     GEMM2's thread 0 prefetches its first item's weights into L2 before waiting for GEMM1
-    (`prefetch_first_items`), so that the weight stream continues across the two launches.
+    (`prefetch_first_items`), so that the weight stream continues across the two launches. A decode
+    GEMM1 (`prefetches_routed`) prefetches the routed experts' first weights before waiting for the plan,
+    reading the routing the plan is built from (`prefetch_routed_weights`), so that the weight stream
+    starts while the plan kernel runs.
 
     With `quantizes_rows` (per-token W4A4 on the rescan path, decode tiles) the activation rows arrive
     in bf16 and the producer quantizes them to NVFP4 (docs/semantics.md §2.2, §1.5) before the item's
@@ -346,6 +354,7 @@ class MoEGemmSm90:
         per_token_numerator: float | None = None,
         warp_mma: bool = False,
         fast_sigmoid: bool = False,
+        prefetches_routed: bool = False,
     ):
         assert epilogue in EPILOGUES
         assert tile_features in (64, 128, 256, 448) and prepared_rows % tile_features == 0
@@ -394,6 +403,8 @@ class MoEGemmSm90:
         assert not output_scaled or epilogue != "gemm1"
         self.aux_amax = aux_amax
         self.prefetches_weights = epilogue != "gemm1"
+        assert not prefetches_routed or (epilogue == "gemm1" and k_splits == 1)
+        self.prefetches_routed = prefetches_routed
         self.nvfp4_out = nvfp4_out
         self.up_alpha = up_alpha
         self.output_scaled = output_scaled
@@ -447,6 +458,8 @@ class MoEGemmSm90:
         mOutputScale: cute.Tensor | None,  # fp32 [1] or [E]: the intermediate's NVFP4 global scale (nvfp4_out), or
         # fp32 [1]: GEMM2's factor after the router weight (output_scaled)
         mLiveTiles: cute.Tensor | None,  # int32 [1]: plan tiles past this many are unused (`item_end`)
+        mRouting: cute.Tensor | None,  # int32 [T * k]: the routed (global) experts, with prefetches_routed
+        routing_offset: Int32 | None,  # the first local expert's global index, with prefetches_routed
         stream,
     ):
         tiled_mma = self.tiled_mma(self.tile_rows)
@@ -474,7 +487,7 @@ class MoEGemmSm90:
         self.shared_storage = SharedStorage
         self.kernel(
             mCodes, mScales, mAct, mPermutedToPair, mTileExpert, mAlpha, mRouterWeights, mRowScales, mOut, mAuxAmax,
-            mOutputScale, mLiveTiles, tiled_mma, b_layout,
+            mOutputScale, mLiveTiles, mRouting, routing_offset, tiled_mma, b_layout,
         ).launch(
             grid=[cutlass.min(self.item_count(mTileExpert), self.max_ctas), 1, 1],
             block=[self.threads, 1, 1],
@@ -495,7 +508,7 @@ class MoEGemmSm90:
     @cute.kernel
     def kernel(
         self, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, mAlpha, mRouterWeights, mRowScales, mOut, mAuxAmax,
-        mOutputScale, mLiveTiles, tiled_mma, b_layout,
+        mOutputScale, mLiveTiles, mRouting, routing_offset, tiled_mma, b_layout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(tidx // WARP_SIZE)
@@ -518,6 +531,9 @@ class MoEGemmSm90:
             if tidx == 0:
                 # A live-tile count read before the wait may be the previous call's: it only bounds a hint.
                 self.prefetch_first_items(mTileExpert, mCodes, mScales, mLiveTiles)
+        if const_expr(self.prefetches_routed):
+            if tidx < WARP_SIZE:
+                self.prefetch_routed_weights(mRouting, routing_offset, mCodes, mScales)
         wait_for_predecessor_and_release_successor()
         num_pairs = self.pair_count(mAct, mOut)
         if group == 0:
@@ -561,6 +577,41 @@ class MoEGemmSm90:
                             mScales.iterator.toint() + tile_index * weight_layout.SCALE_BYTES,
                             k_tiles * self.scale_bytes,
                         )
+
+    @cute.jit
+    def prefetch_routed_weights(self, mRouting, routing_offset, mCodes, mScales):
+        """GEMM1, before it waits for the plan (its predecessor, or the activation quantizer's): the
+        first k tiles of every (routed pair, feature block) into L2, read off the routing the plan is
+        built from, so that DRAM starts streaming the weights while the plan kernel runs instead of
+        once GEMM1 has read the plan. The routing is the call's input, complete once the plan kernel has
+        passed its own wait, which it does before it releases its successor; the prefetch is a hint
+        that nothing computes with, and pairs of no local expert prefetch nothing. The (pair, feature
+        block) combinations spread over the lanes of warp 0 of every CTA; each prefetches the first
+        `k_tiles` k tiles of its 64-row blocks, as many as keep the whole prefetch within
+        `ROUTED_PREFETCH_BYTES` (at least one, at most the stages). Pairs of one expert prefetch the same
+        bytes, which DRAM serves once. The launch layer asks for it where the plan is a decode one
+        (`moe_launch.ROUTED_PREFETCH_PAIRS`)."""
+        combos = cute.size(mRouting) * self.feature_blocks
+        k_tile_bytes = self.cta_row_blocks * (self.code_bytes + self.scale_bytes)
+        k_tiles = cutlass.max(
+            cutlass.min(
+                Int32(ROUTED_PREFETCH_BYTES) // (cutlass.max(combos, Int32(1)) * k_tile_bytes),
+                min(self.stages, self.k_iterations),
+            ),
+            Int32(1),
+        )
+        grid = cute.arch.grid_dim()[0]
+        first = cute.arch.block_idx()[0] + cute.arch.lane_idx() * grid
+        for combo in cutlass.range(first, combos, WARP_SIZE * grid, unroll=1):
+            expert = mRouting[combo // self.feature_blocks] - routing_offset
+            if (expert >= 0) & (expert < self.num_experts):
+                block = self.weight_block(expert, combo % self.feature_blocks)
+                for g in cutlass.range_constexpr(self.cta_row_blocks):
+                    tile_index = self.weight_tile(block + g, 0)
+                    dev.prefetch_to_l2(mCodes.iterator.toint() + tile_index * weight_layout.CODE_BYTES, k_tiles * self.code_bytes)
+                    dev.prefetch_to_l2(
+                        mScales.iterator.toint() + tile_index * weight_layout.SCALE_BYTES, k_tiles * self.scale_bytes
+                    )
 
     def weight_block(self, expert, feature_block):
         """The prepared weights' 64-row block (counted over all experts) that starts `feature_block` of

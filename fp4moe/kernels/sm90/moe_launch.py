@@ -243,7 +243,7 @@ def compile_gemm(
     swiglu: tuple, router_weighted: bool, row_scaled: bool = False, float32_out: bool = False,
     aux_amax: bool = False, k_splits: int = 1, epilogue_rows: int = EPILOGUE_ROWS, output_scales: int = 0,
     up_alpha: bool = False, per_token_numerator: float | None = None, live_tiles: bool = False,
-    tiling_invariant: bool = False,
+    tiling_invariant: bool = False, prefetches_routed: bool = False,
 ):
     """The grouped GEMM of `MoEGemmSm90`'s static configuration, compiled once per process (and cached
     on disk). `output_scales`: GEMM1 writes its intermediate quantized to NVFP4 and dequantized
@@ -255,7 +255,9 @@ def compile_gemm(
     the stages of `quantizing_shape_key`). `live_tiles`: the kernel takes a device-side count of the plan
     tiles in use (`moe_gemm.MoEGemmSm90.item_end`). The MMAs are per-warp `mma.sync` where `uses_warp_mma`
     says so, unless `tiling_invariant`: the bits must not depend on the tile shapes (the deterministic
-    pipeline, whose tiles the expected pairs may change), and `wgmma` gives the same bits whatever they are."""
+    pipeline, whose tiles the expected pairs may change), and `wgmma` gives the same bits whatever they are.
+    `prefetches_routed`: GEMM1 takes the routing and prefetches the routed experts' first weights before
+    it waits for the plan (`moe_gemm.MoEGemmSm90.prefetch_routed_weights`)."""
     experts, rows, k, tile_features, tile_rows, granule, tile_k, stages, ctas_per_sm, max_ctas = shape_key
     warp_mma = uses_warp_mma(shape_key) and per_token_numerator is None and not tiling_invariant
     fast_sigmoid = divides_sigmoid_fast(epilogue, activation, tile_rows, tiling_invariant)
@@ -268,6 +270,7 @@ def compile_gemm(
         epilogue_rows=epilogue_rows, nvfp4_out=output_scales > 0 and epilogue == "gemm1", up_alpha=up_alpha,
         output_scaled=output_scales > 0 and epilogue != "gemm1", quantizes_rows=per_token_numerator is not None,
         per_token_numerator=per_token_numerator, warp_mma=warp_mma, fast_sigmoid=fast_sigmoid,
+        prefetches_routed=prefetches_routed,
     )
     tiles = (experts, rows // weight_layout.ROW_BLOCK, k // weight_layout.K_TILE)
     codes = make_fake_compact_tensor(
@@ -294,11 +297,12 @@ def compile_gemm(
     key = (
         "moe_gemm", epilogue, shape_key, act_k, out_features, top_k, activation, swiglu, router_weighted, row_scaled,
         float32_out, aux_amax, k_splits, epilogue_rows, output_scales, up_alpha, per_token_numerator, live_tiles,
-        warp_mma, fast_sigmoid,
+        warp_mma, fast_sigmoid, prefetches_routed,
     )
+    routing = (_i32(_dynamic()), cutlass.Int32(0)) if prefetches_routed else (None, None)
     return compile_kernel(
         kernel, codes, scales, act, _i32(rows_dim), _i32(_dynamic()), alpha, router, row_scales, out, aux,
-        output_scale, _i32(1) if live_tiles else None, cache_key=key,
+        output_scale, _i32(1) if live_tiles else None, *routing, cache_key=key,
     )
 
 
@@ -427,15 +431,17 @@ def _activation_rows(a: torch.Tensor) -> torch.Tensor:
 
 def launch_gemm(
     kernel, codes, scales, a, permuted_to_pair, tile_expert, alpha, router_weights, out, row_scales=None,
-    aux_amax=None, output_scale=None, live_tiles=None,
+    aux_amax=None, output_scale=None, live_tiles=None, routing=None,
 ) -> None:
-    """Call a compiled grouped GEMM (`compile_gemm`) with its arguments in the layouts it was compiled for."""
+    """Call a compiled grouped GEMM (`compile_gemm`) with its arguments in the layouts it was compiled for;
+    `routing`: (topk_ids, local expert offset) for a GEMM1 compiled with `prefetches_routed`."""
     router = None if router_weights is None else standard_strides(router_weights.reshape(-1))
     row_scales = None if row_scales is None else standard_strides(row_scales.reshape(-1).float())
     output_scale = None if output_scale is None else standard_strides(output_scale.reshape(-1).float())
     kernel(
         standard_strides(codes), standard_strides(scales), _activation_rows(a), permuted_to_pair, tile_expert,
         standard_strides(alpha), router, row_scales, out, aux_amax, output_scale, live_tiles,
+        *((None, None) if routing is None else (standard_strides(routing[0].reshape(-1)), routing[1])),
     )
 
 
@@ -525,10 +531,16 @@ def _check_aux_amax_tile(aux_amax_tile_n: int) -> None:
         )
 
 
+ROUTED_PREFETCH_PAIRS = 32
+"""GEMM1 prefetches the routed experts' first weights before it waits for the plan (`gemm1`'s `routing`)
+in calls of at most this many (token, slot) pairs: decode, where the plan kernel and the activation
+quantizer take a measurable share of the call, during which DRAM would otherwise idle."""
+
+
 def gemm1(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, layout, top_k,
     activation, swiglu_alpha, swiglu_beta, swiglu_limit, router_weights, output_global_scale, aux_amax_tile_n,
-    *, expected_pairs=None, tiling_invariant=False,
+    *, expected_pairs=None, tiling_invariant=False, routing=None,
 ):
     """GEMM1 (`fp4moe.reference.moe.gemm1`'s contract) on activations that are bf16 (W4A16) or NVFP4
     (W4A4, with per-token scales or not), over the prepared weights' padded intermediate size (extra
@@ -539,7 +551,9 @@ def gemm1(
     `e2m1 * sf` in the epilogue: what GEMM2 computes with from codes and scales (the global factor is
     in its alpha), without a quantization or decode pass in between. `tiling_invariant`: the bits must not
     depend on the tile shapes (the deterministic pipeline, whose tiles `expected_pairs` may change;
-    `compile_gemm`)."""
+    `compile_gemm`). `routing`: (topk_ids, local expert offset), the routing the plan was built from: with
+    a decode plan (at most `ROUTED_PREFETCH_PAIRS` pairs) the kernel prefetches the routed experts' first
+    weights into L2 before it waits for the plan (`compile_gemm`'s `prefetches_routed`)."""
     _check_aux_amax_tile(aux_amax_tile_n)
     if output_global_scale is not None and aux_amax_tile_n:
         raise NotImplementedError("the aux-amax handoff goes with a bf16 intermediate, not an NVFP4 one")
@@ -547,7 +561,7 @@ def gemm1(
         a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, layout, top_k,
         activation, (swiglu_alpha, swiglu_beta, swiglu_limit), router_weights, float32=False,
         aux_amax=aux_amax_tile_n > 0, output_global_scale=output_global_scale, expected_pairs=expected_pairs,
-        tiling_invariant=tiling_invariant,
+        tiling_invariant=tiling_invariant, routing=routing,
     )
     return out, None, a.new_empty((0,), dtype=torch.bfloat16) if aux_amax is None else aux_amax
 
@@ -555,7 +569,7 @@ def gemm1(
 def gemm1_values(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, layout, top_k,
     activation, swiglu, router_weights, float32: bool, aux_amax: bool = False, output_global_scale=None,
-    expected_pairs=None, tiling_invariant=False,
+    expected_pairs=None, tiling_invariant=False, routing=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The GEMM1 kernel's intermediate [R, I_pad] (after the activation and the router weight on input):
     bf16, or with `float32` the FP32 values it rounds, or with `output_global_scale` those values
@@ -563,7 +577,7 @@ def gemm1_values(
     `AUX_AMAX_COLUMNS`-column tiles (docs/semantics.md §2.4's layout), else None. Rows of unused tiles
     are left unwritten in both. `expected_pairs`: the local pairs the tiles are sized for
     (`MoEDispatch.expected_local_pairs`; None: every pair of the activations' rows is local);
-    `tiling_invariant` as in `gemm1`."""
+    `tiling_invariant` and `routing` as in `gemm1`."""
     w1, w1_scales = _prepared(w1, w1_scales, layout, activation == "swiglu")
     prepared_rows = w1.shape[1] * weight_layout.ROW_BLOCK
     out_features = prepared_rows // 2 if activation == "swiglu" else prepared_rows
@@ -581,16 +595,19 @@ def gemm1_values(
         expected_pairs = a.shape[0] * top_k
     shape = plan_gemm_shape(w1, permuted_to_pair, tile_expert, expected_pairs)
     a = decoded(a, a_scales)
+    if routing is not None and routing[0].numel() > ROUTED_PREFETCH_PAIRS:
+        routing = None
     kernel = compile_gemm(
         "gemm1", shape.key(), a.shape[1], out_features, top_k, activation, swiglu, router_weights is not None,
         a_per_token_scale is not None, float32, aux_amax,
         output_scales=0 if output_global_scale is None else output_global_scale.numel(),
         tiling_invariant=tiling_invariant,
         up_alpha=w1_alpha.dim() == 2,  # [2, E] flattened: the kernel's [2E], gate alphas then up alphas
+        prefetches_routed=routing is not None,
     )
     launch_gemm(
         kernel, w1, w1_scales, a, permuted_to_pair, tile_expert, w1_alpha.reshape(-1), router_weights, out,
-        a_per_token_scale, aux, output_global_scale,
+        a_per_token_scale, aux, output_global_scale, routing=routing,
     )
     return out, aux
 

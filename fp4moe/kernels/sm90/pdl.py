@@ -5,9 +5,10 @@ it on the stream is still finishing: its CTAs become resident and compute their 
 predecessor's tail instead of after it. Correctness does not depend on the predecessor: a kernel's
 first action is `griddepcontrol.wait`, which returns only once every grid it depends on has completed
 and its memory is visible, and no global memory is written, nor read for computing, before it (the
-one read before it is GEMM2's plan entries for an L2 prefetch of weights, a hint that cannot change a
-result: `moe_gemm.MoEGemmSm90.prefetch_first_items`; the activation quantizer below and the aligned
-MoE's `nvfp4_decode`, whose predecessors share no memory with them, wait last). Right after the wait a kernel
+reads before it are GEMM2's plan entries and a decode GEMM1's routing, for L2 prefetches of weights,
+hints that cannot change a result: `moe_gemm.MoEGemmSm90.prefetch_first_items` and
+`prefetch_routed_weights`; the activation quantizer below and the aligned MoE's `nvfp4_decode`, whose
+predecessors share no memory with them, wait last). Right after the wait a kernel
 signals `griddepcontrol.launch_dependents`, so a PDL-launched successor may start during this
 kernel's last wave (it waits in turn). Predecessors that are not PDL-aware trigger at completion, and
 the wait then costs nothing.
