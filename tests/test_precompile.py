@@ -57,3 +57,30 @@ def test_the_sm90_host_path_of_every_cell_runs_at_ragged_and_boundary_token_coun
                     except Exception as error:
                         failures.append(f"{shape.name} T={tokens} {implementation}: {type(error).__name__}: {error}")
     assert not failures, "\n".join(failures)
+
+
+def test_gemm1_prefetches_from_the_routing_in_decode_calls_only(monkeypatch):
+    """`moe_launch.gemm1` compiles its GEMM1 with `prefetches_routed` (and hands it the routing) in calls of at
+    most `ROUTED_PREFETCH_PAIRS` (token, slot) pairs, in every mode of `fused_moe`, and never in the aligned MoE,
+    whose GEMM1 is not given the routing."""
+    from fp4moe.kernels.sm90 import aligned_launch, moe_launch
+
+    asked = []
+    compile_gemm = moe_launch.compile_gemm
+
+    def recording(epilogue, *args, **kwargs):
+        if epilogue == "gemm1":
+            asked.append(kwargs.get("prefetches_routed", False))
+        return compile_gemm(epilogue, *args, **kwargs)
+
+    monkeypatch.setattr(moe_launch, "compile_gemm", recording)
+    monkeypatch.setattr(aligned_launch, "compile_gemm", recording)
+    shape = SHAPES["deepseek_v3"]
+    with precompile.compile_without_launching(132, compile_kernels=False):
+        for implementation in precompile.FP4MOE_IMPLEMENTATIONS:
+            for tokens, prefetches in ((1, True), (4, True), (5, False)):
+                asked.clear()
+                precompile.compile_cell(shape, tokens, implementation)
+                expected = prefetches and implementation != "aligned_moe"
+                assert asked and set(asked) == {expected}, (implementation, tokens, asked)
+    assert moe_launch.ROUTED_PREFETCH_PAIRS == 4 * shape.top_k
