@@ -103,7 +103,11 @@ def _expert_parallel_variants():
         expected = moe_launch.expected_tiles(choice.expected_local_pairs, 32, choice.tile_m)
         gemm1 = moe_launch.GemmShape((32, 64, 112, 2048), choice.tile_m, expected, 132).key()
         gemm2, splits = moe_launch.fused_gemm2_tiling(moe_launch.GemmShape((32, 112, 32, 2048), choice.tile_m, expected, 132))
-        variants.append(("gemm1", gemm1, 7168, 2048, 8, "swiglu", (None, None, None), False))
+        prefetches = tokens * 8 <= moe_launch.ROUTED_PREFETCH_PAIRS
+        variants.append(
+            ("gemm1", gemm1, 7168, 2048, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 0, False,
+             None, False, False, prefetches)
+        )
         variants.append(
             ("gemm2_fused", gemm2.key(), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, splits)
         )

@@ -73,10 +73,12 @@ EXCHANGE_BARRIER = 5
 """First named barrier of the SwiGLU NVFP4 epilogue's warp pairs (`5 + 2 * group + pair`): 0 is the
 CTA's, 1 to 4 the consumer groups' `warpgroup_any`."""
 ROUTED_PREFETCH_BYTES = 4 << 20
-"""The most weight bytes GEMM1 prefetches into L2 from the routing before it waits for the plan
+"""The budget of weight bytes GEMM1 prefetches into L2 from the routing before it waits for the plan
 (`MoEGemmSm90(prefetches_routed=True)`, `prefetch_routed_weights`), while the plan kernel (and, for
-W4A4, the activation quantizer) still runs and no GEMM has asked DRAM for a byte. 4 MB measured faster
-than 12 MB, which made DeepSeek-V3 and Qwen3-30B-A3B at T = 1 slower than no prefetch (runs log)."""
+W4A4, the activation quantizer) still runs and no GEMM has asked DRAM for a byte. Each (pair, feature
+block) takes at least one k tile, which exceeds the budget where the pairs are many (DeepSeek-V3 from
+T = 2). 4 MB measured faster than 12 MB, which made DeepSeek-V3 and Qwen3-30B-A3B at T = 1 slower than no
+prefetch (runs log)."""
 EARLY_ROWS_TILE_ROWS = 16
 """Tiles of at most this many rows (decode) load their epilogue's plan entries and router weights
 before the MMAs, which hide the loads' latency; larger tiles would hold too many registers. Their rows

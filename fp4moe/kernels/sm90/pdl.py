@@ -36,7 +36,8 @@ USE_PDL = True
 
 @cute.jit
 def wait_for_predecessor_and_release_successor():
-    """The first statement of every sm90 kernel: nothing before it may read or write global memory."""
+    """The first statement of every sm90 kernel: nothing before it may write global memory or read it
+    for computing (the L2 prefetch hints of the module docstring aside)."""
     cute.arch.griddepcontrol_wait()
     cute.arch.griddepcontrol_launch_dependents()
 
