@@ -570,15 +570,7 @@ class MoEGemmSm90:
                 tile, feature_block, k_first = self.item_place(item)
                 expert = self.tile_expert(mTileExpert, tile)
                 if expert >= 0:
-                    for g in cutlass.range_constexpr(self.cta_row_blocks):
-                        tile_index = self.weight_tile(self.weight_block(expert, feature_block) + g, k_first)
-                        dev.prefetch_to_l2(
-                            mCodes.iterator.toint() + tile_index * weight_layout.CODE_BYTES, k_tiles * self.code_bytes
-                        )
-                        dev.prefetch_to_l2(
-                            mScales.iterator.toint() + tile_index * weight_layout.SCALE_BYTES,
-                            k_tiles * self.scale_bytes,
-                        )
+                    self.prefetch_weights(mCodes, mScales, self.weight_block(expert, feature_block), k_first, k_tiles)
 
     @cute.jit
     def prefetch_routed_weights(self, mRouting, routing_offset, mCodes, mScales):
@@ -607,13 +599,16 @@ class MoEGemmSm90:
         for combo in cutlass.range(first, combos, WARP_SIZE * grid, unroll=1):
             expert = mRouting[combo // self.feature_blocks] - routing_offset
             if (expert >= 0) & (expert < self.num_experts):
-                block = self.weight_block(expert, combo % self.feature_blocks)
-                for g in cutlass.range_constexpr(self.cta_row_blocks):
-                    tile_index = self.weight_tile(block + g, 0)
-                    dev.prefetch_to_l2(mCodes.iterator.toint() + tile_index * weight_layout.CODE_BYTES, k_tiles * self.code_bytes)
-                    dev.prefetch_to_l2(
-                        mScales.iterator.toint() + tile_index * weight_layout.SCALE_BYTES, k_tiles * self.scale_bytes
-                    )
+                self.prefetch_weights(mCodes, mScales, self.weight_block(expert, combo % self.feature_blocks), 0, k_tiles)
+
+    def prefetch_weights(self, mCodes, mScales, first_block, k_first, k_tiles):
+        """Bulk L2 prefetches (hints) of k tiles `k_first .. k_first + k_tiles - 1` of the CTA's 64-row
+        blocks from `first_block` (`weight_block`): per block, its codes and its scales, each contiguous
+        along K. Plain Python, run while the kernel is traced."""
+        for g in range(self.cta_row_blocks):
+            tile_index = self.weight_tile(first_block + g, k_first)
+            dev.prefetch_to_l2(mCodes.iterator.toint() + tile_index * weight_layout.CODE_BYTES, k_tiles * self.code_bytes)
+            dev.prefetch_to_l2(mScales.iterator.toint() + tile_index * weight_layout.SCALE_BYTES, k_tiles * self.scale_bytes)
 
     def weight_block(self, expert, feature_block):
         """The prepared weights' 64-row block (counted over all experts) that starts `feature_block` of
