@@ -67,24 +67,27 @@ GEMM_VARIANTS = [
 ]
 
 
+def _deepseek_v3_gemms(experts: int, tile: int, expected: int, tokens: int) -> list:
+    """The GEMM1 and fused GEMM2 that `fused_moe` compiles for `experts` local DeepSeek-V3 experts (H=7168,
+    I=2048, top-8) on 132 SMs, plan tiles of `tile` rows, `expected` of them used, `tokens` tokens: a
+    decode GEMM1 prefetches the routed experts' weights (`moe_launch.ROUTED_PREFETCH_PAIRS`)."""
+    gemm1 = moe_launch.GemmShape((experts, 64, 112, 2048), tile, expected, 132).key()
+    gemm2, splits = moe_launch.fused_gemm2_tiling(moe_launch.GemmShape((experts, 112, 32, 2048), tile, expected, 132))
+    prefetches = tokens * 8 <= moe_launch.ROUTED_PREFETCH_PAIRS
+    return [
+        ("gemm1", gemm1, 7168, 2048, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 0, False, None,
+         False, False, prefetches),
+        ("gemm2_fused", gemm2.key(), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, splits),
+    ]
+
+
 def _fused_moe_variants():
     """The GEMM configurations `fused_moe` compiles for DeepSeek-V3 (E=256, top-8, H=7168, I=2048) on
     132 SMs at token counts that pick each plan tile (`moe_dispatch`, `moe_launch.GemmShape`)."""
     variants = []
     for tokens in (1, 128, 256, 1024, 2048, 4096):
         tile = dispatch.moe_tile_m(tokens, 8, 256)
-        expected = moe_launch.expected_tiles(tokens * 8, 256, tile)
-        gemm1 = moe_launch.GemmShape((256, 64, 112, 2048), tile, expected, 132).key()
-        gemm2, splits = moe_launch.fused_gemm2_tiling(moe_launch.GemmShape((256, 112, 32, 2048), tile, expected, 132))
-        # A decode GEMM1 prefetches the routed experts' weights (`moe_launch.ROUTED_PREFETCH_PAIRS`).
-        prefetches = tokens * 8 <= moe_launch.ROUTED_PREFETCH_PAIRS
-        variants.append(
-            ("gemm1", gemm1, 7168, 2048, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 0, False,
-             None, False, False, prefetches)
-        )
-        variants.append(
-            ("gemm2_fused", gemm2.key(), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, splits)
-        )
+        variants += _deepseek_v3_gemms(256, tile, moe_launch.expected_tiles(tokens * 8, 256, tile), tokens)
     # Its plans never take 192-row tiles: those that would hold `TALL_TILE_MAX_PAIRS` pairs or more.
     # Smaller plans of fewer experts take them (Qwen3-30B-A3B at T = 2048); the 192-row entries above
     # compile that tile on these weights.
@@ -101,16 +104,7 @@ def _expert_parallel_variants():
     for tokens in (1, 8):
         choice = dispatch.moe_dispatch(tokens, 8, 32, "w4a16", False, global_num_experts=256)
         expected = moe_launch.expected_tiles(choice.expected_local_pairs, 32, choice.tile_m)
-        gemm1 = moe_launch.GemmShape((32, 64, 112, 2048), choice.tile_m, expected, 132).key()
-        gemm2, splits = moe_launch.fused_gemm2_tiling(moe_launch.GemmShape((32, 112, 32, 2048), choice.tile_m, expected, 132))
-        prefetches = tokens * 8 <= moe_launch.ROUTED_PREFETCH_PAIRS
-        variants.append(
-            ("gemm1", gemm1, 7168, 2048, 8, "swiglu", (None, None, None), False, False, False, False, 1, 32, 0, False,
-             None, False, False, prefetches)
-        )
-        variants.append(
-            ("gemm2_fused", gemm2.key(), 2048, 7168, 8, "none", (None, None, None), True, False, False, False, splits)
-        )
+        variants += _deepseek_v3_gemms(32, choice.tile_m, expected, tokens)
     assert [_warp_mma(v[1], v[2:]) for v in variants] == [True, True, False, False]
     return [v for v in variants if v not in GEMM_VARIANTS]
 
