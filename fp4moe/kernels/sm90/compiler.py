@@ -38,6 +38,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import load_module, make_fake_stream
 
 from fp4moe import dispatch
+from fp4moe.kernels import launch_recording
 from fp4moe.provenance import source_digest
 
 ARCH = dispatch.ARCH_BY_BACKEND[dispatch.CUTE_SM90_BACKEND]
@@ -126,12 +127,40 @@ def _compile(kernel, fake_args, arch: str):
     )
 
 
-def compile_kernel(kernel, *fake_args, arch: str = ARCH, cache_key: tuple | None = None):
+class Kernel:
+    """A compiled kernel as the launch layers call it: `kernel(*args)` launches it on the current
+    stream, after reporting the launch to the op call being recorded on this thread, if any
+    (`fp4moe.kernels.launch_recording`). Other attributes are the compiled object's (a fresh compile's
+    `__ptx__` and `__cubin__`, which the compile tests read)."""
+
+    __slots__ = ("compiled", "function")
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+        # The TVM-FFI function: a fresh compile wraps it, a kernel loaded from disk is one.
+        self.function = compiled.__tvm_ffi_object__() if hasattr(compiled, "__tvm_ffi_object__") else compiled
+
+    def __tvm_ffi_object__(self):
+        return self.function
+
+    def __getattr__(self, name):
+        return getattr(self.compiled, name)
+
+    def __call__(self, *args):
+        launch_recording.note_launch(self.function, args)
+        return self.compiled(*args)
+
+
+def compile_kernel(kernel, *fake_args, arch: str = ARCH, cache_key: tuple | None = None) -> Kernel:
     """`cute.compile` of a kernel object's `__call__` for `arch`, with a TVM-FFI environment stream.
 
     With a `cache_key` (the caller's static configuration, which must determine the binary), the
     kernel comes from the disk cache when a file for it exists, and is written there otherwise.
     """
+    return Kernel(_compile_or_load(kernel, fake_args, arch, cache_key))
+
+
+def _compile_or_load(kernel, fake_args, arch: str, cache_key: tuple | None):
     directory = cache_directory()
     if cache_key is None or directory is None:
         return _compile(kernel, fake_args, arch)
