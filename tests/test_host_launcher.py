@@ -9,13 +9,14 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import tvm_ffi
 
-from fp4moe import nvfp4
+from fp4moe import dispatch, nvfp4, pipeline
 from fp4moe.kernels import host_launcher
 from fp4moe.kernels.sm90.quantize import MANY_ELEMENTS
 from fp4moe.nvfp4 import ceil_div
@@ -32,6 +33,7 @@ from fp4moe.op_outputs import (
 from fp4moe.reference import quantize as reference
 from tests.compare import assert_bitwise_equal
 from tests.hopper import activations, poisoned, runs_the_sm90_kernels
+from tests.moe_problems import assert_moe_close, loop_reference, make_problem
 
 ops = torch.ops.fp4moe
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -49,11 +51,12 @@ def test_the_launcher_builds_and_owns_the_cuda_kernels():
     if host_launcher.mode() == "python":
         pytest.skip(f"{host_launcher.MODE_VARIABLE}=python")
     assert host_launcher.install()
-    for name in host_launcher.OPS:
+    for name in host_launcher.OPS + host_launcher.RECORDED_OPS:
         for key in ("CUDA", "Autograd"):
             kernels = [line for line in torch._C._dispatch_dump(f"fp4moe::{name}").splitlines() if line.startswith(key)]
             assert len(kernels) == 1 and "host_launcher.cpp" in kernels[0], kernels
     assert "host_launcher.cpp" not in torch._C._dispatch_dump("fp4moe::dequantize")
+    assert "host_launcher.cpp" not in torch._C._dispatch_dump("fp4moe::aligned_moe_")
 
 
 def test_the_launcher_takes_the_contract_numbers_from_python(launcher):
@@ -146,6 +149,27 @@ def test_calls_the_fast_path_cannot_serve_go_to_python_awaiting_no_key(launcher,
     assert_bitwise_equal(amax, reference.tile_amax(x, 32), "tile maxima from the Python kernel")
     for got, want in zip((codes, scales), reference.quantize(x, torch.ones(1), "linear", "off"), strict=True):
         assert_bitwise_equal(got, want, "quantize outputs from the Python kernel")
+
+
+def test_fused_moe_calls_without_a_key_go_to_python_and_grad_is_refused(launcher):
+    """Runs on the CPU. The C++ CUDA kernel of a recorded op, reached with CPU tensors (which give no key),
+    hands the call to the op's Python kernel with every argument and returns its result; its Autograd
+    kernel refuses inputs that require grad and passes the rest down (here to the CPU kernel)."""
+    problem = make_problem(tokens=5, mode="w4a4_per_token")
+    args, kwargs = problem.op_args(), problem.op_kwargs()
+    expected = ops.fused_moe(*args, **kwargs)
+    slow = host_launcher.slow_path_calls()
+    cuda_kernel = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+    got = ops.fused_moe.default.redispatch(cuda_kernel, *args, **kwargs)
+    assert host_launcher.slow_path_calls() == slow + 1
+    assert_bitwise_equal(got, expected, "fused_moe through the C++ CUDA kernel's Python path")
+    grad_x = problem.x.clone().requires_grad_()
+    with pytest.raises(NotImplementedError, match="is inference-only"):
+        ops.fused_moe(grad_x, *args[1:], **kwargs)
+    assert host_launcher.slow_path_calls() == slow + 2
+    with torch.no_grad():
+        assert_bitwise_equal(ops.fused_moe(grad_x, *args[1:], **kwargs), expected, "fused_moe under no_grad")
+    assert host_launcher.slow_path_calls() == slow + 2
 
 
 def compiled_function():
@@ -512,3 +536,112 @@ def test_a_configuration_launched_outside_the_op_is_filed_by_its_first_op_call(h
         outputs_match(ops.quantize_per_token(x, sf_layout="linear"), want, "op")
         assert host_launcher.slow_path_calls() == slow + 1
     assert len(set(host_launcher.module().registered_keys()) - keys) == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# fused_moe: recorded once per configuration, replayed in C++ (`host_launcher.RECORDED_OPS`)
+# ---------------------------------------------------------------------------------------------------
+FUSED_MOE_MODES = ("w4a16", "w4a4", "w4a4_per_token")
+
+
+def routed_problem(tokens, mode, seed, **options):
+    """A random problem on prepared weights on the GPU, its arguments as `fused_moe` takes them."""
+    problem = make_problem(tokens=tokens, hidden=256, intermediate=128, num_experts=16, top_k=4, mode=mode, device="cuda", seed=seed, **options)
+    return replace(problem, weights=problem.weights.prepared())
+
+
+def with_fresh_inputs(problem, seed):
+    """The same configuration and weights with fresh activations and routing."""
+    other = make_problem(tokens=problem.x.shape[0], hidden=256, intermediate=128, num_experts=16, top_k=4, device="cuda", seed=seed)
+    return replace(problem, x=other.x, topk_ids=other.topk_ids, topk_weights=other.topk_weights)
+
+
+def python_path(problem, **overrides):
+    """The same call through the Python pipeline (`fp4moe.pipeline.fused_moe`, the kernels the recording
+    launched), bypassing the dispatcher."""
+    schema = ops.fused_moe.default._schema
+    given = dict(zip([a.name for a in schema.arguments], problem.op_args()))
+    given.update(problem.op_kwargs(weight_layout="sm90", **overrides))
+    arguments = {a.name: given.get(a.name, a.default_value if a.has_default_value() else None) for a in schema.arguments}
+    return pipeline.fused_moe(**arguments)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "fused finalize"])
+@pytest.mark.parametrize("tokens", [1, 41])
+@pytest.mark.parametrize("mode", FUSED_MOE_MODES)
+def test_repeat_fused_moe_calls_replay_their_recording(hopper, mode, tokens, deterministic):
+    """The first two calls of a configuration go through Python (the second is recorded); from then on
+    every call replays in C++, on fresh activations and routing, into poisoned allocations: bitwise the
+    Python pipeline's output with the deterministic finalize, within FP32 summation order of the loop
+    reference with the fused one (its atomics add in any order)."""
+    problem = routed_problem(tokens, mode, seed=0, deterministic=deterministic)
+    problem.run(weight_layout="sm90")
+    problem.run(weight_layout="sm90")
+    slow = host_launcher.slow_path_calls()
+    for seed in (1, 2, 3):
+        call = with_fresh_inputs(problem, seed)
+        poisoned([torch.empty(tokens * 4 * 256 * 4, dtype=torch.uint8, device="cuda") for _ in range(8)])
+        got = call.run(weight_layout="sm90")
+        if deterministic:
+            assert_bitwise_equal(got, python_path(call), f"{mode}, T={tokens}, seed {seed}")
+        else:
+            assert_moe_close(got, loop_reference(call))
+    assert host_launcher.slow_path_calls() == slow, "a recorded configuration went through Python"
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_capture_the_replayed_fused_moe(hopper):
+    problem = routed_problem(24, "w4a4_per_token", seed=4, deterministic=True)
+    for _ in range(2):
+        problem.run(weight_layout="sm90")  # outside the capture: the second call records
+    slow = host_launcher.slow_path_calls()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = problem.run(weight_layout="sm90")
+    assert host_launcher.slow_path_calls() == slow, "the capture went through Python"
+    for seed in (5, 6):
+        fresh = with_fresh_inputs(problem, seed)
+        for live, new in ((problem.x, fresh.x), (problem.topk_ids, fresh.topk_ids), (problem.topk_weights, fresh.topk_weights)):
+            live.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise_equal(captured, python_path(problem), f"graph replay {seed}")
+
+
+@pytest.mark.gpu
+def test_the_replayed_fused_moe_launches_on_the_current_stream(hopper):
+    """x is written on a side stream behind a long sleep; a kernel launched anywhere but that stream
+    would read x before the write."""
+    problem = routed_problem(16, "w4a16", seed=7, deterministic=True)
+    fresh = with_fresh_inputs(problem, 8)
+    for _ in range(2):
+        problem.run(weight_layout="sm90")
+    slow = host_launcher.slow_path_calls()
+    problem.x.zero_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(20_000_000)  # about 10 ms
+        problem.x.copy_(fresh.x)
+        got = problem.run(weight_layout="sm90")
+    side.synchronize()
+    assert host_launcher.slow_path_calls() == slow
+    assert_bitwise_equal(got, python_path(problem), "a side-stream call")
+
+
+@pytest.mark.gpu
+def test_a_recorded_fused_moe_follows_the_backend_override(hopper, monkeypatch):
+    """FP4MOE_BACKEND is part of a call's key: set to `reference` after a configuration was recorded,
+    calls go to Python (which runs the reference) until it is unset again."""
+    problem = routed_problem(9, "w4a4", seed=9, deterministic=True)
+    for _ in range(2):
+        problem.run(weight_layout="sm90")
+    slow = host_launcher.slow_path_calls()
+    monkeypatch.setenv(dispatch.BACKEND_VARIABLE, dispatch.REFERENCE_BACKEND)
+    for _ in range(2):
+        assert_moe_close(problem.run(weight_layout="sm90"), loop_reference(problem))
+    assert host_launcher.slow_path_calls() == slow + 2, "the reference backend is never recorded"
+    monkeypatch.delenv(dispatch.BACKEND_VARIABLE)
+    assert_bitwise_equal(problem.run(weight_layout="sm90"), python_path(problem), "replayed again")
+    assert host_launcher.slow_path_calls() == slow + 2

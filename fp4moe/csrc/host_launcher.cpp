@@ -1,16 +1,16 @@
 // fp4moe's C++ host launcher: the CUDA kernels of torch.ops.fp4moe.{quantize, quantize_per_token,
-// tile_amax} on devices served by the CuTe DSL kernels (fp4moe/kernels/host_launcher.py builds and
-// installs it).
+// tile_amax} and of the recorded ops (fused_moe) on devices served by the CuTe DSL kernels
+// (fp4moe/kernels/host_launcher.py builds and installs it).
 //
-// A call whose configuration has gone through the op's Python kernel once takes the fast path, all in
-// C++: read the static configuration off the arguments and spell its key, look up the compiled TVM-FFI
-// function filed under that key, allocate the outputs with at::empty by the rules filed with it and call
-// the function with DLTensor views, on the current stream. Everything else -- first calls (which
-// compile), inputs that need a copy, empty inputs, inputs the op rejects -- goes to the op's Python
-// implementation, which validates, raises, copies and compiles exactly as without this launcher. So the
-// fast path accepts only arguments that the Python implementation has already accepted in the same
-// static configuration, and checks here the per-call facts that configuration does not fix (devices,
-// the shapes tying input_amax and the row count to x, alignment, sizes).
+// A quantization op's call whose configuration has gone through the op's Python kernel once takes the
+// fast path, all in C++: read the static configuration off the arguments and spell its key, look up the
+// compiled TVM-FFI function filed under that key, allocate the outputs with at::empty by the rules filed
+// with it and call the function with DLTensor views, on the current stream. Everything else -- first
+// calls (which compile), inputs that need a copy, empty inputs, inputs the op rejects -- goes to the op's
+// Python implementation, which validates, raises, copies and compiles exactly as without this launcher.
+// So the fast path accepts only arguments that the Python implementation has already accepted in the
+// same static configuration, and checks here the per-call facts that configuration does not fix
+// (devices, the shapes tying input_amax and the row count to x, alignment, sizes).
 //
 // What it knows of the ops' contract comes from Python: the numbers its checks need at `install`
 // (host_launcher.contract()), and with each kernel the rules of the op's outputs (fp4moe.op_outputs).
@@ -20,10 +20,14 @@
 // every configuration the launch layer compiles apart: a parameter missing from it would let two
 // configurations share one kernel.
 //
+// A recorded op (several kernels per call, composed in Python) is served by replaying: its key spells
+// every argument's metadata, and the first call of a key runs the op's Python kernel under the recorder,
+// which files the call's allocations and launches as the key's program (see "Recorded ops" below).
+//
 // It also takes over the ops' Autograd kernels (the inference-only guard), so that a call in grad
 // mode does not enter Python either. The Python kernels are reached through the callables given to
-// `install`; the compiled functions through the handles given to `register_kernel` (one reference
-// held each).
+// `install`; the compiled functions through the handles given to `register_kernel` and
+// `register_program` (one reference held each).
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
@@ -32,6 +36,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 #include <tvm/ffi/c_api.h>
@@ -40,6 +45,9 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -276,17 +284,20 @@ std::string join_key(std::initializer_list<std::string> parts) {
 // ---------------------------------------------------------------------------------------------
 // Calling a compiled function.
 
-// The argument list of one call: DLTensor views of torch tensors (shape and strides point into the
-// tensors' own metadata), None and FP32 scalars.
+// The argument list of one call: DLTensor views (of torch tensors, whose own metadata the shape and
+// strides point into, or of raw memory described elsewhere), None, integers and FP32 scalars.
 class Arguments {
  public:
   void tensor(const at::Tensor& t) {
-    view(t, static_cast<int32_t>(t.dim()), const_cast<int64_t*>(t.sizes().data()),
-         const_cast<int64_t*>(t.strides().data()));
+    view(t.data_ptr(), t.device(), static_cast<int32_t>(t.dim()), const_cast<int64_t*>(t.sizes().data()),
+         const_cast<int64_t*>(t.strides().data()), dl_dtype(t.scalar_type()));
   }
 
   // A one-element tensor of any shape, as the [1] tensor the kernels take.
-  void one_element(const at::Tensor& t) { view(t, 1, const_cast<int64_t*>(&kOne), const_cast<int64_t*>(&kOne)); }
+  void one_element(const at::Tensor& t) {
+    view(t.data_ptr(), t.device(), 1, const_cast<int64_t*>(&kOne), const_cast<int64_t*>(&kOne),
+         dl_dtype(t.scalar_type()));
+  }
 
   void optional_tensor(const std::optional<at::Tensor>& t) {
     if (t.has_value()) {
@@ -296,24 +307,49 @@ class Arguments {
     }
   }
 
+  // `ndim` sizes and strides at `shape` / `strides`, which must outlive the call.
+  void view(void* data, const c10::Device& device, int32_t ndim, int64_t* shape, int64_t* strides, DLDataType dtype) {
+    DLTensor& dl = tensors_[count_];
+    dl.data = data;
+    dl.device = {device.is_cuda() ? kDLCUDA : kDLCPU, static_cast<int32_t>(device.is_cuda() ? device.index() : 0)};
+    dl.ndim = ndim;
+    dl.dtype = dtype;
+    dl.shape = shape;
+    dl.strides = strides;
+    dl.byte_offset = 0;
+    TVMFFIAny& any = next();
+    any.type_index = kTVMFFIDLTensorPtr;
+    any.v_ptr = &dl;
+  }
+
   void none() { next().type_index = kTVMFFINone; }
 
-  void float32(float value) {
+  void int64(int64_t value) {
+    TVMFFIAny& any = next();
+    any.type_index = kTVMFFIInt;
+    any.v_int64 = value;
+  }
+
+  void float32(float value) { float64(value); }
+
+  void float64(double value) {
     TVMFFIAny& any = next();
     any.type_index = kTVMFFIFloat;
     any.v_float64 = value;
   }
 
-  // Calls `function` on the current torch stream of `device`.
+  // Calls `function` (on a CUDA device: on its current torch stream).
   void call(TVMFFIObjectHandle function, const c10::Device& device) {
-    void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device).native_handle();
     TVMFFIStreamHandle previous = nullptr;
-    TORCH_CHECK(TVMFFIEnvSetStream(kDLCUDA, device.index(), stream, &previous) == 0,
-                "fp4moe host launcher: could not set the TVM-FFI stream");
+    if (device.is_cuda()) {
+      void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device).native_handle();
+      TORCH_CHECK(TVMFFIEnvSetStream(kDLCUDA, device.index(), stream, &previous) == 0,
+                  "fp4moe host launcher: could not set the TVM-FFI stream");
+    }
     TVMFFIAny result{};
     result.type_index = kTVMFFINone;
     int status = TVMFFIFunctionCall(function, values_.data(), count_, &result);
-    TVMFFIEnvSetStream(kDLCUDA, device.index(), previous, nullptr);
+    if (device.is_cuda()) TVMFFIEnvSetStream(kDLCUDA, device.index(), previous, nullptr);
     if (status != 0) {
       TVMFFIObjectHandle error = nullptr;
       TVMFFIErrorMoveFromRaised(&error);
@@ -331,8 +367,9 @@ class Arguments {
     }
   }
 
+  static constexpr int kMaxArguments = 32;
+
  private:
-  static constexpr int kMaxArguments = 8;
   static constexpr int64_t kOne = 1;
 
   TVMFFIAny& next() {
@@ -340,20 +377,6 @@ class Arguments {
     TVMFFIAny& any = values_[count_++];
     any = TVMFFIAny{};
     return any;
-  }
-
-  void view(const at::Tensor& t, int32_t ndim, int64_t* shape, int64_t* strides) {
-    DLTensor& dl = tensors_[count_];
-    dl.data = t.data_ptr();
-    dl.device = {kDLCUDA, static_cast<int32_t>(t.get_device())};
-    dl.ndim = ndim;
-    dl.dtype = dl_dtype(t.scalar_type());
-    dl.shape = shape;
-    dl.strides = strides;
-    dl.byte_offset = 0;
-    TVMFFIAny& any = next();
-    any.type_index = kTVMFFIDLTensorPtr;
-    any.v_ptr = &dl;
   }
 
   std::array<DLTensor, kMaxArguments> tensors_{};  // tensors_[i] backs argument i
@@ -491,6 +514,363 @@ at::Tensor tile_amax(const at::Tensor& x, int64_t tile_n) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Recorded ops (host_launcher.RECORDED_OPS): composed ops whose Python kernel launches several kernels.
+// A call's key spells every argument's metadata; a call without a program for its key runs the op's
+// Python kernel under the recorder (host_launcher.serve_recorded_call), which records what it allocates
+// and launches (fp4moe/kernels/launch_recording.py) and files it as the key's program; a call with one
+// replays it here: the same allocations (at::empty_strided) and the same launches, each tensor argument
+// the recorded view of an op argument or of an allocation of this call. Only metadata decides what the
+// Python kernel does (it reads no tensor's values on the host), so equal keys make equal programs.
+
+struct RecordedView {
+  int64_t source = 0;  // the op argument (kInput) or the buffer (kBuffer) it is a view of
+  int64_t byte_offset = 0;
+  std::vector<int64_t> sizes, strides;
+  DLDataType dtype{};
+};
+
+struct RecordedArgument {
+  enum Kind { kInput, kBuffer, kEmpty, kInt, kFloat, kNone };
+  Kind kind = kNone;
+  RecordedView view;  // kInput, kBuffer, kEmpty
+  int64_t int_value = 0;
+  double float_value = 0;
+};
+
+struct RecordedBuffer {
+  std::vector<int64_t> sizes, strides;
+  c10::ScalarType dtype;
+};
+
+// A recorded call: its allocations, its launches (holding one reference to each function) and which
+// allocation, seen how, it returns.
+class Program {
+ public:
+  Program() = default;
+  Program(const Program&) = delete;
+  Program& operator=(const Program&) = delete;
+  ~Program() {
+    for (const auto& launch : launches) TVMFFIObjectDecRef(launch.first);
+  }
+
+  std::vector<RecordedBuffer> buffers;
+  std::vector<std::pair<TVMFFIObjectHandle, std::vector<RecordedArgument>>> launches;
+  int64_t result_buffer = 0;
+  int64_t result_offset = 0;
+  std::vector<int64_t> result_sizes, result_strides;
+};
+
+struct RecordedOps {
+  std::mutex mutex;
+  std::unordered_map<std::string, std::shared_ptr<const Program>> programs;  // by key
+  std::unordered_map<std::string, std::array<py::object*, kNumRoles>> python_kernels;  // by "fp4moe::<op>"
+  py::object* recorder = nullptr;  // host_launcher.serve_recorded_call
+};
+RecordedOps& recorded_ops = *new RecordedOps;  // never destroyed, as `registry`
+
+// Programs filed at most: calls of further configurations (a process seeing ever new token counts) go
+// to Python unrecorded, so the registry's memory stays bounded.
+constexpr size_t kMaxPrograms = 4096;
+
+std::shared_ptr<const Program> find_program(const std::string& key) {
+  std::lock_guard<std::mutex> lock(recorded_ops.mutex);
+  auto it = recorded_ops.programs.find(key);
+  return it == recorded_ops.programs.end() ? nullptr : it->second;
+}
+
+const c10::FunctionSchema& recorded_schema(const std::string& op_name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(("fp4moe::" + op_name).c_str(), "").schema();
+}
+
+void append_int(std::string& key, int64_t value) { key.append(reinterpret_cast<const char*>(&value), sizeof value); }
+
+// The key of a recorded op's call: its name, FP4MOE_BACKEND (read on every call, as the Python kernel
+// reads it), then per argument its kind and metadata (a tensor's dtype, sizes, strides, device and
+// address modulo 256, which decides the launch layers' alignment checks). False (no key) where an
+// argument is of a kind the recorder does not take, or a tensor is not on the first tensor's CUDA
+// device; `device` is that device.
+bool spell_recorded_key(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IValue> args, std::string& key,
+                        c10::Device& device, bool cuda_only = true) {
+  key = schema.name();
+  key += '\0';
+  const char* backend = std::getenv("FP4MOE_BACKEND");
+  key += backend == nullptr ? "" : backend;
+  key += '\0';
+  bool found_device = false;
+  for (const c10::IValue& value : args) {
+    if (value.isTensor()) {
+      const at::Tensor& t = value.toTensor();
+      if (!t.defined() || (cuda_only && !t.is_cuda())) return false;
+      if (!found_device) {
+        device = t.device();
+        found_device = true;
+      } else if (t.device() != device) {
+        return false;
+      }
+      key += 'T';
+      append_int(key, static_cast<int64_t>(t.scalar_type()));
+      append_int(key, t.dim());
+      for (int64_t d = 0; d < t.dim(); ++d) {
+        append_int(key, t.size(d));
+        append_int(key, t.stride(d));
+      }
+      append_int(key, static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 256));
+      append_int(key, t.get_device());
+    } else if (value.isNone()) {
+      key += 'N';
+    } else if (value.isBool()) {
+      key += value.toBool() ? 't' : 'f';
+    } else if (value.isInt()) {
+      key += 'i';
+      append_int(key, value.toInt());
+    } else if (value.isDouble()) {
+      key += 'd';
+      const double d = value.toDouble();
+      key.append(reinterpret_cast<const char*>(&d), sizeof d);
+    } else if (value.isString()) {
+      const auto text = value.toStringRef();
+      key += 's';
+      append_int(key, static_cast<int64_t>(text.size()));
+      key += text;
+    } else {
+      return false;
+    }
+  }
+  return found_device;
+}
+
+// A call of `program` for the op arguments `args` on `device`: its result.
+at::Tensor replay(const Program& program, c10::ArrayRef<c10::IValue> args, const c10::Device& device) {
+  std::vector<at::Tensor> buffers;
+  buffers.reserve(program.buffers.size());
+  for (const RecordedBuffer& b : program.buffers) {
+    buffers.push_back(at::empty_strided(b.sizes, b.strides, at::TensorOptions().dtype(b.dtype).device(device)));
+  }
+  for (const auto& [function, recorded] : program.launches) {
+    Arguments call;
+    for (const RecordedArgument& a : recorded) {
+      const RecordedView& v = a.view;
+      auto* sizes = const_cast<int64_t*>(v.sizes.data());
+      auto* strides = const_cast<int64_t*>(v.strides.data());
+      const auto ndim = static_cast<int32_t>(v.sizes.size());
+      switch (a.kind) {
+        case RecordedArgument::kInput:
+        case RecordedArgument::kBuffer: {
+          const at::Tensor& base = a.kind == RecordedArgument::kInput ? args[v.source].toTensor() : buffers[v.source];
+          call.view(static_cast<char*>(base.data_ptr()) + v.byte_offset, base.device(), ndim, sizes, strides, v.dtype);
+          break;
+        }
+        case RecordedArgument::kEmpty: call.view(nullptr, device, ndim, sizes, strides, v.dtype); break;
+        case RecordedArgument::kInt: call.int64(a.int_value); break;
+        case RecordedArgument::kFloat: call.float64(a.float_value); break;
+        case RecordedArgument::kNone: call.none(); break;
+      }
+    }
+    call.call(function, device);
+  }
+  return buffers[program.result_buffer].as_strided(program.result_sizes, program.result_strides, program.result_offset);
+}
+
+std::vector<int64_t> int_list(const py::handle& values) { return values.cast<std::vector<int64_t>>(); }
+
+c10::ScalarType scalar_type_of(const py::handle& dtype) {
+  TORCH_CHECK(THPDtype_Check(dtype.ptr()), "fp4moe host launcher: a program names a dtype by a torch.dtype");
+  return reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
+}
+
+// ("input" | "buffer", index, byte offset, sizes, strides, dtype) or ("empty", sizes, strides, dtype).
+RecordedView view_of(const py::tuple& item, bool empty) {
+  RecordedView view;
+  const size_t first = empty ? 1 : 3;
+  if (!empty) {
+    view.source = item[1].cast<int64_t>();
+    view.byte_offset = item[2].cast<int64_t>();
+  }
+  view.sizes = int_list(item[first]);
+  view.strides = int_list(item[first + 1]);
+  TORCH_CHECK(view.sizes.size() == view.strides.size(), "fp4moe host launcher: a view's sizes and strides differ in rank");
+  view.dtype = dl_dtype(scalar_type_of(item[first + 2]));
+  return view;
+}
+
+// Files a recorded call (launch_recording.Program's fields) under `key`. Checks that every index points
+// into the program or the op's arguments; the views themselves are the recorder's.
+void register_program(const py::bytes& key, const std::string& op_name, const py::list& buffers,
+                      const py::list& launches, const py::tuple& result) {
+  const auto& schema = recorded_schema(op_name);
+  const auto arguments = static_cast<int64_t>(schema.arguments().size());
+  auto program = std::make_shared<Program>();
+  for (const py::handle item : buffers) {
+    const auto buffer = item.cast<py::tuple>();
+    program->buffers.push_back({int_list(buffer[0]), int_list(buffer[1]), scalar_type_of(buffer[2])});
+  }
+  const auto buffer_count = static_cast<int64_t>(program->buffers.size());
+  for (const py::handle item : launches) {
+    const auto launch = item.cast<py::tuple>();
+    std::vector<RecordedArgument> recorded;
+    for (const py::handle argument : launch[1].cast<py::list>()) {
+      const auto a = argument.cast<py::tuple>();
+      const auto kind = a[0].cast<std::string>();
+      RecordedArgument r;
+      if (kind == "input" || kind == "buffer") {
+        r.kind = kind == "input" ? RecordedArgument::kInput : RecordedArgument::kBuffer;
+        r.view = view_of(a, false);
+        const int64_t bound = r.kind == RecordedArgument::kInput ? arguments : buffer_count;
+        TORCH_CHECK(r.view.source >= 0 && r.view.source < bound, "fp4moe host launcher: a view of no ", kind);
+        TORCH_CHECK(r.kind == RecordedArgument::kBuffer || schema.arguments()[r.view.source].type()->kind() !=
+                                                                c10::TypeKind::StringType,
+                    "fp4moe host launcher: a view of an argument that is no tensor");
+      } else if (kind == "empty") {
+        r.kind = RecordedArgument::kEmpty;
+        r.view = view_of(a, true);
+      } else if (kind == "int") {
+        r.kind = RecordedArgument::kInt;
+        r.int_value = a[1].cast<int64_t>();
+      } else if (kind == "float") {
+        r.kind = RecordedArgument::kFloat;
+        r.float_value = a[1].cast<double>();
+      } else {
+        TORCH_CHECK(kind == "none", "fp4moe host launcher: no argument kind ", kind);
+        r.kind = RecordedArgument::kNone;
+      }
+      recorded.push_back(std::move(r));
+    }
+    TORCH_CHECK(recorded.size() <= static_cast<size_t>(Arguments::kMaxArguments),
+                "fp4moe host launcher: a launch of ", recorded.size(), " arguments");
+    auto function = reinterpret_cast<TVMFFIObjectHandle>(launch[0].cast<int64_t>());
+    TORCH_CHECK(function != nullptr, "fp4moe host launcher: null function handle");
+    TVMFFIObjectIncRef(function);
+    program->launches.emplace_back(function, std::move(recorded));
+  }
+  TORCH_CHECK(result.size() == 5 && result[0].cast<std::string>() == "buffer",
+              "fp4moe host launcher: a program returns one of its buffers");
+  program->result_buffer = result[1].cast<int64_t>();
+  TORCH_CHECK(program->result_buffer >= 0 && program->result_buffer < buffer_count,
+              "fp4moe host launcher: a program returns no buffer of its own");
+  program->result_offset = result[2].cast<int64_t>();
+  program->result_sizes = int_list(result[3]);
+  program->result_strides = int_list(result[4]);
+  std::lock_guard<std::mutex> lock(recorded_ops.mutex);
+  recorded_ops.programs[std::string(key)] = std::move(program);
+}
+
+size_t recorded_program_count() {
+  std::lock_guard<std::mutex> lock(recorded_ops.mutex);
+  return recorded_ops.programs.size();
+}
+
+// The Python kernel of a recorded op in `role`.
+py::object& recorded_python_kernel(const c10::OperatorHandle& op, Role role) {
+  std::lock_guard<std::mutex> lock(recorded_ops.mutex);
+  return *recorded_ops.python_kernels.at(op.schema().name())[role];
+}
+
+// Runs `python(*args)` in place of the boxed call on `stack` (its arguments popped, its one result
+// pushed); with the recorder where `key` is given (its Python kernel then runs recorded).
+void call_python_boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack, py::object& python,
+                       const std::string* key) {
+  slow_path_calls.fetch_add(1, std::memory_order_relaxed);
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  py::gil_scoped_acquire gil;
+  py::tuple values(n);
+  size_t i = 0;
+  for (const c10::IValue& value : torch::jit::last(*stack, n)) values[i++] = torch::jit::toPyObject(value);
+  const std::string& name = schema.name();
+  py::object result = key == nullptr ? python(*values)
+                                     : (*recorded_ops.recorder)(py::bytes(*key), name.substr(name.find("::") + 2),
+                                                                python, values);
+  torch::jit::drop(*stack, n);
+  torch::jit::push(*stack, torch::jit::toIValue(result, schema.returns()[0].type()));
+}
+
+// A recorded op's call on `stack`: replayed where its key has a program, else through the op's Python
+// kernel (recorded where the call has a key). `cuda_only`: calls with tensors off CUDA have no key (the
+// CUDA kernel's rule; the tests serve CPU calls too).
+void serve_recorded(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool cuda_only) {
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  std::string key;
+  c10::Device device(c10::kCUDA);
+  if (spell_recorded_key(schema, torch::jit::last(*stack, n), key, device, cuda_only)) {
+    if (const auto program = find_program(key)) {
+      at::Tensor result = replay(*program, torch::jit::last(*stack, n), device);
+      torch::jit::drop(*stack, n);
+      torch::jit::push(*stack, std::move(result));
+      return;
+    }
+    if (recorded_program_count() < kMaxPrograms) {
+      call_python_boxed(op, stack, recorded_python_kernel(op, kCuda), &key);
+      return;
+    }
+  }
+  call_python_boxed(op, stack, recorded_python_kernel(op, kCuda), nullptr);
+}
+
+void recorded_op_cuda(const c10::OperatorHandle& op, torch::jit::Stack* stack) { serve_recorded(op, stack, true); }
+
+// The inference-only guard of a recorded op (as the typed ops' below).
+void recorded_op_autograd(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const size_t n = op.schema().arguments().size();
+  if (at::GradMode::is_enabled()) {
+    for (const c10::IValue& value : torch::jit::last(*stack, n)) {
+      if (value.isTensor() && value.toTensor().defined() && value.toTensor().requires_grad()) {
+        call_python_boxed(op, stack, recorded_python_kernel(op, kAutograd), nullptr);
+        return;
+      }
+    }
+  }
+  at::AutoDispatchBelowAutograd below_autograd;
+  op.callBoxed(stack);
+}
+
+// Boxed arguments of an op from Python values (tensors, None, bools, ints, floats, strings).
+std::vector<c10::IValue> boxed_arguments(const c10::FunctionSchema& schema, const py::tuple& values) {
+  TORCH_CHECK(values.size() == schema.arguments().size(), "fp4moe host launcher: ", schema.arguments().size(),
+              " arguments expected");
+  std::vector<c10::IValue> args;
+  for (size_t i = 0; i < values.size(); ++i) {
+    args.push_back(torch::jit::toIValue(values[i], schema.arguments()[i].type()));
+  }
+  return args;
+}
+
+// For the tests: the key of a call of `op_name` with these arguments, spelled as for a CUDA call but on
+// any device (None where a call has no key).
+py::object recorded_key_for_test(const std::string& op_name, const py::tuple& values) {
+  const auto& schema = recorded_schema(op_name);
+  const auto args = boxed_arguments(schema, values);
+  std::string key;
+  c10::Device device(c10::kCPU);
+  if (!spell_recorded_key(schema, args, key, device, false)) return py::none();
+  return py::bytes(key);
+}
+
+// For the tests: a call of the recorded op `op_name` served as its CUDA kernel serves one, on any device
+// (CPU tensors included): replayed, or through the op's Python kernel (installed), recorded.
+py::object serve_for_test(const std::string& op_name, const py::tuple& values) {
+  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(("fp4moe::" + op_name).c_str(), "");
+  torch::jit::Stack stack = boxed_arguments(op.schema(), values);
+  {
+    py::gil_scoped_release no_gil;  // as in a dispatcher call: the Python path takes it back
+    serve_recorded(op, &stack, false);
+  }
+  return torch::jit::toPyObject(stack.back());
+}
+
+// For the tests: a recorded program replayed outside the dispatcher, on any device (CPU tensors
+// included, with TVM-FFI functions of Python callables): the result, or None without a program.
+py::object replay_for_test(const py::bytes& key, const std::string& op_name, const py::tuple& values) {
+  const auto program = find_program(std::string(key));
+  if (program == nullptr) return py::none();
+  const auto args = boxed_arguments(recorded_schema(op_name), values);
+  for (const c10::IValue& value : args) {
+    if (value.isTensor()) return py::cast(replay(*program, args, value.toTensor().device()));
+  }
+  TORCH_CHECK(false, "fp4moe host launcher: a replay needs a tensor argument");
+}
+
+// ---------------------------------------------------------------------------------------------
 // Autograd kernels: every op is inference-only (ops/library.py). An input that requires grad, with
 // grad mode on, goes to the Python Autograd kernel, which raises; anything else is dispatched below
 // autograd.
@@ -570,17 +950,29 @@ py::dict contract_values() {
 }
 
 // Takes over the CUDA and Autograd kernels of the ops (ops.library.hand_over_to_native), keeping the
-// Python kernels it is given for the calls it hands back; `values` is host_launcher.contract().
-void install(const py::dict& values, py::object quantize_cuda, py::object quantize_per_token_cuda,
-             py::object tile_amax_cuda, py::object quantize_autograd_python,
-             py::object quantize_per_token_autograd_python, py::object tile_amax_autograd_python) {
+// Python kernels it is given for the calls it hands back; `values` is host_launcher.contract(),
+// `recorder` host_launcher.serve_recorded_call, `recorded` the names of the recorded ops, and `kernels`
+// the Python CUDA kernels of host_launcher.OPS and of `recorded`, then their Autograd kernels, in that order.
+void install(const py::dict& values, const py::object& recorder, const std::vector<std::string>& recorded,
+             const py::args& kernels) {
   TORCH_CHECK(cuda_library == nullptr, "fp4moe host launcher: already installed");
+  const size_t ops = kNumOps + recorded.size();
+  TORCH_CHECK(kernels.size() == 2 * ops, "fp4moe host launcher: ", 2 * ops, " Python kernels expected, got ",
+              kernels.size());
+  for (const std::string& name : recorded) {
+    const auto& schema = recorded_schema(name);
+    TORCH_CHECK(schema.returns().size() == 1 && schema.returns()[0].type()->kind() == c10::TypeKind::TensorType,
+                "fp4moe host launcher: a recorded op returns one tensor; ", name, " does not");
+  }
   contract = contract_from(values);
-  py::object given[kNumOps][kNumRoles] = {{quantize_cuda, quantize_autograd_python},
-                                          {quantize_per_token_cuda, quantize_per_token_autograd_python},
-                                          {tile_amax_cuda, tile_amax_autograd_python}};
   for (int op = 0; op < kNumOps; ++op) {
-    for (int role = 0; role < kNumRoles; ++role) python_kernels[op][role] = new py::object(given[op][role]);
+    python_kernels[op][kCuda] = new py::object(kernels[op]);
+    python_kernels[op][kAutograd] = new py::object(kernels[ops + op]);
+  }
+  recorded_ops.recorder = new py::object(recorder);
+  for (size_t i = 0; i < recorded.size(); ++i) {
+    recorded_ops.python_kernels["fp4moe::" + recorded[i]] = {new py::object(kernels[kNumOps + i]),
+                                                              new py::object(kernels[ops + kNumOps + i])};
   }
   cuda_library = std::make_unique<torch::Library>(torch::Library::IMPL, "fp4moe", c10::DispatchKey::CUDA, __FILE__,
                                                   __LINE__);
@@ -592,6 +984,10 @@ void install(const py::dict& values, py::object quantize_cuda, py::object quanti
   autograd_library->impl(kOpNames[kQuantize], TORCH_FN(quantize_autograd));
   autograd_library->impl(kOpNames[kQuantizePerToken], TORCH_FN(quantize_per_token_autograd));
   autograd_library->impl(kOpNames[kTileAmax], TORCH_FN(tile_amax_autograd));
+  for (const std::string& name : recorded) {
+    cuda_library->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&recorded_op_cuda>());
+    autograd_library->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&recorded_op_autograd>());
+  }
 }
 
 // What the fast path allocates for the input `like` from a kernel of `op` filed with `rules`.
@@ -613,7 +1009,16 @@ py::object call_awaiting(const std::string& op, std::string key, const py::funct
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fp4moe's C++ host launcher for the CuTe DSL kernels (see fp4moe/kernels/host_launcher.py)";
   m.def("install", &fp4moe::install,
-        "Register the C++ CUDA and Autograd kernels of quantize, quantize_per_token, tile_amax");
+        "Register the C++ CUDA and Autograd kernels of quantize, quantize_per_token, tile_amax and the recorded ops");
+  m.def("register_program", &fp4moe::register_program,
+        "File a recorded call of a recorded op (launch_recording.Program) under its key");
+  m.def("recorded_program_count", &fp4moe::recorded_program_count, "How many recorded programs are filed");
+  m.def("recorded_key_for_test", &fp4moe::recorded_key_for_test,
+        "The key of a recorded op's call with these arguments, spelled on any device (None without one)");
+  m.def("serve_for_test", &fp4moe::serve_for_test,
+        "Serve a call of a recorded op as its CUDA kernel does, on any device (replayed or recorded)");
+  m.def("replay_for_test", &fp4moe::replay_for_test,
+        "Replay the program filed under a key for these op arguments, outside the dispatcher (None without one)");
   m.def("awaits", &fp4moe::awaits, "Whether a call of the op on this thread awaits a kernel (see register_kernel)");
   m.def("register_kernel", &fp4moe::register_kernel,
         "File a compiled TVM-FFI function of the op, with its outputs' rules, under the key a call awaits");

@@ -1,0 +1,391 @@
+"""Recording a `fused_moe` call's launches and replaying them in C++ (`fp4moe.kernels.launch_recording`,
+the recorded ops of `fp4moe.kernels.host_launcher`), on the CPU.
+
+The sm90 pipeline runs here with its device facts faked and every compiled kernel replaced by a TVM-FFI
+function of a Python callable that notes its arguments: the Python kernel of the op and the C++ replay
+of its recording must then launch the same kernels with the same arguments — every tensor the same
+view of the same op argument, or of the same one of the call's own allocations — and return the same
+view of an allocation. The GPU tests (`tests/test_host_launcher.py`) run the real kernels both ways."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import tvm_ffi
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fp4moe import dispatch, weight_layout
+from fp4moe.kernels import host_launcher, launch_recording
+from fp4moe.kernels.sm90 import aligned_launch, compiler, moe_launch, quantize_launch
+from fp4moe.ops import moe as moe_ops
+
+EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 16, 256, 128, 4
+SCHEMA = torch.ops.fp4moe.fused_moe.default._schema
+ARGUMENT_NAMES = [a.name for a in SCHEMA.arguments]
+
+
+@pytest.fixture
+def launcher():
+    if host_launcher.mode() == "python":
+        pytest.skip(f"{host_launcher.MODE_VARIABLE}=python")
+    try:
+        return host_launcher.module()
+    except Exception as error:  # no C++ compiler: test_host_launcher covers the notice
+        pytest.skip(f"the C++ host launcher does not build here ({error})")
+
+
+def _clear_compile_caches():
+    for module in (moe_launch, quantize_launch, aligned_launch):
+        for value in vars(module).values():
+            if callable(getattr(value, "cache_clear", None)):
+                value.cache_clear()
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The sm90 backend on the CPU, its kernels replaced: the list every launch is noted in, as (kernel
+    class, arguments), each tensor argument as (address, sizes, strides, dtype)."""
+    noted = []
+
+    def stub(kernel, fake_args, arch, cache_key):
+        name = type(kernel).__name__
+
+        def launch(*args):
+            noted.append(
+                (name, [(a.data_ptr(), tuple(a.shape), tuple(a.strides), str(a.dtype)) if isinstance(a, tvm_ffi.Tensor) else a for a in args])
+            )
+
+        return tvm_ffi.convert(launch)
+
+    monkeypatch.setattr(dispatch, "device_backend", lambda device: dispatch.CUTE_SM90_BACKEND)
+    monkeypatch.setattr(moe_launch, "sm_count", lambda index: 132)
+    monkeypatch.setattr(compiler, "_compile_or_load", stub)
+    monkeypatch.setattr(host_launcher, "register", lambda *args: None)
+    _clear_compile_caches()
+    yield noted
+    _clear_compile_caches()
+
+
+def call_arguments(tokens, mode, seed, deterministic=False, x=None, **overrides):
+    """Every schema argument of a `fused_moe` call on prepared (uninitialized) weights, in order. The
+    two alphas are views of one buffer, as a model's may be."""
+    g = torch.Generator().manual_seed(seed)
+    codes1, scales1 = weight_layout.prepared_shapes(EXPERTS, 2 * INTERMEDIATE, HIDDEN, gated=True)
+    codes2, scales2 = weight_layout.prepared_shapes(EXPERTS, HIDDEN, INTERMEDIATE, gated=False)
+    alphas = torch.rand(3 * EXPERTS, generator=g) + 0.5
+    if x is None:
+        x = torch.randn(tokens, HIDDEN, generator=g).to(torch.bfloat16)
+    values = dict(
+        x=x,
+        topk_ids=torch.argsort(torch.rand(tokens, EXPERTS, generator=g), dim=1)[:, :TOP_K].to(torch.int32),
+        topk_weights=torch.rand(tokens, TOP_K, generator=g),
+        w1=torch.empty(codes1, dtype=torch.uint8),
+        w1_scales=torch.empty(scales1, dtype=torch.uint8),
+        w1_alpha=alphas[: 2 * EXPERTS].view(2, EXPERTS),
+        w2=torch.empty(codes2, dtype=torch.uint8),
+        w2_scales=torch.empty(scales2, dtype=torch.uint8),
+        w2_alpha=alphas[2 * EXPERTS :],
+        quant_mode="w4a16" if mode == "w4a16" else "w4a4",
+        per_token_activation=mode == "w4a4_token",
+        deterministic=deterministic,
+        weight_layout="sm90",
+    )
+    if mode == "w4a4_tensor":
+        values.update(fc1_input_scale=torch.tensor([3.0]), fc2_input_scale=torch.tensor([40.0]))
+    values.update(overrides)
+    return tuple(values.get(a.name, a.default_value if a.has_default_value() else None) for a in SCHEMA.arguments)
+
+
+def python_kernel(*args):
+    """`fused_moe`'s Python kernel as the launcher calls it: every schema argument, in order."""
+    return moe_ops.fused_moe(**dict(zip(ARGUMENT_NAMES, args, strict=True)))
+
+
+class KeepingAllocations(TorchDispatchMode):
+    """Keeps every tensor allocated under it alive, so that no two allocations of a call share an address
+    (as none do in a replay, which holds its buffers to the end) and `canonical` can tell them apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.kept = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in launch_recording.ALLOCATIONS:
+            self.kept.append(out)
+        return out
+
+
+def canonical(noted, args):
+    """The noted launches with each tensor argument as ("argument", index, byte offset, ...) of the op
+    argument it lies in, or ("allocation", n, ...) numbering the call's own allocations in the order of
+    first use: the same for two calls that launch alike on different tensors."""
+    spans = [
+        (i, a.data_ptr(), a.data_ptr() + a.element_size() * (1 + sum((n - 1) * s for n, s in zip(a.shape, a.stride()))))
+        for i, a in enumerate(args)
+        if isinstance(a, torch.Tensor) and a.numel()
+    ]
+    allocations = {}
+    described = []
+    for name, values in noted:
+        out = []
+        for value in values:
+            if isinstance(value, tuple):
+                address = value[0]
+                owners = [i for i, low, high in spans if low <= address < high]
+                if owners:
+                    out.append(("argument", owners, address - args[owners[0]].data_ptr(), *value[1:]))
+                else:
+                    out.append(("allocation", allocations.setdefault(address, len(allocations)), *value[1:]))
+            else:
+                out.append(value)
+        described.append((name, out))
+    return described
+
+
+def record_and_file(launcher, args, key=b"test key"):
+    """Record a call of `args` and file its program under `key`; the recorded program."""
+    with torch.inference_mode():
+        _, program, why_not = launch_recording.record(python_kernel, args)
+    assert program is not None, why_not
+    launcher.register_program(key, "fused_moe", program.buffers, program.launches, program.result)
+    return program
+
+
+MODES = ("w4a16", "w4a4_tensor", "w4a4_token")
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fused finalize", "deterministic"])
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_replay_launches_what_the_python_kernel_launches(launcher, launches, mode, tokens, deterministic):
+    """Recorded on one call's tensors, replayed on another's (same metadata, different tensors and
+    routing): kernel for kernel, argument for argument, the launches of the Python kernel on the second
+    call's tensors, each allocation used where the Python kernel uses its own; the same result view."""
+    program = record_and_file(launcher, call_arguments(tokens, mode, seed=0, deterministic=deterministic))
+    assert len(program.launches) >= 4
+    args = call_arguments(tokens, mode, seed=1, deterministic=deterministic)
+    with torch.inference_mode():
+        launches.clear()
+        with KeepingAllocations():
+            expected = python_kernel(*args)
+        expected_launches = canonical(launches, args)
+        launches.clear()
+        got = launcher.replay_for_test(b"test key", "fused_moe", args)
+        got_launches = canonical(launches, args)
+    assert [name for name, _ in got_launches] == [name for name, _ in expected_launches]
+    for (name, want), (_, have) in zip(expected_launches, got_launches, strict=True):
+        assert have == want, name
+    assert (got.shape, got.stride(), got.dtype, got.device) == (expected.shape, expected.stride(), expected.dtype, expected.device)
+    assert got.storage_offset() == expected.storage_offset()
+    # The result is a fresh allocation, not one a launch reads as an input.
+    assert all(got.data_ptr() != a.data_ptr() for a in args if isinstance(a, torch.Tensor))
+
+
+def test_a_call_without_a_program_is_recorded_and_the_next_one_replayed(launcher, launches):
+    """The CUDA kernel's own path (`serve_for_test` serves CPU tensors too): the first call of a key goes
+    to the op's Python kernel, recorded, and files a program; the next call of that key, on other
+    tensors, replays it and launches what the Python kernel would."""
+    if not host_launcher.install():
+        pytest.skip("the C++ host launcher is not in use")
+    def call_arguments_aligned(seed, **overrides):  # as the CUDA allocator places tensors: 256-byte aligned
+        args = call_arguments(6, "w4a4_token", seed=seed, swiglu_limit=7.0, **overrides)  # a configuration of its own
+        return tuple(aligned(a) if isinstance(a, torch.Tensor) else a for a in args)
+
+    first = call_arguments_aligned(0)
+    slow, programs = host_launcher.slow_path_calls(), launcher.recorded_program_count()
+    launcher.serve_for_test("fused_moe", first)
+    assert (host_launcher.slow_path_calls(), launcher.recorded_program_count()) == (slow + 1, programs + 1)
+    args = call_arguments_aligned(1)
+    launches.clear()
+    with torch.inference_mode(), KeepingAllocations():
+        expected = python_kernel(*args)
+    expected_launches = canonical(launches, args)
+    launches.clear()
+    got = launcher.serve_for_test("fused_moe", args)
+    assert host_launcher.slow_path_calls() == slow + 1, "the second call went to Python"
+    assert canonical(launches, args) == expected_launches
+    assert (got.shape, got.dtype) == (expected.shape, expected.dtype)
+    misaligned = call_arguments_aligned(2, x=torch.randn(6, HIDDEN + 1).to(torch.bfloat16)[:, :HIDDEN])
+    launcher.serve_for_test("fused_moe", misaligned)
+    launcher.serve_for_test("fused_moe", misaligned)
+    assert host_launcher.slow_path_calls() == slow + 3, "a call that copies its rows is never replayed"
+    invalid = list(call_arguments_aligned(3))
+    invalid[ARGUMENT_NAMES.index("topk_weights")] = invalid[ARGUMENT_NAMES.index("topk_weights")].double()
+    with pytest.raises(TypeError, match="topk_weights"):  # the Python kernel's own error, through the recorder
+        launcher.serve_for_test("fused_moe", tuple(invalid))
+    assert launch_recording.current() is None
+    assert launcher.recorded_program_count() == programs + 1
+
+
+def test_the_replay_allocates_afresh_on_every_call(launcher, launches):
+    """Two replays of one program get buffers of their own (the first call's results stay valid)."""
+    record_and_file(launcher, call_arguments(5, "w4a16", seed=0))
+    args = call_arguments(5, "w4a16", seed=1)
+    first = launcher.replay_for_test(b"test key", "fused_moe", args)
+    second = launcher.replay_for_test(b"test key", "fused_moe", args)
+    assert first.data_ptr() != second.data_ptr()
+
+
+def test_without_a_program_a_key_replays_nothing(launcher):
+    assert launcher.replay_for_test(b"no program has this key", "fused_moe", call_arguments(1, "w4a16", seed=0)) is None
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` (its values and strides) at an address that is a multiple of 256 bytes; a tensor that is a
+    view into a buffer starting at such an address stays as it is."""
+    base = t.untyped_storage().data_ptr()
+    if base % 256 == 0:
+        return t
+    room = torch.empty(t.untyped_storage().nbytes() + 256, dtype=torch.uint8)
+    start = -room.data_ptr() % 256
+    storage = room[start : start + t.untyped_storage().nbytes()]
+    storage.copy_(torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()))
+    return storage.view(t.dtype).as_strided(t.shape, t.stride(), start // t.element_size() + t.storage_offset())
+
+
+def test_the_key_spells_every_argument_s_metadata(launcher, monkeypatch):
+    """Equal for calls that differ only in their tensors' values; different where any argument's kind,
+    dtype, sizes, strides, alignment or value (for non-tensors) differs, and where FP4MOE_BACKEND does."""
+    def key(name, args):  # every tensor at an address that is a multiple of 256, unless given otherwise
+        return launcher.recorded_key_for_test(name, tuple(aligned(a) if isinstance(a, torch.Tensor) else a for a in args))
+
+    base = call_arguments(4, "w4a16", seed=0)
+    assert key("fused_moe", base) == key("fused_moe", call_arguments(4, "w4a16", seed=1))
+
+    wide = aligned(torch.randn(4, HIDDEN + 8).to(torch.bfloat16))
+    offset = aligned(torch.randn(4 * HIDDEN + 8).to(torch.bfloat16))
+    variants = {
+        "tokens": call_arguments(5, "w4a16", seed=0),
+        "dtype": call_arguments(4, "w4a16", seed=0, x=torch.randn(4, HIDDEN).half()),
+        "strides": call_arguments(4, "w4a16", seed=0, x=wide[:, :HIDDEN]),
+        "alignment": call_arguments(4, "w4a16", seed=0, x=offset[8:].view(4, HIDDEN)),
+        "a tensor for None": call_arguments(4, "w4a16", seed=0, fc1_input_scale=torch.tensor([1.0])),
+        "a bool": call_arguments(4, "w4a16", seed=0, deterministic=True),
+        "an int": call_arguments(4, "w4a16", seed=0, local_expert_offset=1),
+        "an optional int": call_arguments(4, "w4a16", seed=0, global_num_experts=EXPERTS),
+        "a float": call_arguments(4, "w4a16", seed=0, swiglu_alpha=1.702),
+        "a string": call_arguments(4, "w4a4_tensor", seed=0, fc1_input_scale=None, fc2_input_scale=None),
+    }
+    keys = {"base": key("fused_moe", base)}
+    for name, args in variants.items():
+        keys[name] = key("fused_moe", args)
+    nearby = key("fused_moe", call_arguments(4, "w4a16", seed=0, swiglu_alpha=1.702 + 2**-50))
+    monkeypatch.setenv(dispatch.BACKEND_VARIABLE, "reference")
+    keys["FP4MOE_BACKEND"] = key("fused_moe", base)
+    assert None not in keys.values()
+    assert len(set(keys.values())) == len(keys), keys
+    assert nearby != keys["a float"]
+
+
+def test_calls_that_run_other_torch_ops_are_not_recorded(launches):
+    """x with rows the kernels cannot read 16 bytes at a time: the launch layer copies it first (a torch
+    op), which a replay would not do."""
+    wide = torch.randn(3, HIDDEN + 1).to(torch.bfloat16)
+    args = call_arguments(3, "w4a16", seed=0, x=wide[:, :HIDDEN])
+    with torch.inference_mode():
+        result, program, why_not = launch_recording.record(python_kernel, args)
+    assert program is None and "clone" in why_not
+    assert result.shape == (3, HIDDEN)
+
+
+class _Launches:
+    """A stand-in compiled kernel for the recorder's own tests: its TVM-FFI function notes the addresses
+    (and the other values) it is called with in `called`."""
+
+    def __init__(self):
+        self.called = []
+        self.function = tvm_ffi.convert(
+            lambda *args: self.called.append([a.data_ptr() if isinstance(a, tvm_ffi.Tensor) else a for a in args])
+        )
+
+    def __call__(self, *args):
+        launch_recording.note_launch(self.function, args)
+
+
+def test_what_a_replay_could_not_reproduce_is_not_recorded(launcher):
+    kernel = _Launches()
+    a, b = torch.zeros(8), torch.zeros(8)
+    shared = torch.zeros(16)
+
+    def refused(call, args):
+        with torch.inference_mode():
+            _, program, why_not = launch_recording.record(call, args)
+        assert program is None
+        return why_not
+
+    def fills(x):
+        out = torch.empty_like(x)
+        out.fill_(1.0)
+        kernel(x, out)
+        return out
+
+    def launches_with(value):
+        def call(x):
+            out = torch.empty_like(x)
+            kernel(x, out, value)
+            return out
+
+        return call
+
+    def returns_an_argument(x):
+        kernel(x)
+        return x
+
+    def launches_nothing(x):
+        return torch.empty_like(x)
+
+    def reads_overlapping_arguments(x, y):
+        out = torch.empty_like(x)
+        kernel(x[4:12], out)
+        return out
+
+    assert "fill_" in refused(fills, (a,))
+    assert "bool" in refused(launches_with(True), (a,))
+    assert "str" in refused(launches_with("text"), (a,))
+    assert "allocations" in refused(returns_an_argument, (a,))
+    assert "no kernel" in refused(launches_nothing, (a,))
+    assert "2 op arguments" in refused(reads_overlapping_arguments, (shared[:12], shared[4:]))
+
+    def recordable(x, y):
+        out = torch.empty((2, 8))
+        kernel(x, y[2:], out[1], 3, 0.5, None)
+        return out[1:]
+
+    with torch.inference_mode():
+        result, program, why_not = launch_recording.record(recordable, (a, b))
+    assert why_not is None
+    assert program.buffers == [((2, 8), (8, 1), torch.float32)]
+    ((_, arguments),) = program.launches
+    assert arguments == [
+        ("input", 0, 0, (8,), (1,), torch.float32),
+        ("input", 1, 8, (6,), (1,), torch.float32),
+        ("buffer", 0, 32, (8,), (1,), torch.float32),
+        ("int", 3),
+        ("float", 0.5),
+        ("none",),
+    ]
+    assert program.result == ("buffer", 0, 8, (1, 8), (8, 1))
+    assert launch_recording.current() is None
+
+    # Replayed on other tensors: the views at the recorded offsets of those and of a fresh buffer.
+    launcher.register_program(b"recordable", "fused_moe", program.buffers, program.launches, program.result)
+    c, d = torch.zeros(8), torch.zeros(8)
+    replayed = launcher.replay_for_test(b"recordable", "fused_moe", (c, d) + call_arguments(1, "w4a16", seed=0)[2:])
+    assert (replayed.shape, replayed.stride()) == ((1, 8), (8, 1))
+    assert kernel.called[-1] == [c.data_ptr(), d.data_ptr() + 8, replayed.data_ptr(), 3, 0.5, None]
+
+
+def test_a_program_must_point_into_its_own_buffers_and_arguments(launcher):
+    handle = tvm_ffi.convert(lambda *args: None).__chandle__()
+    buffers = [((4,), (1,), torch.float32)]
+    result = ("buffer", 0, 0, (4,), (1,))
+    with pytest.raises(RuntimeError, match="a view of no buffer"):
+        launcher.register_program(b"bad", "fused_moe", buffers, [(handle, [("buffer", 1, 0, (4,), (1,), torch.float32)])], result)
+    with pytest.raises(RuntimeError, match="a view of no input"):
+        launcher.register_program(b"bad", "fused_moe", buffers, [(handle, [("input", 99, 0, (4,), (1,), torch.float32)])], result)
+    with pytest.raises(RuntimeError, match="no tensor"):
+        launcher.register_program(b"bad", "fused_moe", buffers, [(handle, [("input", 11, 0, (4,), (1,), torch.float32)])], result)
+    with pytest.raises(RuntimeError, match="returns no buffer"):
+        launcher.register_program(b"bad", "fused_moe", buffers, [], ("buffer", 1, 0, (4,), (1,)))
+    assert launcher.replay_for_test(b"bad", "fused_moe", call_arguments(1, "w4a16", seed=0)) is None
