@@ -9,7 +9,10 @@ On the DeepSeek-V3 shape (E=256, top-8, H=7168, I=2048) at T = 1 it measures:
   `perf_counter` (each call's GPU work is queued, not waited for); and, timed alike, a yardstick of the
   host's speed: `torch.neg` of a bf16 [1, H] tensor shaped like the call's input (one eager PyTorch
   kernel). Host speed differs up to 2x between machines, so the call's time over the yardstick's is
-  what compares across them;
+  what compares across them. The calls replay their recording in the C++ host launcher
+  (`fp4moe.kernels.host_launcher.RECORDED_OPS`; the timed calls that went to Python are counted, 0
+  expected); the same is timed in a fresh process with `FP4MOE_HOST_LAUNCHER=python`, the Python path
+  every call takes without the launcher;
 - the first call of a fresh process (compiling its kernels, or loading them from the disk cache):
   one subprocess with the cache off, one with an empty cache directory (it compiles and writes),
   one with that directory filled (it loads). These calls take the deterministic finalize, whose sums
@@ -77,13 +80,28 @@ def first_call() -> dict:
     return {"first_call_s": seconds, "compilations": compiler.compilations, "output_sha256": digest}
 
 
-def fresh_process(cache: str) -> dict:
-    env = dict(os.environ, FP4MOE_KERNEL_CACHE=cache)
+def fresh_process(flag: str, **environment) -> dict:
+    """The JSON line `python -m benchmarks.moe_host <flag>` prints in a fresh process with `environment`."""
+    env = dict(os.environ, **environment)
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.moe_host", "--first-call"],
+        [sys.executable, "-m", "benchmarks.moe_host", flag],
         env=env, cwd=report.REPOSITORY, capture_output=True, text=True, timeout=600, check=True,
     )
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def host_times(call) -> dict:
+    """The host time of an eager `call`, the yardstick's, and how many of the timed calls went to Python
+    (None without the C++ host launcher)."""
+    from fp4moe.kernels import host_launcher
+
+    launcher = host_launcher.install()
+    call()  # the first calls go to Python: the launcher is put in place, then the call is recorded
+    slow = host_launcher.slow_path_calls() if launcher else None
+    host = host_us(call)
+    python_calls = host_launcher.slow_path_calls() - slow if launcher else None
+    x = torch.randn(1, HIDDEN, device="cuda").to(torch.bfloat16)
+    return {"host_us": host, "yardstick_us": host_us(lambda: torch.neg(x)), "timed_calls_in_python": python_calls}
 
 
 def kernels_per_call(call) -> list[str]:
@@ -98,6 +116,7 @@ def kernels_per_call(call) -> list[str]:
 def host_us(call) -> float:
     for _ in range(3):
         call()
+    torch.cuda.synchronize()
     times = []
     for _ in range(HOST_BATCHES):
         torch.cuda.synchronize()
@@ -113,23 +132,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--first-call", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--host-times", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.first_call:
         print(json.dumps(first_call()))
+        return 0
+    if args.host_times:
+        print(json.dumps(host_times(problem())))
         return 0
     if not hopper_gpu("moe_host"):
         return 2
 
     with tempfile.TemporaryDirectory(prefix="fp4moe-kernel-cache-") as cache:
         print("[moe_host] first calls in fresh processes: no cache, cold cache, warm cache", flush=True)
-        fresh = {name: fresh_process(value) for name, value in (("no cache", "off"), ("cold cache", cache), ("warm cache", cache))}
+        fresh = {
+            name: fresh_process("--first-call", FP4MOE_KERNEL_CACHE=value)
+            for name, value in (("no cache", "off"), ("cold cache", cache), ("warm cache", cache))
+        }
     outputs_equal = len({r["output_sha256"] for r in fresh.values()}) == 1
-    print("[moe_host] kernels per call and eager host time", flush=True)
+    print("[moe_host] kernels per call and eager host time, through the C++ host launcher and from Python", flush=True)
     call = problem()
     kernels = kernels_per_call(call)
-    host = host_us(call)
-    x = torch.randn(1, HIDDEN, device="cuda").to(torch.bfloat16)
-    yardstick = host_us(lambda: torch.neg(x))
+    times = host_times(call)
+    host, yardstick = times["host_us"], times["yardstick_us"]
+    python_path = fresh_process("--host-times", FP4MOE_HOST_LAUNCHER="python")
 
     env = report.environment(torch.device("cuda"), "benchmarks.moe_host", sys.argv[1:] if argv is None else argv)
     result = {
@@ -138,14 +164,22 @@ def main(argv: list[str] | None = None) -> int:
         "kernels_per_call": kernels,
         "host_us_per_eager_call": host,
         "yardstick_torch_neg_us": yardstick,
+        "timed_calls_in_python": times["timed_calls_in_python"],
+        "python_path": python_path,
         "first_call": fresh,
         "first_call_outputs_bitwise_equal": outputs_equal,
     }
     names = [(re.search(r"MoE[A-Za-z]+Sm90", k) or re.match(r".{0,40}", k)).group(0) for k in kernels]
     rows = [["kernels per call", f"{len(kernels)}: " + ", ".join(names)]]
-    rows.append(["host time per eager call (median of 20 x 100 calls)", f"{host:.1f} us"])
+    rows.append(["host time per eager call (median of 20 x 100 calls, C++ host launcher)", f"{host:.1f} us"])
     rows.append(["yardstick: eager `torch.neg` of the [1, H] input, timed alike", f"{yardstick:.1f} us"])
     rows.append(["call / yardstick", f"{host / yardstick:.1f}"])
+    rows.append(["timed calls that went to Python", str(times["timed_calls_in_python"])])
+    rows.append([
+        "the same from Python (`FP4MOE_HOST_LAUNCHER=python`, fresh process): call, yardstick",
+        f"{python_path['host_us']:.1f} us, {python_path['yardstick_us']:.1f} us",
+    ])
+    rows.append(["Python path / C++ host launcher", f"{python_path['host_us'] / host:.2f}"])
     for name, r in fresh.items():
         rows.append([f"first call, fresh process, {name}", f"{r['first_call_s']:.2f} s ({r['compilations']} kernels compiled)"])
     rows.append(["the three first-call outputs bitwise equal", str(outputs_equal)])
@@ -162,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     report.write_json(stem.with_suffix(".json"), result)
     stem.with_suffix(".md").write_text(text)
     print(f"results: {stem}.json and .md")
-    return 0 if outputs_equal and fresh["warm cache"]["compilations"] == 0 else 1
+    replayed = times["timed_calls_in_python"] == 0
+    return 0 if outputs_equal and fresh["warm cache"]["compilations"] == 0 and replayed else 1
 
 
 if __name__ == "__main__":
