@@ -9,7 +9,7 @@ everywhere else. The route-plan op runs the reference everywhere.
 from __future__ import annotations
 
 from fp4moe import dispatch, validation
-from fp4moe.ops.library import define_op
+from fp4moe.ops.library import define_op, serve_from_cpp
 from fp4moe.reference import aligned_moe as reference
 
 ALIGN_BLOCK_SIZE_SCHEMA = (
@@ -31,8 +31,10 @@ def align_block_size(topk_ids, block_m, num_experts, local_expert_offset):
 
 def aligned_moe_(**args):
     validation.check_aligned_moe(**args, real_storage=True)
-    backend = dispatch.device_backend(args["out"].device)
-    dispatch.kernel_module("aligned_moe", backend).aligned_moe_(**args)
+    device = args["out"].device
+    if device.type == "cuda":  # on Hopper, later calls replay from C++ (`fp4moe.kernels.host_launcher.RECORDED_OPS`)
+        serve_from_cpp(device)
+    dispatch.kernel_module("aligned_moe", dispatch.device_backend(device)).aligned_moe_(**args)
 
 
 for _schema, _impl in ((ALIGN_BLOCK_SIZE_SCHEMA, align_block_size), (ALIGNED_MOE_SCHEMA, aligned_moe_)):

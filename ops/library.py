@@ -14,9 +14,12 @@ kernels).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
+
+from fp4moe import dispatch
 
 NAMESPACE = "fp4moe"
 LIBRARY = torch.library.Library(NAMESPACE, "DEF")
@@ -113,6 +116,17 @@ def hand_over_to_native(names: tuple[str, ...], install: Callable) -> None:
         for name, cuda_kernel, autograd_kernel in zip(names, cuda_kernels, autograd_kernels, strict=True):
             _register_replaceable_kernels(name, cuda_kernel, autograd_kernel)
         raise
+
+
+@functools.cache
+def serve_from_cpp(device: torch.device) -> None:
+    """Where the sm90 kernels serve `device` (a device with an index: a tensor's), the C++ host launcher
+    takes over the CUDA kernels of its ops from the first call of one of them on (installed once per
+    process: `fp4moe.kernels.host_launcher.install`)."""
+    if dispatch.device_backend(device) == dispatch.CUTE_SM90_BACKEND:
+        from fp4moe.kernels import host_launcher
+
+        host_launcher.install()
 
 
 def register_fake_op(name: str, fake: Callable) -> None:

@@ -17,12 +17,8 @@ this contract, on the CPU and on CUDA alike: no out-of-bounds read, no device as
 
 from __future__ import annotations
 
-import functools
-
-import torch
-
 from fp4moe import dispatch, pipeline, validation
-from fp4moe.ops.library import BFLOAT16_SCALAR_TYPE, define_op
+from fp4moe.ops.library import BFLOAT16_SCALAR_TYPE, define_op, serve_from_cpp
 from fp4moe.reference import moe as reference
 
 MOE_PLAN_SCHEMA = (
@@ -76,21 +72,10 @@ def moe_finalize(expanded, pair_to_permuted, top_k, out_dtype):
     return backend.moe_finalize(expanded, pair_to_permuted, top_k, out_dtype)
 
 
-@functools.cache
-def _install_host_launcher(device: torch.device) -> None:
-    """Where the sm90 kernels serve `device`, the C++ host launcher takes over `fused_moe`'s CUDA kernel
-    from the first call on: it records a configuration's launches on its next call and replays them on
-    later ones (`fp4moe.kernels.host_launcher.RECORDED_OPS`)."""
-    if dispatch.device_backend(device) == dispatch.CUTE_SM90_BACKEND:
-        from fp4moe.kernels import host_launcher
-
-        host_launcher.install()
-
-
 def fused_moe(**args):
     validation.check_fused_moe(**args)
-    if args["x"].is_cuda:
-        _install_host_launcher(args["x"].device)
+    if args["x"].is_cuda:  # on Hopper, later calls replay from C++ (`fp4moe.kernels.host_launcher.RECORDED_OPS`)
+        serve_from_cpp(args["x"].device)
     return pipeline.fused_moe(**args)
 
 

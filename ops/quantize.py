@@ -8,7 +8,7 @@ import torch
 
 from fp4moe import dispatch, validation
 from fp4moe.nvfp4 import DEFAULT_GLOBAL_SCALE_INV
-from fp4moe.ops.library import BFLOAT16_SCALAR_TYPE, define_op
+from fp4moe.ops.library import BFLOAT16_SCALAR_TYPE, define_op, serve_from_cpp
 
 QUANTIZE_SCHEMA = (
     'quantize(Tensor x, Tensor global_scale, str sf_layout="swizzled", str four_over_six="off") '
@@ -29,12 +29,8 @@ TILE_AMAX_SCHEMA = "tile_amax(Tensor x, int tile_n) -> Tensor"
 @functools.cache
 def _backend_module(device: torch.device):
     """The module implementing the quantization ops on `device` (a device with an index: a tensor's)."""
-    backend = dispatch.device_backend(device)
-    module = dispatch.kernel_module("quantize", backend)  # imports the CuTe DSL only where it runs
-    if backend == dispatch.CUTE_SM90_BACKEND:
-        from fp4moe.kernels import host_launcher
-
-        host_launcher.install()
+    module = dispatch.kernel_module("quantize", dispatch.device_backend(device))  # imports the CuTe DSL only where it runs
+    serve_from_cpp(device)
     return module
 
 

@@ -16,8 +16,9 @@ import pytest
 import torch
 import tvm_ffi
 
-from fp4moe import dispatch, nvfp4, pipeline
+from fp4moe import dispatch, nvfp4, pipeline, weight_layout
 from fp4moe.kernels import host_launcher
+from fp4moe.kernels.sm90 import aligned_launch
 from fp4moe.kernels.sm90.quantize import MANY_ELEMENTS
 from fp4moe.nvfp4 import ceil_div
 from fp4moe.op_outputs import (
@@ -34,6 +35,8 @@ from fp4moe.reference import quantize as reference
 from tests.compare import assert_bitwise_equal
 from tests.hopper import activations, poisoned, runs_the_sm90_kernels
 from tests.moe_problems import assert_moe_close, loop_reference, make_problem
+from tests.test_aligned_moe import make_problem as make_aligned_problem
+from tests.test_aligned_moe import plan_for as aligned_plan_for
 
 ops = torch.ops.fp4moe
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -56,7 +59,7 @@ def test_the_launcher_builds_and_owns_the_cuda_kernels():
             kernels = [line for line in torch._C._dispatch_dump(f"fp4moe::{name}").splitlines() if line.startswith(key)]
             assert len(kernels) == 1 and "host_launcher.cpp" in kernels[0], kernels
     assert "host_launcher.cpp" not in torch._C._dispatch_dump("fp4moe::dequantize")
-    assert "host_launcher.cpp" not in torch._C._dispatch_dump("fp4moe::aligned_moe_")
+    assert "host_launcher.cpp" not in torch._C._dispatch_dump("fp4moe::align_block_size")
 
 
 def test_the_launcher_takes_the_contract_numbers_from_python(launcher):
@@ -645,3 +648,37 @@ def test_a_recorded_fused_moe_follows_the_backend_override(hopper, monkeypatch):
     monkeypatch.delenv(dispatch.BACKEND_VARIABLE)
     assert_bitwise_equal(problem.run(weight_layout="sm90"), python_path(problem), "replayed again")
     assert host_launcher.slow_path_calls() == slow + 2
+
+
+def prepared_aligned_problem(tokens, top_k, experts, k, n, seed):
+    """An `aligned_moe_` problem on the GPU (`tests.test_aligned_moe.make_problem`) with its weights in the
+    prepared layout, which a replay needs (linear weights are re-laid out by torch ops on every call)."""
+    problem, topk_ids, out = make_aligned_problem(tokens, top_k, experts, k, n, seed=seed, device="cuda")
+    problem["w1"], problem["w1_scales"] = weight_layout.prepare_sm90(problem["w1"], problem["w1_scales"], gated=True)
+    problem["w2"], problem["w2_scales"] = weight_layout.prepare_sm90(problem["w2"], problem["w2_scales"], gated=False)
+    return problem, topk_ids, out
+
+
+@pytest.mark.gpu
+def test_repeat_aligned_moe_calls_replay_their_recording(hopper):
+    """In place: each replayed call adds into a fresh seeded `out` exactly what the Python path adds
+    (`aligned_launch.aligned_moe_`, the same kernels), on fresh activations, routing and plan; an `out`
+    overlapping `hidden` is still refused (its key differs, so the Python kernel checks it)."""
+    tokens, top_k, experts, k, n, block_m = 40, 4, 8, 256, 256, 16
+    problem, topk_ids, out = prepared_aligned_problem(tokens, top_k, experts, k, n, seed=11)
+    ops.aligned_moe_(out, **problem, **aligned_plan_for(topk_ids, block_m, experts), routed_scaling_factor=2.5, block_m=block_m, weight_layout="sm90")
+    slow = host_launcher.slow_path_calls()
+    for seed in (12, 13, 14):
+        fresh, fresh_ids, fresh_out = prepared_aligned_problem(tokens, top_k, experts, k, n, seed=seed)
+        arguments = dict(problem, hidden=fresh["hidden"], hidden_scales=fresh["hidden_scales"], topk_weights=fresh["topk_weights"])
+        arguments.update(aligned_plan_for(fresh_ids, block_m, experts), routed_scaling_factor=2.5, block_m=block_m, weight_layout="sm90")
+        expected = fresh_out.clone()
+        aligned_launch.aligned_moe_(expected, **arguments)
+        got = fresh_out.clone()
+        assert ops.aligned_moe_(got, **arguments) is None
+        assert_bitwise_equal(got, expected, f"replayed aligned_moe_, seed {seed}")
+    assert host_launcher.slow_path_calls() == slow, "a recorded configuration went through Python"
+    shared = torch.zeros(tokens * k * 2, dtype=torch.uint8, device="cuda")
+    overlapping = dict(arguments, hidden=shared[: tokens * k // 2].view(tokens, k // 2))
+    with pytest.raises(RuntimeError, match="out overlaps hidden"):
+        ops.aligned_moe_(shared.view(torch.bfloat16).view(tokens, k), **overlapping)

@@ -9,6 +9,7 @@ view of an allocation. The GPU tests (`tests/test_host_launcher.py`) run the rea
 
 from __future__ import annotations
 
+import numpy
 import pytest
 import torch
 import tvm_ffi
@@ -17,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fp4moe import dispatch, weight_layout
 from fp4moe.kernels import host_launcher, launch_recording
 from fp4moe.kernels.sm90 import aligned_launch, compiler, moe_launch, quantize_launch
+from fp4moe.ops import aligned_moe as aligned_ops
 from fp4moe.ops import moe as moe_ops
 
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 16, 256, 128, 4
@@ -182,10 +184,12 @@ def test_a_replay_launches_what_the_python_kernel_launches(launcher, launches, m
     assert all(got.data_ptr() != a.data_ptr() for a in args if isinstance(a, torch.Tensor))
 
 
-def test_a_call_without_a_program_is_recorded_and_the_next_one_replayed(launcher, launches):
+def test_a_call_without_a_program_is_recorded_and_the_next_one_replayed(launcher, launches, monkeypatch):
     """The CUDA kernel's own path (`serve_for_test` serves CPU tensors too): the first call of a key goes
     to the op's Python kernel, recorded, and files a program; the next call of that key, on other
-    tensors, replays it and launches what the Python kernel would."""
+    tensors, replays it and launches what the Python kernel would. A call that is not replayable goes
+    to Python, recorded once, then without recording."""
+    record = launch_recording.record
     if not host_launcher.install():
         pytest.skip("the C++ host launcher is not in use")
     def call_arguments_aligned(seed, **overrides):  # as the CUDA allocator places tensors: 256-byte aligned
@@ -207,9 +211,12 @@ def test_a_call_without_a_program_is_recorded_and_the_next_one_replayed(launcher
     assert canonical(launches, args) == expected_launches
     assert (got.shape, got.dtype) == (expected.shape, expected.dtype)
     misaligned = call_arguments_aligned(2, x=torch.randn(6, HIDDEN + 1).to(torch.bfloat16)[:, :HIDDEN])
+    recordings = []
+    monkeypatch.setattr(launch_recording, "record", lambda *a: recordings.append(1) or record(*a))
     launcher.serve_for_test("fused_moe", misaligned)
     launcher.serve_for_test("fused_moe", misaligned)
     assert host_launcher.slow_path_calls() == slow + 3, "a call that copies its rows is never replayed"
+    assert len(recordings) == 1, "an unreplayable configuration is recorded once"
     invalid = list(call_arguments_aligned(3))
     invalid[ARGUMENT_NAMES.index("topk_weights")] = invalid[ARGUMENT_NAMES.index("topk_weights")].double()
     with pytest.raises(TypeError, match="topk_weights"):  # the Python kernel's own error, through the recorder
@@ -232,16 +239,17 @@ def test_without_a_program_a_key_replays_nothing(launcher):
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:
-    """`t` (its values and strides) at an address that is a multiple of 256 bytes; a tensor that is a
-    view into a buffer starting at such an address stays as it is."""
-    base = t.untyped_storage().data_ptr()
-    if base % 256 == 0:
+    """`t` (its values, strides and storage offset) in a storage whose first byte is at a multiple of 256,
+    as the CUDA allocator places its blocks (the CPU's places them at multiples of 64 only); a tensor
+    already in such a storage (a view of one) stays as it is."""
+    if t.untyped_storage().data_ptr() % 256 == 0:
         return t
-    room = torch.empty(t.untyped_storage().nbytes() + 256, dtype=torch.uint8)
-    start = -room.data_ptr() % 256
-    storage = room[start : start + t.untyped_storage().nbytes()]
+    nbytes = t.untyped_storage().nbytes()
+    room = numpy.empty(nbytes + 256, dtype=numpy.uint8)
+    start = -room.ctypes.data % 256
+    storage = torch.from_numpy(room[start : start + nbytes])  # a storage starting at that address
     storage.copy_(torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()))
-    return storage.view(t.dtype).as_strided(t.shape, t.stride(), start // t.element_size() + t.storage_offset())
+    return storage.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 def test_the_key_spells_every_argument_s_metadata(launcher, monkeypatch):
@@ -389,3 +397,83 @@ def test_a_program_must_point_into_its_own_buffers_and_arguments(launcher):
     with pytest.raises(RuntimeError, match="returns no buffer"):
         launcher.register_program(b"bad", "fused_moe", buffers, [], ("buffer", 1, 0, (4,), (1,)))
     assert launcher.replay_for_test(b"bad", "fused_moe", call_arguments(1, "w4a16", seed=0)) is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# aligned_moe_: in place (returns nothing), and it refuses an `out` that overlaps an input
+# ---------------------------------------------------------------------------------------------------
+ALIGNED_SCHEMA = torch.ops.fp4moe.aligned_moe_.default._schema
+ALIGNED_TOKENS, ALIGNED_K, ALIGNED_N, ALIGNED_EXPERTS, ALIGNED_TOP_K, BLOCK_M = 19, 256, 256, 4, 2, 8
+
+
+def aligned_arguments(seed, out=None, hidden=None):
+    """Every schema argument of an `aligned_moe_` call on prepared weights, 256-byte aligned as the CUDA
+    allocator places tensors; `out` and `hidden` may be given (the same shapes and dtypes)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens, k, n, experts = ALIGNED_TOKENS, ALIGNED_K, ALIGNED_N, ALIGNED_EXPERTS
+    codes1, scales1 = weight_layout.prepared_shapes(experts, n, k, gated=True)
+    codes2, scales2 = weight_layout.prepared_shapes(experts, k, n // 2, gated=False)
+    topk_ids = torch.argsort(torch.rand(tokens, experts, generator=g), dim=1)[:, :ALIGNED_TOP_K].to(torch.int32)
+    plan = torch.ops.fp4moe.align_block_size(topk_ids, BLOCK_M, experts)
+    values = dict(
+        out=torch.randn(tokens, k, generator=g).to(torch.bfloat16) if out is None else out,
+        hidden=torch.randint(0, 256, (tokens, k // 2), generator=g, dtype=torch.uint8) if hidden is None else hidden,
+        hidden_scales=torch.ones(tokens, k // 16).to(torch.float8_e4m3fn),
+        w1=torch.empty(codes1, dtype=torch.uint8),
+        w1_scales=torch.empty(scales1, dtype=torch.uint8),
+        w2=torch.empty(codes2, dtype=torch.uint8),
+        w2_scales=torch.empty(scales2, dtype=torch.uint8),
+        scale_gate=torch.rand(experts, generator=g),
+        scale_up=torch.rand(experts, generator=g),
+        scale_down=torch.rand(experts, generator=g),
+        sorted_token_ids=plan[0],
+        expert_ids=plan[1],
+        num_tokens_post_padded=plan[2],
+        topk_weights=torch.rand(tokens, ALIGNED_TOP_K, generator=g),
+        routed_scaling_factor=2.5,
+        block_m=BLOCK_M,
+        weight_layout="sm90",
+    )
+    args = [values.get(a.name, a.default_value if a.has_default_value() else None) for a in ALIGNED_SCHEMA.arguments]
+    return tuple(aligned(a) if isinstance(a, torch.Tensor) and a.numel() else a for a in args)
+
+
+def test_an_in_place_op_is_recorded_and_replayed_returning_nothing(launcher, launches):
+    """`aligned_moe_` through the CUDA kernel's own path: recorded on its first call, replayed on the
+    next (on other tensors), launching what its Python kernel launches and returning nothing."""
+    if not host_launcher.install():
+        pytest.skip("the C++ host launcher is not in use")
+    slow, programs = host_launcher.slow_path_calls(), launcher.recorded_program_count()
+    assert launcher.serve_for_test("aligned_moe_", aligned_arguments(0)) is None
+    assert (host_launcher.slow_path_calls(), launcher.recorded_program_count()) == (slow + 1, programs + 1)
+    args = aligned_arguments(1)
+    launches.clear()
+    with torch.inference_mode(), KeepingAllocations():
+        aligned_ops.aligned_moe_(**dict(zip([a.name for a in ALIGNED_SCHEMA.arguments], args, strict=True)))
+    expected = canonical(launches, args)
+    launches.clear()
+    assert launcher.serve_for_test("aligned_moe_", args) is None
+    assert host_launcher.slow_path_calls() == slow + 1, "the second call went to Python"
+    assert canonical(launches, args) == expected
+    assert any(value[:2] == ("argument", [0]) for _, values in expected for value in values if isinstance(value, tuple)), (
+        "a launch writes out"
+    )
+
+
+def test_an_out_overlapping_an_input_changes_the_key_and_is_refused_again(launcher, launches):
+    """The key spells which tensors share bytes: a call whose out overlaps hidden (each with the
+    metadata of a recorded call) is not replayed but goes to the Python kernel, which refuses it."""
+    if not host_launcher.install():
+        pytest.skip("the C++ host launcher is not in use")
+    launcher.serve_for_test("aligned_moe_", aligned_arguments(2))
+    hidden_bytes = ALIGNED_TOKENS * ALIGNED_K // 2
+    shared = aligned(torch.zeros(ALIGNED_TOKENS * ALIGNED_K * 2, dtype=torch.uint8))
+    apart = aligned_arguments(3)
+    overlapping = aligned_arguments(3, out=shared.view(torch.bfloat16).view(ALIGNED_TOKENS, ALIGNED_K), hidden=shared[:hidden_bytes].view(ALIGNED_TOKENS, ALIGNED_K // 2))
+    key = launcher.recorded_key_for_test
+    assert key("aligned_moe_", apart) == key("aligned_moe_", aligned_arguments(2))
+    assert key("aligned_moe_", overlapping) != key("aligned_moe_", apart)
+    slow = host_launcher.slow_path_calls()
+    with pytest.raises(RuntimeError, match="out overlaps hidden"):
+        launcher.serve_for_test("aligned_moe_", overlapping)
+    assert host_launcher.slow_path_calls() == slow + 1

@@ -56,6 +56,7 @@
 #include <string>
 #include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -543,7 +544,7 @@ struct RecordedBuffer {
 };
 
 // A recorded call: its allocations, its launches (holding one reference to each function) and which
-// allocation, seen how, it returns.
+// allocation, seen how, it returns (if it returns one).
 class Program {
  public:
   Program() = default;
@@ -555,6 +556,7 @@ class Program {
 
   std::vector<RecordedBuffer> buffers;
   std::vector<std::pair<TVMFFIObjectHandle, std::vector<RecordedArgument>>> launches;
+  bool has_result = false;  // false for an op that returns nothing (it writes an argument in place)
   int64_t result_buffer = 0;
   int64_t result_offset = 0;
   std::vector<int64_t> result_sizes, result_strides;
@@ -563,14 +565,15 @@ class Program {
 struct RecordedOps {
   std::mutex mutex;
   std::unordered_map<std::string, std::shared_ptr<const Program>> programs;  // by key
+  std::unordered_set<std::string> unreplayable;  // keys whose recorded call was not replayable
   std::unordered_map<std::string, std::array<py::object*, kNumRoles>> python_kernels;  // by "fp4moe::<op>"
   py::object* recorder = nullptr;  // host_launcher.serve_recorded_call
 };
 RecordedOps& recorded_ops = *new RecordedOps;  // never destroyed, as `registry`
 
-// Programs filed at most: calls of further configurations (a process seeing ever new token counts) go
-// to Python unrecorded, so the registry's memory stays bounded.
-constexpr size_t kMaxPrograms = 4096;
+// Keys filed at most (programs and unreplayable keys): calls of further configurations (a process seeing
+// ever new token counts) go to Python unrecorded, so the registry's memory stays bounded.
+constexpr size_t kMaxKeys = 4096;
 
 std::shared_ptr<const Program> find_program(const std::string& key) {
   std::lock_guard<std::mutex> lock(recorded_ops.mutex);
@@ -582,13 +585,22 @@ const c10::FunctionSchema& recorded_schema(const std::string& op_name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(("fp4moe::" + op_name).c_str(), "").schema();
 }
 
+// Bytes [first, last + 1) of a tensor's elements (empty for a tensor without elements).
+std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
+  if (t.numel() == 0) return {0, 0};
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  const auto first = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return {first, first + static_cast<uintptr_t>((last + 1) * t.element_size())};
+}
+
 void append_int(std::string& key, int64_t value) { key.append(reinterpret_cast<const char*>(&value), sizeof value); }
 
 // The key of a recorded op's call: its name, FP4MOE_BACKEND (read on every call, as the Python kernel
-// reads it), then per argument its kind and metadata (a tensor's dtype, sizes, strides, device and
-// address modulo 256, which decides the launch layers' alignment checks). False (no key) where an
-// argument is of a kind the recorder does not take, or a tensor is not on the first tensor's CUDA
-// device; `device` is that device.
+// reads it), per argument its kind and metadata (a tensor's dtype, sizes, strides, device and address
+// modulo 256, which decides the launch layers' alignment checks; another argument's value), then which
+// tensors overlap in memory. False (no key) where an argument is of a kind the recorder does not take,
+// or a tensor is not on the first tensor's CUDA device; `device` is that device.
 bool spell_recorded_key(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IValue> args, std::string& key,
                         c10::Device& device, bool cuda_only = true) {
   key = schema.name();
@@ -597,10 +609,12 @@ bool spell_recorded_key(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IV
   key += backend == nullptr ? "" : backend;
   key += '\0';
   bool found_device = false;
+  c10::SmallVector<std::pair<uintptr_t, uintptr_t>, 16> spans;  // bytes [first, last + 1) of each tensor
   for (const c10::IValue& value : args) {
     if (value.isTensor()) {
       const at::Tensor& t = value.toTensor();
       if (!t.defined() || (cuda_only && !t.is_cuda())) return false;
+      spans.push_back(byte_span(t));
       if (!found_device) {
         device = t.device();
         found_device = true;
@@ -636,10 +650,16 @@ bool spell_recorded_key(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IV
       return false;
     }
   }
+  // Which tensors share bytes: an op may reject a call by that (aligned_moe_'s out overlapping an input).
+  for (size_t i = 0; i < spans.size(); ++i) {
+    for (size_t j = i + 1; j < spans.size(); ++j) {
+      key += spans[i].first < spans[j].second && spans[j].first < spans[i].second ? '1' : '0';
+    }
+  }
   return found_device;
 }
 
-// A call of `program` for the op arguments `args` on `device`: its result.
+// A call of `program` for the op arguments `args` on `device`: its result (undefined where it has none).
 at::Tensor replay(const Program& program, c10::ArrayRef<c10::IValue> args, const c10::Device& device) {
   std::vector<at::Tensor> buffers;
   buffers.reserve(program.buffers.size());
@@ -668,6 +688,7 @@ at::Tensor replay(const Program& program, c10::ArrayRef<c10::IValue> args, const
     }
     call.call(function, device);
   }
+  if (!program.has_result) return at::Tensor();
   return buffers[program.result_buffer].as_strided(program.result_sizes, program.result_strides, program.result_offset);
 }
 
@@ -696,7 +717,7 @@ RecordedView view_of(const py::tuple& item, bool empty) {
 // Files a recorded call (launch_recording.Program's fields) under `key`. Checks that every index points
 // into the program or the op's arguments; the views themselves are the recorder's.
 void register_program(const py::bytes& key, const std::string& op_name, const py::list& buffers,
-                      const py::list& launches, const py::tuple& result) {
+                      const py::list& launches, const py::object& result) {
   const auto& schema = recorded_schema(op_name);
   const auto arguments = static_cast<int64_t>(schema.arguments().size());
   auto program = std::make_shared<Program>();
@@ -742,14 +763,20 @@ void register_program(const py::bytes& key, const std::string& op_name, const py
     TVMFFIObjectIncRef(function);
     program->launches.emplace_back(function, std::move(recorded));
   }
-  TORCH_CHECK(result.size() == 5 && result[0].cast<std::string>() == "buffer",
-              "fp4moe host launcher: a program returns one of its buffers");
-  program->result_buffer = result[1].cast<int64_t>();
-  TORCH_CHECK(program->result_buffer >= 0 && program->result_buffer < buffer_count,
-              "fp4moe host launcher: a program returns no buffer of its own");
-  program->result_offset = result[2].cast<int64_t>();
-  program->result_sizes = int_list(result[3]);
-  program->result_strides = int_list(result[4]);
+  program->has_result = !result.is_none();
+  TORCH_CHECK(program->has_result == !schema.returns().empty(), "fp4moe host launcher: fp4moe::", op_name,
+              " returns ", schema.returns().size(), " tensors, its program ", program->has_result ? "one" : "none");
+  if (program->has_result) {
+    const auto returned = result.cast<py::tuple>();
+    TORCH_CHECK(returned.size() == 5 && returned[0].cast<std::string>() == "buffer",
+                "fp4moe host launcher: a program returns one of its buffers");
+    program->result_buffer = returned[1].cast<int64_t>();
+    TORCH_CHECK(program->result_buffer >= 0 && program->result_buffer < buffer_count,
+                "fp4moe host launcher: a program returns no buffer of its own");
+    program->result_offset = returned[2].cast<int64_t>();
+    program->result_sizes = int_list(returned[3]);
+    program->result_strides = int_list(returned[4]);
+  }
   std::lock_guard<std::mutex> lock(recorded_ops.mutex);
   recorded_ops.programs[std::string(key)] = std::move(program);
 }
@@ -759,14 +786,28 @@ size_t recorded_program_count() {
   return recorded_ops.programs.size();
 }
 
+// Files `key` as one whose call was recorded but is not replayable: its later calls go to Python
+// without recording (the recorder's dispatch mode costs host time).
+void refuse_key(const py::bytes& key) {
+  std::lock_guard<std::mutex> lock(recorded_ops.mutex);
+  recorded_ops.unreplayable.insert(std::string(key));
+}
+
+// Whether a call of `key` without a program should be recorded: not refused before, and room left.
+bool records(const std::string& key) {
+  std::lock_guard<std::mutex> lock(recorded_ops.mutex);
+  return recorded_ops.unreplayable.count(key) == 0 &&
+         recorded_ops.programs.size() + recorded_ops.unreplayable.size() < kMaxKeys;
+}
+
 // The Python kernel of a recorded op in `role`.
 py::object& recorded_python_kernel(const c10::OperatorHandle& op, Role role) {
   std::lock_guard<std::mutex> lock(recorded_ops.mutex);
   return *recorded_ops.python_kernels.at(op.schema().name())[role];
 }
 
-// Runs `python(*args)` in place of the boxed call on `stack` (its arguments popped, its one result
-// pushed); with the recorder where `key` is given (its Python kernel then runs recorded).
+// Runs `python(*args)` in place of the boxed call on `stack` (its arguments popped, its result, if the
+// op returns one, pushed); with the recorder where `key` is given (its Python kernel then runs recorded).
 void call_python_boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack, py::object& python,
                        const std::string* key) {
   slow_path_calls.fetch_add(1, std::memory_order_relaxed);
@@ -781,7 +822,7 @@ void call_python_boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack, 
                                      : (*recorded_ops.recorder)(py::bytes(*key), name.substr(name.find("::") + 2),
                                                                 python, values);
   torch::jit::drop(*stack, n);
-  torch::jit::push(*stack, torch::jit::toIValue(result, schema.returns()[0].type()));
+  if (!schema.returns().empty()) torch::jit::push(*stack, torch::jit::toIValue(result, schema.returns()[0].type()));
 }
 
 // A recorded op's call on `stack`: replayed where its key has a program, else through the op's Python
@@ -796,10 +837,10 @@ void serve_recorded(const c10::OperatorHandle& op, torch::jit::Stack* stack, boo
     if (const auto program = find_program(key)) {
       at::Tensor result = replay(*program, torch::jit::last(*stack, n), device);
       torch::jit::drop(*stack, n);
-      torch::jit::push(*stack, std::move(result));
+      if (program->has_result) torch::jit::push(*stack, std::move(result));
       return;
     }
-    if (recorded_program_count() < kMaxPrograms) {
+    if (records(key)) {
       call_python_boxed(op, stack, recorded_python_kernel(op, kCuda), &key);
       return;
     }
@@ -855,17 +896,21 @@ py::object serve_for_test(const std::string& op_name, const py::tuple& values) {
     py::gil_scoped_release no_gil;  // as in a dispatcher call: the Python path takes it back
     serve_recorded(op, &stack, false);
   }
-  return torch::jit::toPyObject(stack.back());
+  return stack.empty() ? py::none() : torch::jit::toPyObject(stack.back());
 }
 
 // For the tests: a recorded program replayed outside the dispatcher, on any device (CPU tensors
-// included, with TVM-FFI functions of Python callables): the result, or None without a program.
+// included, with TVM-FFI functions of Python callables): the result, or None (no program, or an op that
+// returns nothing).
 py::object replay_for_test(const py::bytes& key, const std::string& op_name, const py::tuple& values) {
   const auto program = find_program(std::string(key));
   if (program == nullptr) return py::none();
   const auto args = boxed_arguments(recorded_schema(op_name), values);
   for (const c10::IValue& value : args) {
-    if (value.isTensor()) return py::cast(replay(*program, args, value.toTensor().device()));
+    if (value.isTensor()) {
+      at::Tensor result = replay(*program, args, value.toTensor().device());
+      return result.defined() ? py::cast(result) : py::none();
+    }
   }
   TORCH_CHECK(false, "fp4moe host launcher: a replay needs a tensor argument");
 }
@@ -961,8 +1006,9 @@ void install(const py::dict& values, const py::object& recorder, const std::vect
               kernels.size());
   for (const std::string& name : recorded) {
     const auto& schema = recorded_schema(name);
-    TORCH_CHECK(schema.returns().size() == 1 && schema.returns()[0].type()->kind() == c10::TypeKind::TensorType,
-                "fp4moe host launcher: a recorded op returns one tensor; ", name, " does not");
+    TORCH_CHECK(schema.returns().empty() ||
+                    (schema.returns().size() == 1 && schema.returns()[0].type()->kind() == c10::TypeKind::TensorType),
+                "fp4moe host launcher: a recorded op returns one tensor or nothing; ", name, " does not");
   }
   contract = contract_from(values);
   for (int op = 0; op < kNumOps; ++op) {
@@ -1013,6 +1059,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_program", &fp4moe::register_program,
         "File a recorded call of a recorded op (launch_recording.Program) under its key");
   m.def("recorded_program_count", &fp4moe::recorded_program_count, "How many recorded programs are filed");
+  m.def("refuse_key", &fp4moe::refuse_key, "File a key whose recorded call is not replayable (later calls: Python)");
   m.def("recorded_key_for_test", &fp4moe::recorded_key_for_test,
         "The key of a recorded op's call with these arguments, spelled on any device (None without one)");
   m.def("serve_for_test", &fp4moe::serve_for_test,

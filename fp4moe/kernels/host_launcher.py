@@ -19,10 +19,11 @@ that key (only then: a launch outside an op call, such as a pipeline stage calli
 directly, files nothing, so the first op call of a configuration launched only that way goes through
 Python once more, without compiling).
 
-`fused_moe` (`RECORDED_OPS`) launches four to six kernels per call from a Python pipeline whose checks,
-dispatch, tile arithmetic and allocations cost most of an eager call's host time. The launcher takes it
-over by recording: a call's key spells every argument's metadata (dtype, sizes, strides, device,
-address modulo 256; every non-tensor argument's value) and `FP4MOE_BACKEND`; the first call of a key
+`fused_moe` and `aligned_moe_` (`RECORDED_OPS`) launch four to six kernels per call from Python
+pipelines whose checks, dispatch, tile arithmetic and allocations cost most of an eager call's host
+time. The launcher takes them over by recording: a call's key spells every argument's metadata (dtype,
+sizes, strides, device, address modulo 256; every non-tensor argument's value), which tensors overlap
+in memory (`aligned_moe_` refuses an `out` overlapping an input) and `FP4MOE_BACKEND`; the first call of a key
 runs the op's Python kernel under `serve_recorded_call`, which records its allocations and launches
 (`fp4moe.kernels.launch_recording`) and files them as the key's program; later calls replay the program
 in C++: the same allocations, the same compiled functions, each tensor argument the recorded view of
@@ -35,8 +36,8 @@ The launcher is built with `torch.utils.cpp_extension` (a C++ compiler and ninja
 first use and cached under `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`). Set
 `FP4MOE_HOST_LAUNCHER=python` to keep the Python launch path. Without a C++ compiler, or if the build
 fails, a one-line warning says why (a failed build's output is kept in the build folder) and the ops
-launch from Python. It is installed by the first call of a quantization op or of `fused_moe` on a device
-the sm90 kernels serve.
+launch from Python. It is installed by the first call of any of these ops on a device the sm90 kernels
+serve (`fp4moe.ops.library.serve_from_cpp`).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ NAME = "fp4moe_host_launcher"
 OPS = ("quantize", "quantize_per_token", "tile_amax")
 """The ops whose CUDA and Autograd kernels the launcher takes over with kernels of their own, keyed by
 their static configurations (the argument order of its `install`)."""
-RECORDED_OPS = ("fused_moe",)
+RECORDED_OPS = ("fused_moe", "aligned_moe_")
 """The composed ops whose CUDA and Autograd kernels the launcher takes over by replaying recorded calls
 (`serve_recorded_call`, `fp4moe.kernels.launch_recording`)."""
 MODE_VARIABLE = "FP4MOE_HOST_LAUNCHER"
@@ -165,7 +166,7 @@ def install() -> bool:
     except Exception as error:  # no C++ compiler or ninja, a failed build
         warnings.warn(  # one line, whatever the error
             f"fp4moe: the C++ host launcher is unavailable ({type(error).__name__}: {_first_line(error)}); the "
-            f"CUDA quantization ops and fused_moe launch from Python, with more host time per call (set {MODE_VARIABLE}=python "
+            f"CUDA quantization ops, fused_moe and aligned_moe_ launch from Python, with more host time per call (set {MODE_VARIABLE}=python "
             "to choose this and silence this notice)",
             RuntimeWarning,
             stacklevel=2,
@@ -179,10 +180,14 @@ def serve_recorded_call(key: bytes, op: str, kernel, args: tuple):
     """Called by the launcher for a call of the recorded op `op` that found no program under its `key`:
     runs the op's Python `kernel` on `args` (every schema argument, in order) under
     `launch_recording.record`, and files the recorded program under `key` where the call is
-    replayable, so that later calls of that configuration replay it in C++. Returns the call's result."""
+    replayable, so that later calls of that configuration replay it in C++; else files the key as
+    unreplayable, so that they go to Python without being recorded again. Returns the call's result (a
+    call that raises files nothing)."""
     result, program, _ = launch_recording.record(kernel, args)
     if program is not None:
         module().register_program(key, op, program.buffers, program.launches, program.result)
+    else:
+        module().refuse_key(key)
     return result
 
 

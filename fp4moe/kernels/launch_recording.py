@@ -1,24 +1,25 @@
 """Recording an op call's kernel launches, so that the C++ host launcher can replay them.
 
-An eager call of a composed op (`fused_moe`: plan, GEMM1, GEMM2, finalize) spends most of its host
-time in Python between the launches: argument checks, dispatch, tile arithmetic, allocations, the
-TVM-FFI calls' conversion of torch tensors. None of that depends on the tensors' values: the pipeline
-never reads the device (no host synchronization), so what it launches is fixed by the call's static
-configuration, the arguments' metadata. The C++ host launcher (`host_launcher.RECORDED_OPS`) spells that
-configuration as a key; a call whose key has no program yet runs the op's Python kernel once under
-`record`, which notes every allocation and every compiled-kernel launch as a `Program`: which buffers
-to allocate, and for each launch its compiled function and its arguments, each tensor argument a view
-(byte offset, sizes, strides, dtype) of an op argument or of one of the buffers. Later calls of that
-key replay the program in C++: the same launches, with the same arguments, relative to the new call's
-tensors and fresh buffers.
+An eager call of a composed op (`fused_moe`: plan, GEMM1, GEMM2, finalize; `aligned_moe_`) spends most
+of its host time in Python between the launches: argument checks, dispatch, tile arithmetic,
+allocations, the TVM-FFI calls' conversion of torch tensors. None of that depends on the tensors'
+values: the pipeline never reads the device (no host synchronization), so what it launches is fixed by
+the call's static configuration, the arguments' metadata. The C++ host launcher
+(`host_launcher.RECORDED_OPS`) spells that configuration as a key; a call whose key has no program yet
+runs the op's Python kernel once under `record`, which notes every allocation and every compiled-kernel
+launch as a `Program`: which buffers to allocate, and for each launch its compiled function and its
+arguments, each tensor argument a view (byte offset, sizes, strides, dtype) of an op argument or of one
+of the buffers. Later calls of that key replay the program in C++: the same launches, with the same
+arguments, relative to the new call's tensors and fresh buffers.
 
 A call is replayable only if everything it did on the device is in the program. Under `record` a
 torch dispatch mode sees every torch op the Python kernel runs: allocations (which become buffers) and
 views pass; any other op (a copy, a fill, a read of a value) makes the call not replayable, and its
 key then has no program: such configurations stay on the Python path. So do calls whose kernel
 arguments cannot be told apart (a view inside more than one op argument, a Python scalar of another
-type), and calls whose result is not a view of one of the buffers. Compiled kernels report their
-launches through `note_launch` (the wrapper `fp4moe.kernels.sm90.compiler` puts around each of them).
+type), and calls that return anything but nothing (an op that writes an argument in place) or a view of
+one of the buffers. Compiled kernels report their launches through `note_launch` (the wrapper
+`fp4moe.kernels.sm90.compiler` puts around each of them).
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class Program:
     `launches`: (function handle, arguments), each argument one of ("input", op argument index,
     byte offset, sizes, strides, dtype), ("buffer", buffer index, byte offset, sizes, strides, dtype),
     ("empty", sizes, strides, dtype) (a tensor of no elements), ("int", value), ("float", value),
-    ("none",); `result`: ("buffer", buffer index, element offset, sizes, strides) of the returned tensor.
+    ("none",); `result`: ("buffer", buffer index, element offset, sizes, strides) of the returned tensor,
+    None for an op that returns nothing (it writes an argument in place).
     `functions` keeps the compiled functions alive as long as the program."""
 
     buffers: list = field(default_factory=list)
@@ -143,9 +145,12 @@ class Recording(TorchDispatchMode):
         return ("input", owners[0], start - self.inputs[owners[0]].data_ptr(), *_layout(t))
 
     def finish(self, result) -> Program | None:
-        """The program of the call that returned `result`, or None where it is not replayable."""
-        if not isinstance(result, torch.Tensor):
-            self.refuse("the op returns no single tensor")
+        """The program of the call that returned `result` (None for an op that returns nothing), or None
+        where it is not replayable."""
+        if result is None:
+            pass
+        elif not isinstance(result, torch.Tensor):
+            self.refuse("the op returns neither one tensor nor nothing")
         else:
             buffer = self.buffer_of_storage.get(result.untyped_storage().data_ptr()) if result.numel() else None
             if buffer is None or self.program.buffers[buffer][2] != result.dtype:
