@@ -577,27 +577,31 @@ def test_repeat_fused_moe_calls_replay_their_recording(hopper, mode, tokens, det
     """The first two calls of a configuration go through Python (the second is recorded); from then on
     every call replays in C++, on fresh activations and routing, into poisoned allocations: bitwise the
     Python pipeline's output with the deterministic finalize, within FP32 summation order of the loop
-    reference with the fused one (its atomics add in any order)."""
+    reference with the fused one (its atomics add in any order). The references are computed first:
+    the loop reference's quantize calls may take the Python path of their own ops."""
     problem = routed_problem(tokens, mode, seed=0, deterministic=deterministic)
     problem.run(weight_layout="sm90")
     problem.run(weight_layout="sm90")
+    calls = [with_fresh_inputs(problem, seed) for seed in (1, 2, 3)]
+    expected = [python_path(call) if deterministic else loop_reference(call) for call in calls]
     slow = host_launcher.slow_path_calls()
-    for seed in (1, 2, 3):
-        call = with_fresh_inputs(problem, seed)
+    got = []
+    for call in calls:
         poisoned([torch.empty(tokens * 4 * 256 * 4, dtype=torch.uint8, device="cuda") for _ in range(8)])
-        got = call.run(weight_layout="sm90")
-        if deterministic:
-            assert_bitwise_equal(got, python_path(call), f"{mode}, T={tokens}, seed {seed}")
-        else:
-            assert_moe_close(got, loop_reference(call))
+        got.append(call.run(weight_layout="sm90"))
     assert host_launcher.slow_path_calls() == slow, "a recorded configuration went through Python"
+    for seed, (g, want) in enumerate(zip(got, expected, strict=True), start=1):
+        if deterministic:
+            assert_bitwise_equal(g, want, f"{mode}, T={tokens}, seed {seed}")
+        else:
+            assert_moe_close(g, want)
 
 
 @pytest.mark.gpu
 def test_cuda_graphs_capture_the_replayed_fused_moe(hopper):
     problem = routed_problem(24, "w4a4_per_token", seed=4, deterministic=True)
     for _ in range(2):
-        problem.run(weight_layout="sm90")  # outside the capture: the second call records
+        problem.run(weight_layout="sm90")  # outside the capture: the second call is recorded
     slow = host_launcher.slow_path_calls()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -640,14 +644,18 @@ def test_a_recorded_fused_moe_follows_the_backend_override(hopper, monkeypatch):
     problem = routed_problem(9, "w4a4", seed=9, deterministic=True)
     for _ in range(2):
         problem.run(weight_layout="sm90")
+    expected = loop_reference(problem)  # before counting: its quantize calls may go to Python
+    replayed = python_path(problem)
     slow = host_launcher.slow_path_calls()
     monkeypatch.setenv(dispatch.BACKEND_VARIABLE, dispatch.REFERENCE_BACKEND)
-    for _ in range(2):
-        assert_moe_close(problem.run(weight_layout="sm90"), loop_reference(problem))
-    assert host_launcher.slow_path_calls() == slow + 2, "the reference backend is never recorded"
+    got = [problem.run(weight_layout="sm90") for _ in range(3)]
+    assert host_launcher.slow_path_calls() == slow + 3, "under the reference backend every call goes to Python"
     monkeypatch.delenv(dispatch.BACKEND_VARIABLE)
-    assert_bitwise_equal(problem.run(weight_layout="sm90"), python_path(problem), "replayed again")
-    assert host_launcher.slow_path_calls() == slow + 2
+    again = problem.run(weight_layout="sm90")
+    assert host_launcher.slow_path_calls() == slow + 3, "the recorded configuration replays again"
+    for g in got:
+        assert_moe_close(g, expected)
+    assert_bitwise_equal(again, replayed, "replayed again")
 
 
 def prepared_aligned_problem(tokens, top_k, experts, k, n, seed):
@@ -666,7 +674,8 @@ def test_repeat_aligned_moe_calls_replay_their_recording(hopper):
     overlapping `hidden` is still refused (its key differs, so the Python kernel checks it)."""
     tokens, top_k, experts, k, n, block_m = 40, 4, 8, 256, 256, 16
     problem, topk_ids, out = prepared_aligned_problem(tokens, top_k, experts, k, n, seed=11)
-    ops.aligned_moe_(out, **problem, **aligned_plan_for(topk_ids, block_m, experts), routed_scaling_factor=2.5, block_m=block_m, weight_layout="sm90")
+    for _ in range(2):  # the second call is recorded
+        ops.aligned_moe_(out, **problem, **aligned_plan_for(topk_ids, block_m, experts), routed_scaling_factor=2.5, block_m=block_m, weight_layout="sm90")
     slow = host_launcher.slow_path_calls()
     for seed in (12, 13, 14):
         fresh, fresh_ids, fresh_out = prepared_aligned_problem(tokens, top_k, experts, k, n, seed=seed)

@@ -199,6 +199,11 @@ def test_a_call_without_a_program_is_recorded_and_the_next_one_replayed(launcher
     first = call_arguments_aligned(0)
     slow, programs = host_launcher.slow_path_calls(), launcher.recorded_program_count()
     launcher.serve_for_test("fused_moe", first)
+    assert (host_launcher.slow_path_calls(), launcher.recorded_program_count()) == (slow + 1, programs), (
+        "a configuration's first call is not recorded"
+    )
+    launcher.serve_for_test("fused_moe", first)
+    slow += 1
     assert (host_launcher.slow_path_calls(), launcher.recorded_program_count()) == (slow + 1, programs + 1)
     args = call_arguments_aligned(1)
     launches.clear()
@@ -213,10 +218,10 @@ def test_a_call_without_a_program_is_recorded_and_the_next_one_replayed(launcher
     misaligned = call_arguments_aligned(2, x=torch.randn(6, HIDDEN + 1).to(torch.bfloat16)[:, :HIDDEN])
     recordings = []
     monkeypatch.setattr(launch_recording, "record", lambda *a: recordings.append(1) or record(*a))
-    launcher.serve_for_test("fused_moe", misaligned)
-    launcher.serve_for_test("fused_moe", misaligned)
-    assert host_launcher.slow_path_calls() == slow + 3, "a call that copies its rows is never replayed"
-    assert len(recordings) == 1, "an unreplayable configuration is recorded once"
+    for _ in range(3):
+        launcher.serve_for_test("fused_moe", misaligned)
+    assert host_launcher.slow_path_calls() == slow + 4, "a call that copies its rows is never replayed"
+    assert len(recordings) == 1, "an unreplayable configuration is recorded once (its second call)"
     invalid = list(call_arguments_aligned(3))
     invalid[ARGUMENT_NAMES.index("topk_weights")] = invalid[ARGUMENT_NAMES.index("topk_weights")].double()
     with pytest.raises(TypeError, match="topk_weights"):  # the Python kernel's own error, through the recorder
@@ -348,12 +353,18 @@ def test_what_a_replay_could_not_reproduce_is_not_recorded(launcher):
         kernel(x[4:12], out)
         return out
 
+    def reads_past_an_argument(x):
+        out = torch.empty_like(x)
+        kernel(torch.as_strided(x, (8,), (1,), x.storage_offset() + 4), out)
+        return out
+
     assert "fill_" in refused(fills, (a,))
     assert "bool" in refused(launches_with(True), (a,))
     assert "str" in refused(launches_with("text"), (a,))
     assert "allocations" in refused(returns_an_argument, (a,))
     assert "no kernel" in refused(launches_nothing, (a,))
     assert "2 op arguments" in refused(reads_overlapping_arguments, (shared[:12], shared[4:]))
+    assert "0 op arguments" in refused(reads_past_an_argument, (shared[:8],))
 
     def recordable(x, y):
         out = torch.empty((2, 8))
@@ -444,8 +455,10 @@ def test_an_in_place_op_is_recorded_and_replayed_returning_nothing(launcher, lau
     if not host_launcher.install():
         pytest.skip("the C++ host launcher is not in use")
     slow, programs = host_launcher.slow_path_calls(), launcher.recorded_program_count()
-    assert launcher.serve_for_test("aligned_moe_", aligned_arguments(0)) is None
-    assert (host_launcher.slow_path_calls(), launcher.recorded_program_count()) == (slow + 1, programs + 1)
+    for _ in range(2):
+        assert launcher.serve_for_test("aligned_moe_", aligned_arguments(0)) is None
+    assert (host_launcher.slow_path_calls(), launcher.recorded_program_count()) == (slow + 2, programs + 1)
+    slow += 1
     args = aligned_arguments(1)
     launches.clear()
     with torch.inference_mode(), KeepingAllocations():
@@ -465,7 +478,8 @@ def test_an_out_overlapping_an_input_changes_the_key_and_is_refused_again(launch
     metadata of a recorded call) is not replayed but goes to the Python kernel, which refuses it."""
     if not host_launcher.install():
         pytest.skip("the C++ host launcher is not in use")
-    launcher.serve_for_test("aligned_moe_", aligned_arguments(2))
+    for _ in range(2):
+        launcher.serve_for_test("aligned_moe_", aligned_arguments(2))
     hidden_bytes = ALIGNED_TOKENS * ALIGNED_K // 2
     shared = aligned(torch.zeros(ALIGNED_TOKENS * ALIGNED_K * 2, dtype=torch.uint8))
     apart = aligned_arguments(3)
@@ -477,3 +491,36 @@ def test_an_out_overlapping_an_input_changes_the_key_and_is_refused_again(launch
     with pytest.raises(RuntimeError, match="out overlaps hidden"):
         launcher.serve_for_test("aligned_moe_", overlapping)
     assert host_launcher.slow_path_calls() == slow + 1
+
+
+def test_a_program_the_launcher_cannot_take_leaves_the_call_s_result_and_a_notice(launcher):
+    """A recorded call whose program the launcher refuses (here an int64 tensor, a dtype it passes no
+    kernel) still returns its result, warns once, and its key is filed as unreplayable."""
+    kernel = _Launches()
+
+    def launches_int64(x):
+        out = torch.empty_like(x)
+        kernel(x, out)
+        return out
+
+    key = b"a program with an int64 tensor"
+    x = torch.arange(8)
+    with pytest.warns(RuntimeWarning, match="stays on the Python path .*no DLPack dtype"):
+        result = host_launcher.serve_recorded_call(key, "fused_moe", launches_int64, (x,))
+    assert result.shape == x.shape
+    assert launcher.replay_for_test(key, "fused_moe", call_arguments(1, "w4a16", seed=0)) is None
+
+
+def test_forgotten_programs_are_recorded_afresh(launcher, launches):
+    if not host_launcher.install():
+        pytest.skip("the C++ host launcher is not in use")
+    args = tuple(aligned(a) if isinstance(a, torch.Tensor) else a for a in call_arguments(3, "w4a16", seed=5, swiglu_beta=0.5))
+    for _ in range(3):  # Python, recorded, replayed
+        launcher.serve_for_test("fused_moe", args)
+    slow = host_launcher.slow_path_calls()
+    assert launcher.recorded_program_count() >= 1
+    host_launcher.forget_recorded_calls()
+    assert launcher.recorded_program_count() == 0
+    for _ in range(3):
+        launcher.serve_for_test("fused_moe", args)
+    assert host_launcher.slow_path_calls() == slow + 2, "once forgotten: Python, recorded, then replayed"

@@ -23,6 +23,18 @@ ops = torch.ops.fp4moe
 SWIGLU_VARIANTS = {"swiglu": {}, "gptoss": dict(swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=7.0)}
 
 
+@pytest.fixture(autouse=True)
+def recorded_calls_forgotten():
+    """Several tests patch the launch layer's rules (`monkeypatch` of `moe_launch`): a `fused_moe` call
+    that replayed a program recorded under other rules would not run the patched path, nor a later test
+    one recorded under patched rules (`host_launcher.forget_recorded_calls`)."""
+    from fp4moe.kernels import host_launcher
+
+    host_launcher.forget_recorded_calls()
+    yield
+    host_launcher.forget_recorded_calls()
+
+
 def prepared_args(p):
     """`fused_moe`'s positional arguments with the problem's experts in the prepared layout."""
     w = p.weights.prepared()

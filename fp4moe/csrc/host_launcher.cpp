@@ -566,13 +566,15 @@ struct RecordedOps {
   std::mutex mutex;
   std::unordered_map<std::string, std::shared_ptr<const Program>> programs;  // by key
   std::unordered_set<std::string> unreplayable;  // keys whose recorded call was not replayable
+  std::unordered_set<std::string> missed_once;   // keys called once, not recorded yet
   std::unordered_map<std::string, std::array<py::object*, kNumRoles>> python_kernels;  // by "fp4moe::<op>"
   py::object* recorder = nullptr;  // host_launcher.serve_recorded_call
 };
 RecordedOps& recorded_ops = *new RecordedOps;  // never destroyed, as `registry`
 
-// Keys filed at most (programs and unreplayable keys): calls of further configurations (a process seeing
-// ever new token counts) go to Python unrecorded, so the registry's memory stays bounded.
+// Keys filed at most (programs and unreplayable keys; as many once-called keys, which are forgotten when
+// that many have gathered): calls of further configurations go to Python unrecorded, so the registry's
+// memory stays bounded.
 constexpr size_t kMaxKeys = 4096;
 
 std::shared_ptr<const Program> find_program(const std::string& key) {
@@ -689,7 +691,13 @@ at::Tensor replay(const Program& program, c10::ArrayRef<c10::IValue> args, const
     call.call(function, device);
   }
   if (!program.has_result) return at::Tensor();
-  return buffers[program.result_buffer].as_strided(program.result_sizes, program.result_strides, program.result_offset);
+  at::Tensor& result = buffers[program.result_buffer];
+  if (program.result_offset == 0 && result.sizes().equals(program.result_sizes) &&
+      result.strides().equals(program.result_strides)) {
+    return std::move(result);  // the allocation itself, as the Python kernel returns it
+  }
+  at::AutoDispatchBelowADInplaceOrView not_a_view;  // a fresh tensor to autograd, as the Python kernel's
+  return result.as_strided(program.result_sizes, program.result_strides, program.result_offset);
 }
 
 std::vector<int64_t> int_list(const py::handle& values) { return values.cast<std::vector<int64_t>>(); }
@@ -697,6 +705,13 @@ std::vector<int64_t> int_list(const py::handle& values) { return values.cast<std
 c10::ScalarType scalar_type_of(const py::handle& dtype) {
   TORCH_CHECK(THPDtype_Check(dtype.ptr()), "fp4moe host launcher: a program names a dtype by a torch.dtype");
   return reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
+}
+
+// Whether a schema argument is a Tensor or a Tensor?.
+bool is_tensor_argument(const c10::Argument& argument) {
+  c10::TypePtr type = argument.type();
+  if (type->kind() == c10::TypeKind::OptionalType) type = type->castRaw<c10::OptionalType>()->getElementType();
+  return type->kind() == c10::TypeKind::TensorType;
 }
 
 // ("input" | "buffer", index, byte offset, sizes, strides, dtype) or ("empty", sizes, strides, dtype).
@@ -738,8 +753,7 @@ void register_program(const py::bytes& key, const std::string& op_name, const py
         r.view = view_of(a, false);
         const int64_t bound = r.kind == RecordedArgument::kInput ? arguments : buffer_count;
         TORCH_CHECK(r.view.source >= 0 && r.view.source < bound, "fp4moe host launcher: a view of no ", kind);
-        TORCH_CHECK(r.kind == RecordedArgument::kBuffer || schema.arguments()[r.view.source].type()->kind() !=
-                                                                c10::TypeKind::StringType,
+        TORCH_CHECK(r.kind == RecordedArgument::kBuffer || is_tensor_argument(schema.arguments()[r.view.source]),
                     "fp4moe host launcher: a view of an argument that is no tensor");
       } else if (kind == "empty") {
         r.kind = RecordedArgument::kEmpty;
@@ -793,11 +807,28 @@ void refuse_key(const py::bytes& key) {
   recorded_ops.unreplayable.insert(std::string(key));
 }
 
-// Whether a call of `key` without a program should be recorded: not refused before, and room left.
+// Whether a call of `key`, which has no program, is recorded: on the key's second call (a configuration
+// seen once, such as a prompt length in eager prefill, costs neither a recording nor a place), unless the
+// key was refused before or the registry is full.
 bool records(const std::string& key) {
   std::lock_guard<std::mutex> lock(recorded_ops.mutex);
-  return recorded_ops.unreplayable.count(key) == 0 &&
-         recorded_ops.programs.size() + recorded_ops.unreplayable.size() < kMaxKeys;
+  if (recorded_ops.unreplayable.count(key) != 0 ||
+      recorded_ops.programs.size() + recorded_ops.unreplayable.size() >= kMaxKeys) {
+    return false;
+  }
+  if (recorded_ops.missed_once.erase(key) != 0) return true;
+  if (recorded_ops.missed_once.size() >= kMaxKeys) recorded_ops.missed_once.clear();
+  recorded_ops.missed_once.insert(key);
+  return false;
+}
+
+// Forgets every program and every key seen (the tests that patch the launch layer's rules: a program
+// records the launches of the rules in force when it was recorded, which the key does not spell).
+void forget_programs() {
+  std::lock_guard<std::mutex> lock(recorded_ops.mutex);
+  recorded_ops.programs.clear();
+  recorded_ops.unreplayable.clear();
+  recorded_ops.missed_once.clear();
 }
 
 // The Python kernel of a recorded op in `role`.
@@ -1060,6 +1091,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "File a recorded call of a recorded op (launch_recording.Program) under its key");
   m.def("recorded_program_count", &fp4moe::recorded_program_count, "How many recorded programs are filed");
   m.def("refuse_key", &fp4moe::refuse_key, "File a key whose recorded call is not replayable (later calls: Python)");
+  m.def("forget_programs", &fp4moe::forget_programs, "Forget every recorded program and every key seen");
   m.def("recorded_key_for_test", &fp4moe::recorded_key_for_test,
         "The key of a recorded op's call with these arguments, spelled on any device (None without one)");
   m.def("serve_for_test", &fp4moe::serve_for_test,

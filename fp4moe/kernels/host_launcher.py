@@ -23,14 +23,17 @@ Python once more, without compiling).
 pipelines whose checks, dispatch, tile arithmetic and allocations cost most of an eager call's host
 time. The launcher takes them over by recording: a call's key spells every argument's metadata (dtype,
 sizes, strides, device, address modulo 256; every non-tensor argument's value), which tensors overlap
-in memory (`aligned_moe_` refuses an `out` overlapping an input) and `FP4MOE_BACKEND`; the first call of a key
-runs the op's Python kernel under `serve_recorded_call`, which records its allocations and launches
-(`fp4moe.kernels.launch_recording`) and files them as the key's program; later calls replay the program
-in C++: the same allocations, the same compiled functions, each tensor argument the recorded view of
-the new call's arguments or allocations, on the current stream. The pipeline reads no tensor's values
-on the host, so its launches follow from that metadata alone; a call that does anything a replay would
-not (a torch op other than an allocation or a view, such as a copy of misaligned rows) is not recorded
-and its configuration stays on the Python path.
+in memory (`aligned_moe_` refuses an `out` overlapping an input) and `FP4MOE_BACKEND`. The first call
+of a key runs the op's Python kernel; its second runs it under `serve_recorded_call`, which records its
+allocations and launches (`fp4moe.kernels.launch_recording`) and files them as the key's program; later
+calls replay the program in C++: the same allocations, the same compiled functions, each tensor
+argument the recorded view of the new call's arguments or allocations, on the current stream. The
+pipeline reads no tensor's values on the host, so its launches follow from that metadata alone (and
+from the launch layer's rules, module state that the key does not spell: `forget_recorded_calls`). A
+call that does anything a replay would not (a torch op other than an allocation or a view, such as a
+copy of misaligned rows) is not replayable: its configuration stays on the Python path, not recorded
+again. A replay holds all of a call's allocations until its last launch is queued, where the Python
+path may free some earlier: its peak memory can be higher by the intermediate buffers.
 
 The launcher is built with `torch.utils.cpp_extension` (a C++ compiler and ninja; no CUDA toolkit) on
 first use and cached under `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`). Set
@@ -185,10 +188,28 @@ def serve_recorded_call(key: bytes, op: str, kernel, args: tuple):
     call that raises files nothing)."""
     result, program, _ = launch_recording.record(kernel, args)
     if program is not None:
-        module().register_program(key, op, program.buffers, program.launches, program.result)
-    else:
+        try:
+            module().register_program(key, op, program.buffers, program.launches, program.result)
+        except RuntimeError as error:  # a program the launcher cannot replay: the call itself succeeded
+            _warn_once(f"fp4moe: a {op} configuration stays on the Python path ({_first_line(error)})")
+            program = None
+    if program is None:
         module().refuse_key(key)
     return result
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def forget_recorded_calls() -> None:
+    """Forget every recorded program (and every key seen), so that the next calls run the Python
+    kernels and record afresh. A program replays the launches of the launch layer's rules as they were
+    when it was recorded, which its key does not spell: tests that patch those rules call this before
+    and after."""
+    if install.cache_info().currsize and install():
+        module().forget_programs()
 
 
 def register(compiled, op: str, outputs: tuple[OutputRule, ...]) -> None:

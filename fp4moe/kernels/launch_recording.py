@@ -89,6 +89,8 @@ class Recording(TorchDispatchMode):
     def __init__(self, inputs: dict[int, torch.Tensor]):
         super().__init__()
         self.inputs = inputs  # op argument index -> tensor
+        # The replay allocates on the call's device: that of its first tensor argument.
+        self.device = next(iter(inputs.values())).device if inputs else None
         self.program = Program()
         self.buffer_of_storage: dict[int, int] = {}  # storage data pointer -> buffer index
         self.why_not: str | None = None
@@ -100,7 +102,9 @@ class Recording(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in ALLOCATIONS:
-            if out.numel():
+            if out.device != self.device:
+                self.refuse(f"it allocates on {out.device}")
+            elif out.numel():
                 self.buffer_of_storage[out.untyped_storage().data_ptr()] = len(self.program.buffers)
                 self.program.buffers.append(_layout(out))
         elif not func.is_view:

@@ -137,13 +137,17 @@ class Kernel:
 
     def __init__(self, compiled):
         self.compiled = compiled
-        # The TVM-FFI function: a fresh compile wraps it, a kernel loaded from disk is one.
+        # The TVM-FFI function: a fresh compile wraps it, a kernel loaded from disk is one. The C++ host
+        # launcher calls it directly, with the arguments the launch layer passes here (no keywords, no
+        # defaults: what the wrapper of a fresh compile would add, the launch layers never rely on).
         self.function = compiled.__tvm_ffi_object__() if hasattr(compiled, "__tvm_ffi_object__") else compiled
 
     def __tvm_ffi_object__(self):
         return self.function
 
     def __getattr__(self, name):
+        if name in Kernel.__slots__:  # not set yet (a copy being made): no compiled object to ask
+            raise AttributeError(name)
         return getattr(self.compiled, name)
 
     def __call__(self, *args):
