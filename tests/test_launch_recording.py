@@ -15,15 +15,12 @@ import torch
 import tvm_ffi
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.host_cpu import EXPERTS, HIDDEN, fused_moe_arguments, fused_moe_python_kernel, stubbed_sm90_kernels
 from fp4moe import dispatch, weight_layout
 from fp4moe.kernels import host_launcher, launch_recording
-from fp4moe.kernels.sm90 import aligned_launch, compiler, moe_launch, quantize_launch
 from fp4moe.ops import aligned_moe as aligned_ops
-from fp4moe.ops import moe as moe_ops
 
-EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 16, 256, 128, 4
-SCHEMA = torch.ops.fp4moe.fused_moe.default._schema
-ARGUMENT_NAMES = [a.name for a in SCHEMA.arguments]
+ARGUMENT_NAMES = [a.name for a in torch.ops.fp4moe.fused_moe.default._schema.arguments]
 
 
 @pytest.fixture
@@ -36,71 +33,20 @@ def launcher():
         pytest.skip(f"the C++ host launcher does not build here ({error})")
 
 
-def _clear_compile_caches():
-    for module in (moe_launch, quantize_launch, aligned_launch):
-        for value in vars(module).values():
-            if callable(getattr(value, "cache_clear", None)):
-                value.cache_clear()
-
-
 @pytest.fixture
-def launches(monkeypatch):
-    """The sm90 backend on the CPU, its kernels replaced: the list every launch is noted in, as (kernel
-    class, arguments), each tensor argument as (address, sizes, strides, dtype)."""
+def launches():
+    """The sm90 backend on the CPU, its kernels replaced (`benchmarks.host_cpu.stubbed_sm90_kernels`):
+    the list every launch is noted in, as (kernel class, arguments), each tensor argument as (address,
+    sizes, strides, dtype)."""
     noted = []
 
-    def stub(kernel, fake_args, arch, cache_key):
-        name = type(kernel).__name__
+    def note(name, args):
+        noted.append(
+            (name, [(a.data_ptr(), tuple(a.shape), tuple(a.strides), str(a.dtype)) if isinstance(a, tvm_ffi.Tensor) else a for a in args])
+        )
 
-        def launch(*args):
-            noted.append(
-                (name, [(a.data_ptr(), tuple(a.shape), tuple(a.strides), str(a.dtype)) if isinstance(a, tvm_ffi.Tensor) else a for a in args])
-            )
-
-        return tvm_ffi.convert(launch)
-
-    monkeypatch.setattr(dispatch, "device_backend", lambda device: dispatch.CUTE_SM90_BACKEND)
-    monkeypatch.setattr(moe_launch, "sm_count", lambda index: 132)
-    monkeypatch.setattr(compiler, "_compile_or_load", stub)
-    monkeypatch.setattr(host_launcher, "register", lambda *args: None)
-    _clear_compile_caches()
-    yield noted
-    _clear_compile_caches()
-
-
-def call_arguments(tokens, mode, seed, deterministic=False, x=None, **overrides):
-    """Every schema argument of a `fused_moe` call on prepared (uninitialized) weights, in order. The
-    two alphas are views of one buffer, as a model's may be."""
-    g = torch.Generator().manual_seed(seed)
-    codes1, scales1 = weight_layout.prepared_shapes(EXPERTS, 2 * INTERMEDIATE, HIDDEN, gated=True)
-    codes2, scales2 = weight_layout.prepared_shapes(EXPERTS, HIDDEN, INTERMEDIATE, gated=False)
-    alphas = torch.rand(3 * EXPERTS, generator=g) + 0.5
-    if x is None:
-        x = torch.randn(tokens, HIDDEN, generator=g).to(torch.bfloat16)
-    values = dict(
-        x=x,
-        topk_ids=torch.argsort(torch.rand(tokens, EXPERTS, generator=g), dim=1)[:, :TOP_K].to(torch.int32),
-        topk_weights=torch.rand(tokens, TOP_K, generator=g),
-        w1=torch.empty(codes1, dtype=torch.uint8),
-        w1_scales=torch.empty(scales1, dtype=torch.uint8),
-        w1_alpha=alphas[: 2 * EXPERTS].view(2, EXPERTS),
-        w2=torch.empty(codes2, dtype=torch.uint8),
-        w2_scales=torch.empty(scales2, dtype=torch.uint8),
-        w2_alpha=alphas[2 * EXPERTS :],
-        quant_mode="w4a16" if mode == "w4a16" else "w4a4",
-        per_token_activation=mode == "w4a4_token",
-        deterministic=deterministic,
-        weight_layout="sm90",
-    )
-    if mode == "w4a4_tensor":
-        values.update(fc1_input_scale=torch.tensor([3.0]), fc2_input_scale=torch.tensor([40.0]))
-    values.update(overrides)
-    return tuple(values.get(a.name, a.default_value if a.has_default_value() else None) for a in SCHEMA.arguments)
-
-
-def python_kernel(*args):
-    """`fused_moe`'s Python kernel as the launcher calls it: every schema argument, in order."""
-    return moe_ops.fused_moe(**dict(zip(ARGUMENT_NAMES, args, strict=True)))
+    with stubbed_sm90_kernels(note):
+        yield noted
 
 
 class KeepingAllocations(TorchDispatchMode):
@@ -148,7 +94,7 @@ def canonical(noted, args):
 def record_and_file(launcher, args, key=b"test key"):
     """Record a call of `args` and file its program under `key`; the recorded program."""
     with torch.inference_mode():
-        _, program, why_not = launch_recording.record(python_kernel, args)
+        _, program, why_not = launch_recording.record(fused_moe_python_kernel, args)
     assert program is not None, why_not
     launcher.register_program(key, "fused_moe", program.buffers, program.launches, program.result)
     return program
@@ -164,13 +110,13 @@ def test_a_replay_launches_what_the_python_kernel_launches(launcher, launches, m
     """Recorded on one call's tensors, replayed on another's (same metadata, different tensors and
     routing): kernel for kernel, argument for argument, the launches of the Python kernel on the second
     call's tensors, each allocation used where the Python kernel uses its own; the same result view."""
-    program = record_and_file(launcher, call_arguments(tokens, mode, seed=0, deterministic=deterministic))
+    program = record_and_file(launcher, fused_moe_arguments(tokens, mode, seed=0, deterministic=deterministic))
     assert len(program.launches) >= 4
-    args = call_arguments(tokens, mode, seed=1, deterministic=deterministic)
+    args = fused_moe_arguments(tokens, mode, seed=1, deterministic=deterministic)
     with torch.inference_mode():
         launches.clear()
         with KeepingAllocations():
-            expected = python_kernel(*args)
+            expected = fused_moe_python_kernel(*args)
         expected_launches = canonical(launches, args)
         launches.clear()
         got = launcher.replay_for_test(b"test key", "fused_moe", args)
@@ -193,7 +139,7 @@ def test_a_call_without_a_program_is_recorded_and_the_next_one_replayed(launcher
     if not host_launcher.install():
         pytest.skip("the C++ host launcher is not in use")
     def call_arguments_aligned(seed, **overrides):  # as the CUDA allocator places tensors: 256-byte aligned
-        args = call_arguments(6, "w4a4_token", seed=seed, swiglu_limit=7.0, **overrides)  # a configuration of its own
+        args = fused_moe_arguments(6, "w4a4_token", seed=seed, swiglu_limit=7.0, **overrides)  # a configuration of its own
         return tuple(aligned(a) if isinstance(a, torch.Tensor) else a for a in args)
 
     first = call_arguments_aligned(0)
@@ -208,7 +154,7 @@ def test_a_call_without_a_program_is_recorded_and_the_next_one_replayed(launcher
     args = call_arguments_aligned(1)
     launches.clear()
     with torch.inference_mode(), KeepingAllocations():
-        expected = python_kernel(*args)
+        expected = fused_moe_python_kernel(*args)
     expected_launches = canonical(launches, args)
     launches.clear()
     got = launcher.serve_for_test("fused_moe", args)
@@ -232,15 +178,15 @@ def test_a_call_without_a_program_is_recorded_and_the_next_one_replayed(launcher
 
 def test_the_replay_allocates_afresh_on_every_call(launcher, launches):
     """Two replays of one program get buffers of their own (the first call's results stay valid)."""
-    record_and_file(launcher, call_arguments(5, "w4a16", seed=0))
-    args = call_arguments(5, "w4a16", seed=1)
+    record_and_file(launcher, fused_moe_arguments(5, "w4a16", seed=0))
+    args = fused_moe_arguments(5, "w4a16", seed=1)
     first = launcher.replay_for_test(b"test key", "fused_moe", args)
     second = launcher.replay_for_test(b"test key", "fused_moe", args)
     assert first.data_ptr() != second.data_ptr()
 
 
 def test_without_a_program_a_key_replays_nothing(launcher):
-    assert launcher.replay_for_test(b"no program has this key", "fused_moe", call_arguments(1, "w4a16", seed=0)) is None
+    assert launcher.replay_for_test(b"no program has this key", "fused_moe", fused_moe_arguments(1, "w4a16", seed=0)) is None
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:
@@ -263,27 +209,27 @@ def test_the_key_spells_every_argument_s_metadata(launcher, monkeypatch):
     def key(name, args):  # every tensor at an address that is a multiple of 256, unless given otherwise
         return launcher.recorded_key_for_test(name, tuple(aligned(a) if isinstance(a, torch.Tensor) else a for a in args))
 
-    base = call_arguments(4, "w4a16", seed=0)
-    assert key("fused_moe", base) == key("fused_moe", call_arguments(4, "w4a16", seed=1))
+    base = fused_moe_arguments(4, "w4a16", seed=0)
+    assert key("fused_moe", base) == key("fused_moe", fused_moe_arguments(4, "w4a16", seed=1))
 
     wide = aligned(torch.randn(4, HIDDEN + 8).to(torch.bfloat16))
     offset = aligned(torch.randn(4 * HIDDEN + 8).to(torch.bfloat16))
     variants = {
-        "tokens": call_arguments(5, "w4a16", seed=0),
-        "dtype": call_arguments(4, "w4a16", seed=0, x=torch.randn(4, HIDDEN).half()),
-        "strides": call_arguments(4, "w4a16", seed=0, x=wide[:, :HIDDEN]),
-        "alignment": call_arguments(4, "w4a16", seed=0, x=offset[8:].view(4, HIDDEN)),
-        "a tensor for None": call_arguments(4, "w4a16", seed=0, fc1_input_scale=torch.tensor([1.0])),
-        "a bool": call_arguments(4, "w4a16", seed=0, deterministic=True),
-        "an int": call_arguments(4, "w4a16", seed=0, local_expert_offset=1),
-        "an optional int": call_arguments(4, "w4a16", seed=0, global_num_experts=EXPERTS),
-        "a float": call_arguments(4, "w4a16", seed=0, swiglu_alpha=1.702),
-        "a string": call_arguments(4, "w4a4_tensor", seed=0, fc1_input_scale=None, fc2_input_scale=None),
+        "tokens": fused_moe_arguments(5, "w4a16", seed=0),
+        "dtype": fused_moe_arguments(4, "w4a16", seed=0, x=torch.randn(4, HIDDEN).half()),
+        "strides": fused_moe_arguments(4, "w4a16", seed=0, x=wide[:, :HIDDEN]),
+        "alignment": fused_moe_arguments(4, "w4a16", seed=0, x=offset[8:].view(4, HIDDEN)),
+        "a tensor for None": fused_moe_arguments(4, "w4a16", seed=0, fc1_input_scale=torch.tensor([1.0])),
+        "a bool": fused_moe_arguments(4, "w4a16", seed=0, deterministic=True),
+        "an int": fused_moe_arguments(4, "w4a16", seed=0, local_expert_offset=1),
+        "an optional int": fused_moe_arguments(4, "w4a16", seed=0, global_num_experts=EXPERTS),
+        "a float": fused_moe_arguments(4, "w4a16", seed=0, swiglu_alpha=1.702),
+        "a string": fused_moe_arguments(4, "w4a4_tensor", seed=0, fc1_input_scale=None, fc2_input_scale=None),
     }
     keys = {"base": key("fused_moe", base)}
     for name, args in variants.items():
         keys[name] = key("fused_moe", args)
-    nearby = key("fused_moe", call_arguments(4, "w4a16", seed=0, swiglu_alpha=1.702 + 2**-50))
+    nearby = key("fused_moe", fused_moe_arguments(4, "w4a16", seed=0, swiglu_alpha=1.702 + 2**-50))
     monkeypatch.setenv(dispatch.BACKEND_VARIABLE, "reference")
     keys["FP4MOE_BACKEND"] = key("fused_moe", base)
     assert None not in keys.values()
@@ -295,9 +241,9 @@ def test_calls_that_run_other_torch_ops_are_not_recorded(launches):
     """x with rows the kernels cannot read 16 bytes at a time: the launch layer copies it first (a torch
     op), which a replay would not do."""
     wide = torch.randn(3, HIDDEN + 1).to(torch.bfloat16)
-    args = call_arguments(3, "w4a16", seed=0, x=wide[:, :HIDDEN])
+    args = fused_moe_arguments(3, "w4a16", seed=0, x=wide[:, :HIDDEN])
     with torch.inference_mode():
-        result, program, why_not = launch_recording.record(python_kernel, args)
+        result, program, why_not = launch_recording.record(fused_moe_python_kernel, args)
     assert program is None and "clone" in why_not
     assert result.shape == (3, HIDDEN)
 
@@ -390,7 +336,7 @@ def test_what_a_replay_could_not_reproduce_is_not_recorded(launcher):
     # Replayed on other tensors: the views at the recorded offsets of those and of a fresh buffer.
     launcher.register_program(b"recordable", "fused_moe", program.buffers, program.launches, program.result)
     c, d = torch.zeros(8), torch.zeros(8)
-    replayed = launcher.replay_for_test(b"recordable", "fused_moe", (c, d) + call_arguments(1, "w4a16", seed=0)[2:])
+    replayed = launcher.replay_for_test(b"recordable", "fused_moe", (c, d) + fused_moe_arguments(1, "w4a16", seed=0)[2:])
     assert (replayed.shape, replayed.stride()) == ((1, 8), (8, 1))
     assert kernel.called[-1] == [c.data_ptr(), d.data_ptr() + 8, replayed.data_ptr(), 3, 0.5, None]
 
@@ -407,7 +353,7 @@ def test_a_program_must_point_into_its_own_buffers_and_arguments(launcher):
         launcher.register_program(b"bad", "fused_moe", buffers, [(handle, [("input", 11, 0, (4,), (1,), torch.float32)])], result)
     with pytest.raises(RuntimeError, match="returns no buffer"):
         launcher.register_program(b"bad", "fused_moe", buffers, [], ("buffer", 1, 0, (4,), (1,)))
-    assert launcher.replay_for_test(b"bad", "fused_moe", call_arguments(1, "w4a16", seed=0)) is None
+    assert launcher.replay_for_test(b"bad", "fused_moe", fused_moe_arguments(1, "w4a16", seed=0)) is None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -508,13 +454,13 @@ def test_a_program_the_launcher_cannot_take_leaves_the_call_s_result_and_a_notic
     with pytest.warns(RuntimeWarning, match="stays on the Python path .*no DLPack dtype"):
         result = host_launcher.serve_recorded_call(key, "fused_moe", launches_int64, (x,))
     assert result.shape == x.shape
-    assert launcher.replay_for_test(key, "fused_moe", call_arguments(1, "w4a16", seed=0)) is None
+    assert launcher.replay_for_test(key, "fused_moe", fused_moe_arguments(1, "w4a16", seed=0)) is None
 
 
 def test_forgotten_programs_are_recorded_afresh(launcher, launches):
     if not host_launcher.install():
         pytest.skip("the C++ host launcher is not in use")
-    args = tuple(aligned(a) if isinstance(a, torch.Tensor) else a for a in call_arguments(3, "w4a16", seed=5, swiglu_beta=0.5))
+    args = tuple(aligned(a) if isinstance(a, torch.Tensor) else a for a in fused_moe_arguments(3, "w4a16", seed=5, swiglu_beta=0.5))
     for _ in range(3):  # Python, recorded, replayed
         launcher.serve_for_test("fused_moe", args)
     slow = host_launcher.slow_path_calls()
@@ -524,3 +470,12 @@ def test_forgotten_programs_are_recorded_afresh(launcher, launches):
     for _ in range(3):
         launcher.serve_for_test("fused_moe", args)
     assert host_launcher.slow_path_calls() == slow + 2, "once forgotten: Python, recorded, then replayed"
+
+
+def test_the_cpu_host_benchmark_times_both_paths(launcher, capsys):
+    from benchmarks import host_cpu
+
+    assert host_cpu.main(["--calls", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| w4a")]
+    assert [row.split("|")[1].strip() for row in rows] == list(host_cpu.MODES)
+    assert all(len(row.split("|")) == 7 and "not replayable" not in row for row in rows)

@@ -1,0 +1,144 @@
+"""`python -m benchmarks.host_cpu`: the host side of an eager `fused_moe` call, on any machine.
+
+    python -m benchmarks.host_cpu [--tokens 1] [--calls 200]
+
+The sm90 pipeline runs on CPU tensors with its device facts faked (`stubbed_sm90_kernels`): every
+compiled kernel is a TVM-FFI function of a Python callable that launches nothing, so what is timed is
+the host path alone, without CUDA's launch and allocation costs. Per W4A4/W4A16 mode, on prepared
+weights of 16 experts (H = 256, I = 128, top-4): the op's Python kernel, the C++ host launcher's replay
+of its recording (`fp4moe.kernels.launch_recording`, including the conversion of the call's arguments
+from Python that a dispatcher call would not pay), and the stub launches alone; median of 15 batches of
+`--calls` calls each. An indicator for host-side work on a machine without a GPU; on a GPU,
+`benchmarks.moe_host` times the real paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from unittest import mock
+
+import torch
+
+EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 16, 256, 128, 4
+MODES = ("w4a16", "w4a4_tensor", "w4a4_token")
+
+
+@contextlib.contextmanager
+def stubbed_sm90_kernels(on_launch=None):
+    """The sm90 backend on any device, 132 multiprocessors, every kernel a TVM-FFI function of a Python
+    callable: `on_launch(kernel class name, arguments)` where given, else nothing. The launch layers'
+    compile caches are cleared on entry and exit, so no stub outlives the context."""
+    import tvm_ffi
+
+    from fp4moe import dispatch
+    from fp4moe.kernels import host_launcher
+    from fp4moe.kernels.sm90 import aligned_launch, compiler, moe_launch, quantize_launch
+
+    def stub(kernel, fake_args, arch, cache_key):
+        name = type(kernel).__name__
+        return tvm_ffi.convert((lambda *args: on_launch(name, args)) if on_launch else (lambda *args: None))
+
+    def clear_compile_caches():
+        for module in (moe_launch, quantize_launch, aligned_launch):
+            for value in vars(module).values():
+                if callable(getattr(value, "cache_clear", None)):
+                    value.cache_clear()
+
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch.object(dispatch, "device_backend", lambda device: dispatch.CUTE_SM90_BACKEND))
+        patches.enter_context(mock.patch.object(moe_launch, "sm_count", lambda index: 132))
+        patches.enter_context(mock.patch.object(compiler, "_compile_or_load", stub))
+        patches.enter_context(mock.patch.object(host_launcher, "register", lambda *args: None))
+        clear_compile_caches()
+        try:
+            yield
+        finally:
+            clear_compile_caches()
+
+
+def fused_moe_arguments(tokens, mode, seed, deterministic=False, x=None, **overrides):
+    """Every schema argument of a `fused_moe` call on prepared (uninitialized) weights, in order. The
+    two alphas are views of one buffer, as a model's may be."""
+    from fp4moe import weight_layout
+
+    schema = torch.ops.fp4moe.fused_moe.default._schema
+    g = torch.Generator().manual_seed(seed)
+    codes1, scales1 = weight_layout.prepared_shapes(EXPERTS, 2 * INTERMEDIATE, HIDDEN, gated=True)
+    codes2, scales2 = weight_layout.prepared_shapes(EXPERTS, HIDDEN, INTERMEDIATE, gated=False)
+    alphas = torch.rand(3 * EXPERTS, generator=g) + 0.5
+    if x is None:
+        x = torch.randn(tokens, HIDDEN, generator=g).to(torch.bfloat16)
+    values = dict(
+        x=x,
+        topk_ids=torch.argsort(torch.rand(tokens, EXPERTS, generator=g), dim=1)[:, :TOP_K].to(torch.int32),
+        topk_weights=torch.rand(tokens, TOP_K, generator=g),
+        w1=torch.empty(codes1, dtype=torch.uint8),
+        w1_scales=torch.empty(scales1, dtype=torch.uint8),
+        w1_alpha=alphas[: 2 * EXPERTS].view(2, EXPERTS),
+        w2=torch.empty(codes2, dtype=torch.uint8),
+        w2_scales=torch.empty(scales2, dtype=torch.uint8),
+        w2_alpha=alphas[2 * EXPERTS :],
+        quant_mode="w4a16" if mode == "w4a16" else "w4a4",
+        per_token_activation=mode == "w4a4_token",
+        deterministic=deterministic,
+        weight_layout="sm90",
+    )
+    if mode == "w4a4_tensor":
+        values.update(fc1_input_scale=torch.tensor([3.0]), fc2_input_scale=torch.tensor([40.0]))
+    values.update(overrides)
+    return tuple(values.get(a.name, a.default_value if a.has_default_value() else None) for a in schema.arguments)
+
+
+def fused_moe_python_kernel(*args):
+    """`fused_moe`'s Python kernel as the host launcher calls it: every schema argument, in order."""
+    from fp4moe.ops import moe
+
+    names = [a.name for a in torch.ops.fp4moe.fused_moe.default._schema.arguments]
+    return moe.fused_moe(**dict(zip(names, args, strict=True)))
+
+
+def median_us(call, calls: int) -> float:
+    times = []
+    for _ in range(15):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=1)
+    parser.add_argument("--calls", type=int, default=200)
+    args = parser.parse_args(argv)
+
+    from fp4moe.kernels import host_launcher, launch_recording
+
+    launcher = host_launcher.module()
+    print(f"fused_moe host path on the CPU, kernels stubbed: E={EXPERTS}, H={HIDDEN}, I={INTERMEDIATE}, top-{TOP_K}, "
+          f"T={args.tokens}; median of 15 x {args.calls} calls, us")
+    print("| mode | launches | Python kernel | C++ replay | stub launches alone |")
+    print("|---|---|---|---|---|")
+    with stubbed_sm90_kernels(), torch.inference_mode():
+        for mode in MODES:
+            call = fused_moe_arguments(args.tokens, mode, seed=0)
+            _, program, why_not = launch_recording.record(fused_moe_python_kernel, call)
+            if program is None:
+                print(f"| {mode} | not replayable: {why_not} | | | |")
+                continue
+            key = f"benchmarks.host_cpu {mode} {args.tokens}".encode()
+            launcher.register_program(key, "fused_moe", program.buffers, program.launches, program.result)
+            python = median_us(lambda: fused_moe_python_kernel(*call), args.calls)
+            replay = median_us(lambda: launcher.replay_for_test(key, "fused_moe", call), args.calls)
+            stubs = median_us(lambda: [function(call[0]) for function in program.functions], args.calls)
+            print(f"| {mode} | {len(program.functions)} | {python:.1f} | {replay:.1f} | {stubs:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
