@@ -120,8 +120,8 @@ def hand_over_to_native(names: tuple[str, ...], install: Callable) -> None:
 def serve_from_cpp(device: torch.device) -> None:
     """Where the sm90 kernels serve `device` (a device with an index: a tensor's), the C++ host launcher
     takes over the CUDA kernels of its ops from the first call of one of them on (installed once per
-    process: `fp4moe.kernels.host_launcher.install`). Asked on every call that reaches Python, since
-    `FP4MOE_BACKEND` may change which backend serves the device."""
+    process: `fp4moe.kernels.host_launcher.install`). The MoE ops ask on every call that reaches their
+    Python kernels, since `FP4MOE_BACKEND` may change which backend serves the device."""
     if dispatch.device_backend(device) == dispatch.CUTE_SM90_BACKEND:
         from fp4moe.kernels import host_launcher
 

@@ -588,7 +588,11 @@ def test_repeat_fused_moe_calls_replay_their_recording(hopper, mode, tokens, det
     got = []
     for call in calls:
         poisoned([torch.empty(tokens * 4 * 256 * 4, dtype=torch.uint8, device="cuda") for _ in range(8)])
-        got.append(call.run(weight_layout="sm90"))
+        torch.cuda.set_sync_debug_mode("error")  # a replay synchronizes with nothing
+        try:
+            got.append(call.run(weight_layout="sm90"))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     assert host_launcher.slow_path_calls() == slow, "a recorded configuration went through Python"
     for seed, (g, want) in enumerate(zip(got, expected, strict=True), start=1):
         if deterministic:
@@ -670,8 +674,9 @@ def prepared_aligned_problem(tokens, top_k, experts, k, n, seed):
 @pytest.mark.gpu
 def test_repeat_aligned_moe_calls_replay_their_recording(hopper):
     """In place: each replayed call adds into a fresh seeded `out` exactly what the Python path adds
-    (`aligned_launch.aligned_moe_`, the same kernels), on fresh activations, routing and plan; an `out`
-    overlapping `hidden` is still refused (its key differs, so the Python kernel checks it)."""
+    (`aligned_launch.aligned_moe_`, the same kernels), on fresh activations, routing and plan, eagerly and
+    captured in a CUDA graph; an `out` overlapping `hidden` is still refused (its key differs, so the
+    Python kernel checks it)."""
     tokens, top_k, experts, k, n, block_m = 40, 4, 8, 256, 256, 16
     problem, topk_ids, out = prepared_aligned_problem(tokens, top_k, experts, k, n, seed=11)
     for _ in range(2):  # the second call is recorded
@@ -684,9 +689,30 @@ def test_repeat_aligned_moe_calls_replay_their_recording(hopper):
         expected = fresh_out.clone()
         aligned_launch.aligned_moe_(expected, **arguments)
         got = fresh_out.clone()
+        # The per-pair rows of unused plan rows stay unwritten: poisoned blocks show a misrouted buffer.
+        poisoned([torch.empty(tokens * top_k * k * 4, dtype=torch.uint8, device="cuda") for _ in range(8)])
         assert ops.aligned_moe_(got, **arguments) is None
         assert_bitwise_equal(got, expected, f"replayed aligned_moe_, seed {seed}")
     assert host_launcher.slow_path_calls() == slow, "a recorded configuration went through Python"
+
+    # Captured in a CUDA graph, replayed on fresh inputs copied into the captured ones.
+    live = {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in arguments.items()}
+    live_out = fresh_out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.aligned_moe_(live_out, **live)
+    assert host_launcher.slow_path_calls() == slow, "the capture went through Python"
+    for seed in (15, 16):
+        fresh, fresh_ids, fresh_out = prepared_aligned_problem(tokens, top_k, experts, k, n, seed=seed)
+        for name, value in dict(fresh, **aligned_plan_for(fresh_ids, block_m, experts)).items():
+            if name in ("hidden", "hidden_scales", "topk_weights", "sorted_token_ids", "expert_ids", "num_tokens_post_padded"):
+                live[name].copy_(value)
+        live_out.copy_(fresh_out)
+        graph.replay()
+        expected = fresh_out.clone()
+        aligned_launch.aligned_moe_(expected, **live)
+        torch.cuda.synchronize()
+        assert_bitwise_equal(live_out, expected, f"graph replay of aligned_moe_, seed {seed}")
     shared = torch.zeros(tokens * k * 2, dtype=torch.uint8, device="cuda")
     overlapping = dict(arguments, hidden=shared[: tokens * k // 2].view(tokens, k // 2))
     with pytest.raises(RuntimeError, match="out overlaps hidden"):

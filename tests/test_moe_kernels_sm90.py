@@ -32,6 +32,7 @@ def recorded_calls_forgotten():
 
     host_launcher.forget_recorded_calls()
     yield
+    torch.cuda.synchronize()  # no replay in flight when its program may drop the last reference to a kernel
     host_launcher.forget_recorded_calls()
 
 

@@ -601,8 +601,8 @@ void append_int(std::string& key, int64_t value) { key.append(reinterpret_cast<c
 // The key of a recorded op's call: its name, FP4MOE_BACKEND (read on every call, as the Python kernel
 // reads it), per argument its kind and metadata (a tensor's dtype, sizes, strides, device and address
 // modulo 256, which decides the launch layers' alignment checks; another argument's value), then which
-// tensors overlap in memory. False (no key) where an argument is of a kind the recorder does not take,
-// or a tensor is not on the first tensor's CUDA device; `device` is that device.
+// tensors overlap in memory and by how much. False (no key) where an argument is of a kind the recorder
+// does not take, or a tensor is not on the first tensor's CUDA device; `device` is that device.
 bool spell_recorded_key(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IValue> args, std::string& key,
                         c10::Device& device, bool cuda_only = true) {
   key = schema.name();
@@ -652,10 +652,14 @@ bool spell_recorded_key(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IV
       return false;
     }
   }
-  // Which tensors share bytes: an op may reject a call by that (aligned_moe_'s out overlapping an input).
+  // Which tensors share bytes, and how far apart they start: an op may reject a call by that (aligned_moe_'s
+  // out overlapping an input), and the recorder takes a launch's tensor lying in several arguments as a
+  // view of the first of them, which is the same view in every call of the key.
   for (size_t i = 0; i < spans.size(); ++i) {
     for (size_t j = i + 1; j < spans.size(); ++j) {
-      key += spans[i].first < spans[j].second && spans[j].first < spans[i].second ? '1' : '0';
+      const bool overlap = spans[i].first < spans[j].second && spans[j].first < spans[i].second;
+      key += overlap ? '1' : '0';
+      if (overlap) append_int(key, static_cast<int64_t>(spans[j].first - spans[i].first));
     }
   }
   return found_device;
@@ -857,8 +861,8 @@ void call_python_boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack, 
 }
 
 // A recorded op's call on `stack`: replayed where its key has a program, else through the op's Python
-// kernel (recorded where the call has a key). `cuda_only`: calls with tensors off CUDA have no key (the
-// CUDA kernel's rule; the tests serve CPU calls too).
+// kernel, recorded where `records` says so (a key's second call). `cuda_only`: calls with tensors off
+// CUDA have no key (the CUDA kernel's rule; the tests serve CPU calls too).
 void serve_recorded(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool cuda_only) {
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();

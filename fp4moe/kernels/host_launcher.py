@@ -23,8 +23,8 @@ Python once more, without compiling).
 pipelines whose checks, dispatch, tile arithmetic and allocations cost most of an eager call's host
 time. The launcher takes them over by recording: a call's key spells every argument's metadata (dtype,
 sizes, strides, device, address modulo 256; every non-tensor argument's value), which tensors overlap
-in memory (`aligned_moe_` refuses an `out` overlapping an input) and `FP4MOE_BACKEND`. The first call
-of a key runs the op's Python kernel; its second runs it under `serve_recorded_call`, which records its
+in memory and by how much (`aligned_moe_` refuses an `out` overlapping an input) and `FP4MOE_BACKEND`.
+The first call of a key through the launcher runs the op's Python kernel; its second runs it under `serve_recorded_call`, which records its
 allocations and launches (`fp4moe.kernels.launch_recording`) and files them as the key's program; later
 calls replay the program in C++: the same allocations, the same compiled functions, each tensor
 argument the recorded view of the new call's arguments or allocations, on the current stream. The
@@ -191,23 +191,20 @@ def serve_recorded_call(key: bytes, op: str, kernel, args: tuple):
         try:
             module().register_program(key, op, program.buffers, program.launches, program.result)
         except RuntimeError as error:  # a program the launcher cannot replay: the call itself succeeded
-            _warn_once(f"fp4moe: a {op} configuration stays on the Python path ({_first_line(error)})")
+            # Once per such configuration: its key is filed as unreplayable below.
+            warnings.warn(f"fp4moe: a {op} configuration stays on the Python path ({_first_line(error)})", RuntimeWarning, stacklevel=2)
             program = None
     if program is None:
         module().refuse_key(key)
     return result
 
 
-@functools.cache
-def _warn_once(message: str) -> None:
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
 def forget_recorded_calls() -> None:
     """Forget every recorded program (and every key seen), so that the next calls run the Python
     kernels and record afresh. A program replays the launches of the launch layer's rules as they were
     when it was recorded, which its key does not spell: tests that patch those rules call this before
-    and after."""
+    and after. Call it with no work in flight on the GPU and no CUDA graph holding a replay: a forgotten
+    program may hold the last reference to a compiled kernel."""
     if install.cache_info().currsize and install():
         module().forget_programs()
 

@@ -16,7 +16,7 @@ A call is replayable only if everything it did on the device is in the program. 
 torch dispatch mode sees every torch op the Python kernel runs: allocations (which become buffers) and
 views pass; any other op (a copy, a fill, a read of a value) makes the call not replayable, and its
 key then has no program: such configurations stay on the Python path. So do calls whose kernel
-arguments cannot be told apart (a view inside more than one op argument, a Python scalar of another
+arguments cannot be described (a tensor within no op argument or buffer, a Python scalar of another
 type), and calls that return anything but nothing (an op that writes an argument in place) or a view of
 one of the buffers. Compiled kernels report their launches through `note_launch` (the wrapper
 `fp4moe.kernels.sm90.compiler` puts around each of them).
@@ -143,9 +143,11 @@ class Recording(TorchDispatchMode):
             for index, a in self.inputs.items()
             if a.numel() and a.device == t.device and a.data_ptr() <= start and end <= a.data_ptr() + _span_bytes(a)
         ]
-        if len(owners) != 1:
-            self.refuse(f"a launch's tensor lies in {len(owners)} op arguments")
+        if not owners:
+            self.refuse("a launch's tensor lies in no op argument")
             return ("none",)
+        # In several (the same tensor passed twice, say): the first, whose place relative to the others
+        # the C++ key spells, so the view is the same in every call of the key.
         return ("input", owners[0], start - self.inputs[owners[0]].data_ptr(), *_layout(t))
 
     def finish(self, result) -> Program | None:
