@@ -1,11 +1,12 @@
-"""Recording a `fused_moe` call's launches and replaying them in C++ (`fp4moe.kernels.launch_recording`,
-the recorded ops of `fp4moe.kernels.host_launcher`), on the CPU.
+"""Recording `fused_moe` and `aligned_moe_` calls' launches and replaying them in C++
+(`fp4moe.kernels.launch_recording`, the recorded ops of `fp4moe.kernels.host_launcher`), on the CPU.
 
-The sm90 pipeline runs here with its device facts faked and every compiled kernel replaced by a TVM-FFI
-function of a Python callable that notes its arguments: the Python kernel of the op and the C++ replay
-of its recording must then launch the same kernels with the same arguments — every tensor the same
-view of the same op argument, or of the same one of the call's own allocations — and return the same
-view of an allocation. The GPU tests (`tests/test_host_launcher.py`) run the real kernels both ways."""
+The sm90 pipelines run here with their device facts faked and every compiled kernel replaced by a
+TVM-FFI function of a Python callable that notes its arguments (`benchmarks.host_cpu.stubbed_sm90_kernels`):
+the Python kernel of the op and the C++ replay of its recording must then launch the same kernels with
+the same arguments — every tensor the same view of the same op argument, or of the same one of the
+call's own allocations — and return the same view of an allocation (or nothing, in place). The GPU
+tests (`tests/test_host_launcher.py`) run the real kernels both ways."""
 
 from __future__ import annotations
 
