@@ -631,7 +631,6 @@ bool spell_recorded_key(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IV
         append_int(key, t.stride(d));
       }
       append_int(key, static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 256));
-      append_int(key, t.get_device());
     } else if (value.isNone()) {
       key += 'N';
     } else if (value.isBool()) {
@@ -652,6 +651,7 @@ bool spell_recorded_key(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IV
       return false;
     }
   }
+  append_int(key, device.index());  // every tensor's, checked above
   // Which tensors share bytes, and how far apart they start: an op may reject a call by that (aligned_moe_'s
   // out overlapping an input), and the recorder takes a launch's tensor lying in several arguments as a
   // view of the first of them, which is the same view in every call of the key.
