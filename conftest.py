@@ -12,3 +12,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def recorded_calls_forgotten():
+    """A registry of recorded calls without programs or keys seen, before and after the test
+    (`fp4moe.kernels.host_launcher.forget_recorded_calls`): for tests that count their own calls' trips
+    into Python, or that patch the launch layer's rules, which a replay recorded under other rules
+    would not follow. On a GPU, work in flight ends first: a forgotten program may hold the last
+    reference to a compiled kernel."""
+    from fp4moe.kernels import host_launcher
+
+    host_launcher.forget_recorded_calls()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    host_launcher.forget_recorded_calls()

@@ -484,7 +484,7 @@ def check_aligned_moe(
         _check_aligned_moe_storage({name: tensor for name, (tensor, _) in tensors.items()})
 
 
-def _byte_range(tensor: torch.Tensor) -> tuple[int, int] | None:
+def byte_range(tensor: torch.Tensor) -> tuple[int, int] | None:
     """[first, last + 1) bytes spanned by a strided tensor; None when it has no elements."""
     if tensor.numel() == 0:
         return None
@@ -496,11 +496,11 @@ def _check_aligned_moe_storage(tensors: dict[str, torch.Tensor]) -> None:
     for name in ALIGNED_MOE_VECTOR_OPERANDS:
         if tensors[name].data_ptr() % ALIGNED_MOE_ALIGNMENT_BYTES != 0:
             raise ValueError(f"{name}'s data pointer must be {ALIGNED_MOE_ALIGNMENT_BYTES}-byte aligned")
-    written = _byte_range(tensors["out"])
+    written = byte_range(tensors["out"])
     if written is None:
         return
     for name, tensor in tensors.items():
-        read = None if name == "out" else _byte_range(tensor)
+        read = None if name == "out" else byte_range(tensor)
         if read is not None and read[0] < written[1] and written[0] < read[1]:
             raise RuntimeError(f"out overlaps {name} in memory; aligned_moe_ writes out while it still reads {name}")
 

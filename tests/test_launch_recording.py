@@ -20,8 +20,10 @@ from benchmarks.host_cpu import EXPERTS, HIDDEN, fused_moe_arguments, fused_moe_
 from fp4moe import dispatch, weight_layout
 from fp4moe.kernels import host_launcher, launch_recording
 from fp4moe.ops import aligned_moe as aligned_ops
+from fp4moe.validation import byte_range
 
 ARGUMENT_NAMES = [a.name for a in torch.ops.fp4moe.fused_moe.default._schema.arguments]
+pytestmark = pytest.mark.usefixtures("recorded_calls_forgotten")  # each test counts its own calls
 
 
 @pytest.fixture
@@ -32,14 +34,6 @@ def launcher():
         return host_launcher.module()
     except Exception as error:  # no C++ compiler: test_host_launcher covers the notice
         pytest.skip(f"the C++ host launcher does not build here ({error})")
-
-
-@pytest.fixture(autouse=True)
-def recorded_calls_forgotten():
-    """Each test counts its own calls from a registry without programs or keys seen."""
-    host_launcher.forget_recorded_calls()
-    yield
-    host_launcher.forget_recorded_calls()
 
 
 @pytest.fixture
@@ -77,11 +71,7 @@ def canonical(noted, args):
     """The noted launches with each tensor argument as ("argument", index, byte offset, ...) of the op
     argument it lies in, or ("allocation", n, ...) numbering the call's own allocations in the order of
     first use: the same for two calls that launch alike on different tensors."""
-    spans = [
-        (i, a.data_ptr(), a.data_ptr() + a.element_size() * (1 + sum((n - 1) * s for n, s in zip(a.shape, a.stride()))))
-        for i, a in enumerate(args)
-        if isinstance(a, torch.Tensor) and a.numel()
-    ]
+    spans = [(i, *byte_range(a)) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.numel()]
     allocations = {}
     described = []
     for name, values in noted:

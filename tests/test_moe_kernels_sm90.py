@@ -18,22 +18,11 @@ from tests.moe_problems import assert_moe_close, loop_reference, make_problem
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not runs_the_sm90_kernels(), reason="needs a Hopper (sm_90) GPU"),
+    # Several tests patch the launch layer's rules (`monkeypatch` of `moe_launch`).
+    pytest.mark.usefixtures("recorded_calls_forgotten"),
 ]
 ops = torch.ops.fp4moe
 SWIGLU_VARIANTS = {"swiglu": {}, "gptoss": dict(swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=7.0)}
-
-
-@pytest.fixture(autouse=True)
-def recorded_calls_forgotten():
-    """Several tests patch the launch layer's rules (`monkeypatch` of `moe_launch`): a `fused_moe` call
-    that replayed a program recorded under other rules would not run the patched path, nor a later test
-    one recorded under patched rules (`host_launcher.forget_recorded_calls`)."""
-    from fp4moe.kernels import host_launcher
-
-    host_launcher.forget_recorded_calls()
-    yield
-    torch.cuda.synchronize()  # no replay in flight when its program may drop the last reference to a kernel
-    host_launcher.forget_recorded_calls()
 
 
 def prepared_args(p):

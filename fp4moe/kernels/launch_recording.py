@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fp4moe.validation import byte_range
+
 ALLOCATIONS = frozenset(
     {
         torch.ops.aten.empty.memory_format,
@@ -73,11 +75,6 @@ class Program:
     functions: list = field(default_factory=list)
 
 
-def _span_bytes(t: torch.Tensor) -> int:
-    """Bytes from a tensor's first element to the end of its last one."""
-    return (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
-
-
 def _layout(t: torch.Tensor) -> tuple:
     return tuple(t.shape), tuple(t.stride()), t.dtype
 
@@ -89,6 +86,8 @@ class Recording(TorchDispatchMode):
     def __init__(self, inputs: dict[int, torch.Tensor]):
         super().__init__()
         self.inputs = inputs  # op argument index -> tensor
+        # op argument index -> (device, bytes [first, last + 1)) of the arguments with elements
+        self.input_spans = {index: (a.device, byte_range(a)) for index, a in inputs.items() if a.numel()}
         # The replay allocates on the call's device: that of its first tensor argument.
         self.device = next(iter(inputs.values())).device if inputs else None
         self.program = Program()
@@ -137,11 +136,9 @@ class Recording(TorchDispatchMode):
         buffer = self.buffer_of_storage.get(t.untyped_storage().data_ptr())
         if buffer is not None:
             return ("buffer", buffer, t.data_ptr() - t.untyped_storage().data_ptr(), *_layout(t))
-        start, end = t.data_ptr(), t.data_ptr() + _span_bytes(t)
+        start, end = byte_range(t)
         owners = [
-            index
-            for index, a in self.inputs.items()
-            if a.numel() and a.device == t.device and a.data_ptr() <= start and end <= a.data_ptr() + _span_bytes(a)
+            index for index, (device, (low, high)) in self.input_spans.items() if device == t.device and low <= start and end <= high
         ]
         if not owners:
             self.refuse("a launch's tensor lies in no op argument")
