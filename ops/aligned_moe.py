@@ -32,8 +32,7 @@ def align_block_size(topk_ids, block_m, num_experts, local_expert_offset):
 def aligned_moe_(**args):
     validation.check_aligned_moe(**args, real_storage=True)
     device = args["out"].device
-    if device.type == "cuda":  # on Hopper, later calls replay from C++ (`fp4moe.kernels.host_launcher.RECORDED_OPS`)
-        serve_from_cpp(device)
+    serve_from_cpp(device)  # on Hopper, later calls replay from C++ (`fp4moe.kernels.host_launcher.RECORDED_OPS`)
     dispatch.kernel_module("aligned_moe", dispatch.device_backend(device)).aligned_moe_(**args)
 
 

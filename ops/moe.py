@@ -74,8 +74,7 @@ def moe_finalize(expanded, pair_to_permuted, top_k, out_dtype):
 
 def fused_moe(**args):
     validation.check_fused_moe(**args)
-    if args["x"].is_cuda:  # on Hopper, later calls replay from C++ (`fp4moe.kernels.host_launcher.RECORDED_OPS`)
-        serve_from_cpp(args["x"].device)
+    serve_from_cpp(args["x"].device)  # on Hopper, later calls replay from C++ (`fp4moe.kernels.host_launcher.RECORDED_OPS`)
     return pipeline.fused_moe(**args)
 
 
