@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import sys
 import time
@@ -96,12 +97,16 @@ def fused_moe_arguments(tokens, mode, seed, deterministic=False, x=None, **overr
     return tuple(values.get(a.name, a.default_value if a.has_default_value() else None) for a in schema.arguments)
 
 
+@functools.cache
+def _fused_moe_argument_names() -> tuple[str, ...]:
+    return tuple(a.name for a in torch.ops.fp4moe.fused_moe.default._schema.arguments)
+
+
 def fused_moe_python_kernel(*args):
     """`fused_moe`'s Python kernel as the host launcher calls it: every schema argument, in order."""
     from fp4moe.ops import moe
 
-    names = [a.name for a in torch.ops.fp4moe.fused_moe.default._schema.arguments]
-    return moe.fused_moe(**dict(zip(names, args, strict=True)))
+    return moe.fused_moe(**dict(zip(_fused_moe_argument_names(), args, strict=True)))
 
 
 def median_us(call, calls: int) -> float:
