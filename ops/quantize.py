@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from fp4moe import dispatch, validation
@@ -26,16 +24,12 @@ DEQUANTIZE_SCHEMA = (
 TILE_AMAX_SCHEMA = "tile_amax(Tensor x, int tile_n) -> Tensor"
 
 
-@functools.cache
-def _backend_module(device: torch.device):
-    """The module implementing the quantization ops on `device` (a device with an index: a tensor's)."""
-    module = dispatch.kernel_module("quantize", dispatch.device_backend(device))  # imports the CuTe DSL only where it runs
-    serve_from_cpp(device)
-    return module
-
-
 def _backend_for(x: torch.Tensor):
-    return _backend_module(x.device)
+    """The module implementing the quantization ops on x's device, asked on every call (as the MoE ops
+    ask), since `FP4MOE_BACKEND` may change which backend serves the device."""
+    module = dispatch.kernel_module("quantize", dispatch.quantize_backend(x.device))  # imports the CuTe DSL only where it runs
+    serve_from_cpp(x.device)
+    return module
 
 
 def quantize(x, global_scale, sf_layout, four_over_six):

@@ -440,6 +440,50 @@ def test_calls_outside_the_fast_path_go_to_python(hopper):
 
 
 @pytest.mark.gpu
+def test_the_quantization_ops_follow_the_backend_override(hopper, monkeypatch):
+    """FP4MOE_BACKEND=reference, set after configurations were registered, sends every quantization call
+    to Python, which runs the reference backend (the switch is asked on every call); unset, the registered
+    configurations stay in C++ again."""
+    from fp4moe.reference import quantize as reference_backend
+
+    x = activations(40, 2048, torch.bfloat16, seed=11)
+    calls = {
+        "quantize": lambda: ops.quantize(x, torch.ones(1, device="cuda")),
+        "quantize_per_token": lambda: ops.quantize_per_token(x, input_amax=ops.tile_amax(x, 128)),
+        "tile_amax": lambda: ops.tile_amax(x, 128),
+    }
+    for call in calls.values():  # registers each configuration
+        call()
+    served = []
+    for name in calls:
+        monkeypatch.setattr(reference_backend, name, counting(getattr(reference_backend, name), name, served))
+    slow = host_launcher.slow_path_calls()
+    monkeypatch.setenv(dispatch.BACKEND_VARIABLE, dispatch.REFERENCE_BACKEND)
+    under_override = {name: as_tuple(call()) for name, call in calls.items()}
+    assert set(served) == set(calls), "the reference backend served every op"
+    assert host_launcher.slow_path_calls() == slow + 4, "each of the four calls went to Python"
+    monkeypatch.delenv(dispatch.BACKEND_VARIABLE)
+    served.clear()
+    slow = host_launcher.slow_path_calls()
+    for name, call in calls.items():
+        for g, w in zip(as_tuple(call()), under_override[name], strict=True):
+            assert_bitwise_equal(g, w, f"{name} from C++ and from the reference")
+    assert host_launcher.slow_path_calls() == slow and not served, "registered configurations stay in C++ again"
+
+
+def as_tuple(outputs):
+    return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+def counting(function, name, served):
+    def call(*args):
+        served.append(name)
+        return function(*args)
+
+    return call
+
+
+@pytest.mark.gpu
 def test_the_fast_path_launches_on_the_current_stream(hopper):
     """x is written on a side stream behind a long sleep; a kernel launched anywhere but that stream
     would read x before the write."""

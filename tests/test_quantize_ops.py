@@ -318,6 +318,27 @@ def test_quantize_backend_takes_devices_and_device_strings(device):
         assert fp4moe.quantize_backend("cpu") == dispatch.REFERENCE_BACKEND
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_call_asks_the_backend_switch(device, monkeypatch):
+    """FP4MOE_BACKEND is read on every call, not once per device: a value it does not know, set after the
+    ops have run on the device (on Hopper: after their configurations went to C++), makes each op raise."""
+    x = random_activations(32, 256, torch.bfloat16, device)
+    codes, scales = ops.quantize(x, torch.ones(1, device=device))
+    calls = (
+        lambda: ops.quantize(x, torch.ones(1, device=device)),
+        lambda: ops.quantize_per_token(x),
+        lambda: ops.tile_amax(x, 128),
+        lambda: ops.dequantize(codes, scales, global_scale=torch.ones(1, device=device)),
+    )
+    for call in calls:
+        call()
+        call()
+    monkeypatch.setenv(dispatch.BACKEND_VARIABLE, "fastest")
+    for call in calls:
+        with pytest.raises(ValueError, match="FP4MOE_BACKEND must be one of"):
+            call()
+
+
 @pytest.mark.gpu
 def test_mixed_devices_are_refused():
     with pytest.raises(ValueError, match="global_scale is on cpu but x is on cuda"):

@@ -390,9 +390,18 @@ class Arguments {
 
 bool same_cuda_device(const at::Tensor& t, const at::Tensor& x) { return t.device() == x.device(); }
 
-// x is a CUDA [M, K] activation with M > 0 that the kernels index with 32-bit integers.
+// Whether FP4MOE_BACKEND leaves each device to its kernels (unset or "auto"). Read on every call, as the
+// Python kernels read it: under any other value a call goes to Python, which runs the reference backend
+// or raises for a value it does not know.
+bool kernels_serve() {
+  const char* backend = std::getenv("FP4MOE_BACKEND");
+  return backend == nullptr || std::strcmp(backend, "auto") == 0;
+}
+
+// x is a CUDA [M, K] activation with M > 0 that the kernels index with 32-bit integers, and the kernels
+// serve its device.
 bool launchable_activation(const at::Tensor& x) {
-  return x.is_cuda() && x.dim() == 2 && x.size(0) > 0 && x.numel() <= contract.max_elements &&
+  return kernels_serve() && x.is_cuda() && x.dim() == 2 && x.size(0) > 0 && x.numel() <= contract.max_elements &&
          dtype_name(x.scalar_type()) != nullptr;
 }
 
