@@ -646,6 +646,31 @@ def test_repeat_fused_moe_calls_replay_their_recording(hopper, mode, tokens, det
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", FUSED_MOE_MODES)
+def test_a_replay_needs_no_more_memory_than_the_python_pipeline(hopper, mode):
+    """A replay lets each buffer go after its last launch: its peak allocation (over what was allocated
+    before the call) is at most the Python pipeline's for the same call."""
+    problem = routed_problem(300, mode, seed=7, deterministic=True)
+    for _ in range(2):
+        problem.run(weight_layout="sm90")  # the second call is recorded
+
+    def peak_of(call):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        result = call()
+        peak = torch.cuda.max_memory_allocated() - before
+        return result, peak
+
+    slow = host_launcher.slow_path_calls()
+    replayed, replay_peak = peak_of(lambda: problem.run(weight_layout="sm90"))
+    assert host_launcher.slow_path_calls() == slow, "the call was not replayed"
+    expected, python_peak = peak_of(lambda: python_path(problem))
+    assert_bitwise_equal(replayed, expected, f"{mode} replayed")
+    assert 0 < replay_peak <= python_peak, (replay_peak, python_peak)
+
+
+@pytest.mark.gpu
 def test_cuda_graphs_capture_the_replayed_fused_moe(hopper):
     problem = routed_problem(24, "w4a4_per_token", seed=4, deterministic=True)
     for _ in range(2):

@@ -53,8 +53,9 @@ def launches():
 
 
 class KeepingAllocations(TorchDispatchMode):
-    """Keeps every tensor allocated under it alive, so that no two allocations of a call share an address
-    (as none do in a replay, which holds its buffers to the end) and `canonical` can tell them apart."""
+    """Keeps every tensor allocated under it alive (the Python kernel's, and a replay's, whose C++
+    allocations the mode sees too), so that no two allocations of a call share an address and
+    `canonical` can tell them apart."""
 
     def __init__(self):
         super().__init__()
@@ -118,7 +119,8 @@ def test_a_replay_launches_what_the_python_kernel_launches(launcher, launches, m
             expected = fused_moe_python_kernel(*args)
         expected_launches = canonical(launches, args)
         launches.clear()
-        got = launcher.replay_for_test(b"test key", "fused_moe", args)
+        with KeepingAllocations():
+            got = launcher.replay_for_test(b"test key", "fused_moe", args)
         got_launches = canonical(launches, args)
     assert [name for name, _ in got_launches] == [name for name, _ in expected_launches]
     for (name, want), (_, have) in zip(expected_launches, got_launches, strict=True):
@@ -156,7 +158,8 @@ def test_a_call_without_a_program_is_recorded_and_the_next_one_replayed(launcher
         expected = fused_moe_python_kernel(*args)
     expected_launches = canonical(launches, args)
     launches.clear()
-    got = launcher.serve_for_test("fused_moe", args)
+    with KeepingAllocations():
+        got = launcher.serve_for_test("fused_moe", args)
     assert host_launcher.slow_path_calls() == slow + 1, "the second call went to Python"
     assert canonical(launches, args) == expected_launches
     assert (got.shape, got.dtype) == (expected.shape, expected.dtype)
@@ -173,6 +176,39 @@ def test_a_call_without_a_program_is_recorded_and_the_next_one_replayed(launcher
         launcher.serve_for_test("fused_moe", tuple(invalid))
     assert launch_recording.current() is None
     assert launcher.recorded_program_count() == programs + 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_replay_holds_each_buffer_from_its_first_launch_to_its_last(launcher, launches, mode):
+    """A replay allocates each buffer just before the first launch that takes it and lets it go just after
+    the last (the result's at the end); one that no launch takes is never allocated. So at every launch it
+    holds only buffers the Python kernel must hold there too, and less than all of them at once."""
+    program = record_and_file(launcher, fused_moe_arguments(300, mode, seed=0, deterministic=True))
+    uses = {}  # buffer index -> the launches that take it
+    for launch, (_, arguments) in enumerate(program.launches):
+        for argument in arguments:
+            if argument[0] == "buffer":
+                uses.setdefault(argument[1], []).append(launch)
+    result_buffer = program.result[1]
+    want = [([], []) for _ in program.launches]
+    for buffer, taken_by in sorted(uses.items()):
+        want[taken_by[0]][0].append(buffer)
+        if buffer != result_buffer:
+            want[taken_by[-1]][1].append(buffer)
+    schedule = launcher.buffer_schedule_for_test(b"test key")
+    assert [(sorted(a), sorted(r)) for a, r in schedule] == want
+
+    def size(buffer):
+        sizes, strides, dtype = program.buffers[buffer]
+        return (1 + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True))) * dtype.itemsize
+
+    live, peak = set(), 0
+    for allocated, released in schedule:
+        live |= set(allocated)
+        peak = max(peak, sum(map(size, live)))
+        live -= set(released)
+    assert live == {result_buffer}
+    assert peak < sum(map(size, range(len(program.buffers)))), "some buffer is let go before another is allocated"
 
 
 def test_the_replay_allocates_afresh_on_every_call(launcher, launches):

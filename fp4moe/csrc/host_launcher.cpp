@@ -565,6 +565,12 @@ class Program {
 
   std::vector<RecordedBuffer> buffers;
   std::vector<std::pair<TVMFFIObjectHandle, std::vector<RecordedArgument>>> launches;
+  // Per launch, the buffers a replay allocates just before it (their first launch) and lets go just after
+  // it (their last launch; never the result's). At every launch a replay then holds only buffers the
+  // Python kernel must hold there too, so it needs no more memory than that kernel; a buffer no launch
+  // takes is never allocated (other than the result's, allocated at the end). The caching allocator hands
+  // a block let go after a launch only to work queued behind it on the same stream.
+  std::vector<std::vector<int64_t>> allocated_before, released_after;
   bool has_result = false;  // false for an op that returns nothing (it writes an argument in place)
   int64_t result_buffer = 0;
   int64_t result_offset = 0;
@@ -676,12 +682,14 @@ bool spell_recorded_key(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IV
 
 // A call of `program` for the op arguments `args` on `device`: its result (undefined where it has none).
 at::Tensor replay(const Program& program, c10::ArrayRef<c10::IValue> args, const c10::Device& device) {
-  std::vector<at::Tensor> buffers;
-  buffers.reserve(program.buffers.size());
-  for (const RecordedBuffer& b : program.buffers) {
-    buffers.push_back(at::empty_strided(b.sizes, b.strides, at::TensorOptions().dtype(b.dtype).device(device)));
-  }
-  for (const auto& [function, recorded] : program.launches) {
+  std::vector<at::Tensor> buffers(program.buffers.size());
+  const auto allocate = [&](int64_t index) {
+    const RecordedBuffer& b = program.buffers[index];
+    buffers[index] = at::empty_strided(b.sizes, b.strides, at::TensorOptions().dtype(b.dtype).device(device));
+  };
+  for (size_t launch = 0; launch < program.launches.size(); ++launch) {
+    for (const int64_t index : program.allocated_before[launch]) allocate(index);
+    const auto& [function, recorded] = program.launches[launch];
     Arguments call;
     for (const RecordedArgument& a : recorded) {
       const RecordedView& v = a.view;
@@ -702,8 +710,10 @@ at::Tensor replay(const Program& program, c10::ArrayRef<c10::IValue> args, const
       }
     }
     call.call(function, device);
+    for (const int64_t index : program.released_after[launch]) buffers[index].reset();
   }
   if (!program.has_result) return at::Tensor();
+  if (!buffers[program.result_buffer].defined()) allocate(program.result_buffer);  // no launch wrote it
   at::Tensor& result = buffers[program.result_buffer];
   if (program.result_offset == 0 && result.sizes().equals(program.result_sizes) &&
       result.strides().equals(program.result_strides)) {
@@ -740,6 +750,30 @@ RecordedView view_of(const py::tuple& item, bool empty) {
   TORCH_CHECK(view.sizes.size() == view.strides.size(), "fp4moe host launcher: a view's sizes and strides differ in rank");
   view.dtype = dl_dtype(scalar_type_of(item[first + 2]));
   return view;
+}
+
+// Fills `program`'s allocated_before and released_after from the launches' buffer arguments.
+void schedule_buffers(Program& program) {
+  const size_t launches = program.launches.size();
+  constexpr int64_t kUnused = -1;
+  std::vector<int64_t> first(program.buffers.size(), kUnused), last(program.buffers.size(), kUnused);
+  for (size_t launch = 0; launch < launches; ++launch) {
+    for (const RecordedArgument& a : program.launches[launch].second) {
+      if (a.kind != RecordedArgument::kBuffer) continue;
+      const int64_t index = a.view.source;
+      if (first[index] == kUnused) first[index] = static_cast<int64_t>(launch);
+      last[index] = static_cast<int64_t>(launch);
+    }
+  }
+  program.allocated_before.assign(launches, {});
+  program.released_after.assign(launches, {});
+  for (size_t index = 0; index < program.buffers.size(); ++index) {
+    if (first[index] == kUnused) continue;
+    program.allocated_before[first[index]].push_back(static_cast<int64_t>(index));
+    if (!(program.has_result && program.result_buffer == static_cast<int64_t>(index))) {
+      program.released_after[last[index]].push_back(static_cast<int64_t>(index));
+    }
+  }
 }
 
 // Files a recorded call (launch_recording.Program's fields) under `key`. Checks that every index points
@@ -804,6 +838,7 @@ void register_program(const py::bytes& key, const std::string& op_name, const py
     program->result_sizes = int_list(returned[3]);
     program->result_strides = int_list(returned[4]);
   }
+  schedule_buffers(*program);
   std::lock_guard<std::mutex> lock(recorded_ops.mutex);
   recorded_ops.programs[std::string(key)] = std::move(program);
 }
@@ -959,6 +994,18 @@ py::object replay_for_test(const py::bytes& key, const std::string& op_name, con
   TORCH_CHECK(false, "fp4moe host launcher: a replay needs a tensor argument");
 }
 
+// For the tests: per launch of the program filed under a key, the buffers a replay allocates before it and
+// lets go after it (None without a program).
+py::object buffer_schedule_for_test(const py::bytes& key) {
+  const auto program = find_program(std::string(key));
+  if (program == nullptr) return py::none();
+  py::list schedule;
+  for (size_t launch = 0; launch < program->launches.size(); ++launch) {
+    schedule.append(py::make_tuple(program->allocated_before[launch], program->released_after[launch]));
+  }
+  return schedule;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Autograd kernels: every op is inference-only (ops/library.py). An input that requires grad, with
 // grad mode on, goes to the Python Autograd kernel, which raises; anything else is dispatched below
@@ -1111,6 +1158,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Serve a call of a recorded op as its CUDA kernel does, on any device (replayed or recorded)");
   m.def("replay_for_test", &fp4moe::replay_for_test,
         "Replay the program filed under a key for these op arguments, outside the dispatcher (None without one)");
+  m.def("buffer_schedule_for_test", &fp4moe::buffer_schedule_for_test,
+        "Per launch of the program filed under a key: the buffers a replay allocates before it and lets go after it");
   m.def("awaits", &fp4moe::awaits, "Whether a call of the op on this thread awaits a kernel (see register_kernel)");
   m.def("register_kernel", &fp4moe::register_kernel,
         "File a compiled TVM-FFI function of the op, with its outputs' rules, under the key a call awaits");

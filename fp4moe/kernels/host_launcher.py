@@ -32,8 +32,8 @@ pipeline reads no tensor's values on the host, so its launches follow from that 
 from the launch layer's rules, module state that the key does not spell: `forget_recorded_calls`). A
 call that does anything a replay would not (a torch op other than an allocation or a view, such as a
 copy of misaligned rows) is not replayable: its configuration stays on the Python path, not recorded
-again. A replay holds all of a call's allocations until its last launch is queued, where the Python
-path may free some earlier: its peak memory can be higher by the intermediate buffers.
+again. A replay allocates each buffer just before the first launch that takes it and lets it go just
+after the last, so its peak memory is at most the Python path's.
 
 The launcher is built with `torch.utils.cpp_extension` (a C++ compiler and ninja; no CUDA toolkit) on
 first use and cached under `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`). Set
