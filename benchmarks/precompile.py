@@ -25,11 +25,11 @@ import torch
 from benchmarks.moe_cases import ALIGNED_MOE, SHAPES, MoEShape
 from benchmarks.moe_implementations import REGISTRY, aligned_block_m
 from fp4moe import dispatch, pipeline, weight_layout
-from fp4moe.kernels.sm90 import aligned_launch, compiler, moe_launch, quantize_launch
+from fp4moe.kernels.sm90 import aligned_launch, compiler, moe_launch, quantize_launch, routing_launch
 from fp4moe.op_outputs import align_block_size_outputs
 
 DEFAULT_TOKENS = [2**i for i in range(13)]
-LAUNCH_MODULES = (moe_launch, quantize_launch, aligned_launch)
+LAUNCH_MODULES = (moe_launch, quantize_launch, aligned_launch, routing_launch)
 """The modules that compile sm90 kernels through `compiler.compile_kernel`."""
 FP4MOE_IMPLEMENTATIONS = [name for name in REGISTRY if name != "bf16_grouped_mm"]
 """The harness's implementations that call fp4moe (the others compile no kernel of ours)."""
@@ -64,6 +64,17 @@ def _prepared_weights(shape: MoEShape):
     w1_codes, w1_scales = weight_layout.prepared_shapes(experts, 2 * intermediate, hidden, gated=True)
     w2_codes, w2_scales = weight_layout.prepared_shapes(experts, hidden, intermediate, gated=False)
     return tuple(_empty(s, torch.uint8) for s in (w1_codes, w1_scales, w2_codes, w2_scales))
+
+
+def compile_routing(shape: MoEShape) -> None:
+    """The routing kernel the harness routes a shape's tokens with (`moe_cases.MoEProblem`: FP32 logits
+    and bias), if the shape's routing has one (inside `compile_without_launching`)."""
+    if shape.routing == "deepseek_v3":
+        experts = shape.num_experts
+        routing_launch.route_deepseek_v3(
+            _empty((1, experts), torch.float32), _empty((experts,), torch.float32), shape.top_k, shape.n_group,
+            shape.topk_group, shape.routed_scaling_factor, True,
+        )
 
 
 def compile_cell(shape: MoEShape, tokens: int, implementation: str) -> None:
@@ -105,6 +116,9 @@ def main(argv=None) -> int:
     failed = 0
     with compile_without_launching(args.sms):
         for name in args.shapes:
+            before = compiler.compilations
+            compile_routing(SHAPES[name])
+            print(f"{name} routing: {compiler.compilations - before} compiled", flush=True)
             for tokens in args.tokens:
                 for implementation in args.impls:
                     cell = f"{name} T={tokens} {implementation}"

@@ -32,7 +32,7 @@ def _import_mapped_package(name: str):
 
 ops = _import_mapped_package("ops")  # defines the ops; must precede the fakes
 meta_kernels = _import_mapped_package("meta_kernels")
-from fp4moe.dispatch import AUX_AMAX_MIN_TOKENS, moe_dispatch, per_token_quant_path, quantize_backend
+from fp4moe.dispatch import AUX_AMAX_MIN_TOKENS, moe_dispatch, per_token_quant_path, quantize_backend, routing_backend
 from fp4moe.module import FusedMoE
 from fp4moe.nvfp4 import (
     DEFAULT_GLOBAL_SCALE_INV,
@@ -63,6 +63,7 @@ __all__ = [
     "per_token_quant_path",
     "quantize_backend",
     "quantize_moe_weights",
+    "routing_backend",
     "swizzle_128x4",
     "unswizzle_128x4",
 ]

@@ -43,6 +43,8 @@ KERNEL_MODULES = {
     ("moe", CUTE_SM90_BACKEND): "fp4moe.kernels.sm90.moe_launch",
     ("aligned_moe", REFERENCE_BACKEND): "fp4moe.reference.aligned_moe",
     ("aligned_moe", CUTE_SM90_BACKEND): "fp4moe.kernels.sm90.aligned_launch",
+    ("routing", REFERENCE_BACKEND): "fp4moe.reference.routing",
+    ("routing", CUTE_SM90_BACKEND): "fp4moe.kernels.sm90.routing_launch",
 }
 """(kernel family, backend) -> the module implementing that family's stage functions. Adding a
 kernel backend for a family is one module and one entry here."""
@@ -84,6 +86,22 @@ def device_backend(device) -> str:
 def quantize_backend(device) -> str:
     """The backend that runs the quantization ops on `device` (`device_backend`)."""
     return device_backend(device)
+
+
+ROUTING_OPS = ("route_softmax_topk", "route_deepseek_v3")
+ROUTING_KERNELS = {CUTE_SM90_BACKEND: ("route_deepseek_v3",)}
+"""The routing ops each kernel backend runs kernels for; its devices run the others on the reference
+(`route_softmax_topk`'s scores come from `torch.softmax`, whose FP32 sum follows torch's own reduction
+order, which a kernel would have to reproduce to be bitwise equal)."""
+
+
+def routing_backend(op: str, device) -> str:
+    """The backend that runs the routing op `op` (`ROUTING_OPS`) on `device`: the device's
+    (`device_backend`) where it has a kernel for it (`ROUTING_KERNELS`), else the reference."""
+    if op not in ROUTING_OPS:
+        raise ValueError(f"op must be one of {ROUTING_OPS}, got {op!r}")
+    backend = device_backend(device)
+    return backend if op in ROUTING_KERNELS.get(backend, ()) else REFERENCE_BACKEND
 
 
 @functools.cache

@@ -1,15 +1,16 @@
 """Schemas and CPU/CUDA registrations of the routing ops (semantics §3.1).
 
-Both devices run the pure-torch reference (`fp4moe.reference.routing`) until routing kernels exist.
-Outputs: `topk_ids` int32 [T, top_k] (global expert ids) and `topk_weights` fp32 [T, top_k], slots in
-descending score order, ties to the lower expert id.
+Each call runs on the backend the architecture switch picks for the logits' device
+(`dispatch.routing_backend`, family `routing` of `dispatch.KERNEL_MODULES`): on Hopper,
+`route_deepseek_v3` is one kernel (`fp4moe.kernels.sm90.routing_launch`), bitwise equal to the reference
+on the same GPU; every other call runs the pure-torch reference (`fp4moe.reference.routing`). Outputs: `topk_ids` int32 [T, top_k] (global expert ids) and
+`topk_weights` fp32 [T, top_k], slots in descending score order, ties to the lower expert id.
 """
 
 from __future__ import annotations
 
-from fp4moe import validation
+from fp4moe import dispatch, validation
 from fp4moe.ops.library import define_op
-from fp4moe.reference import routing as reference
 
 ROUTE_SOFTMAX_TOPK_SCHEMA = (
     "route_softmax_topk(Tensor router_logits, int top_k, bool renormalize=False) "
@@ -21,16 +22,20 @@ ROUTE_DEEPSEEK_V3_SCHEMA = (
 )
 
 
+def _backend_for(op, router_logits):
+    return dispatch.kernel_module("routing", dispatch.routing_backend(op, router_logits.device))
+
+
 def route_softmax_topk(router_logits, top_k, renormalize):
     validation.check_route_softmax_topk(router_logits, top_k)
-    return reference.route_softmax_topk(router_logits, top_k, renormalize)
+    return _backend_for("route_softmax_topk", router_logits).route_softmax_topk(router_logits, top_k, renormalize)
 
 
 def route_deepseek_v3(router_logits, correction_bias, top_k, n_group, topk_group, routed_scaling_factor, renormalize):
     validation.check_route_deepseek_v3(
         router_logits, correction_bias, top_k, n_group, topk_group, routed_scaling_factor
     )
-    return reference.route_deepseek_v3(
+    return _backend_for("route_deepseek_v3", router_logits).route_deepseek_v3(
         router_logits, correction_bias, top_k, n_group, topk_group, routed_scaling_factor, renormalize
     )
 

@@ -226,6 +226,14 @@ def test_quantizer_benchmark_says_plainly_that_it_needs_a_gpu(monkeypatch):
             quantize_benchmark.main(argv)
 
 
+def test_routing_benchmark_says_plainly_that_it_needs_a_hopper_gpu(monkeypatch):
+    from benchmarks import routing as routing_benchmark
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match=r"needs a Hopper \(sm_90\) GPU"):
+        routing_benchmark.main([])
+
+
 def test_interleaved_timing_rotates_the_calls_and_times_each_once_per_round():
     log = []
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch._dynamo.testing
 
-import fp4moe  # noqa: F401  (registers torch.ops.fp4moe)
+import fp4moe
+from fp4moe import dispatch
 from tests.compare import assert_bitwise_equal
 from tests.devices import DEVICES
 
@@ -213,31 +214,111 @@ def test_deepseek_v3_renormalized_weights_sum_to_the_scaling_factor(device):
     assert (weights > 0).all()
 
 
-def test_nan_logits_rank_first():
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_logits_rank_first(device):
     """Documented: NaN ranks above every number (torch.sort's order)."""
     logits = torch.randn(2, 16)
     logits[0, 9] = float("nan")
+    logits = logits.to(device)
     ids, weights = ops.route_softmax_topk(logits, 3, True)
     assert weights[0].isnan().all() and not weights[1].isnan().any()
-    ids, weights = ops.route_deepseek_v3(logits, torch.zeros(16), 3, 4, 2, 1.0, False)
+    ids, weights = ops.route_deepseek_v3(logits, torch.zeros(16, device=device), 3, 4, 2, 1.0, False)
     assert ids[0, 0] == 9 and weights[0, 0].isnan() and not weights[0, 1:].isnan().any()
 
 
+def special_logits(device):
+    """DeepSeek-V3-style logits (E = 64 in 8 groups) with NaNs (several per row, so NaN groups and
+    experts tie), +-inf logits, and a bias with +-inf entries."""
+    logits = random_logits(5, 64, torch.float32, device, seed=13)
+    logits[0, [41, 3, 40]] = float("nan")
+    logits[1, [5, 6]] = float("inf")
+    logits[2, :] = float("-inf")
+    logits[3, ::7] = float("nan")
+    bias = random_bias(64, torch.float32, device, seed=13)
+    bias[17] = float("inf")
+    bias[50] = float("-inf")
+    return logits, bias
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_results_do_not_depend_on_logit_strides(device):
-    contiguous = random_logits(19, 64, torch.bfloat16, device, seed=3)
-    transposed = contiguous.t().contiguous().t()  # same values, column-major
-    strided = torch.stack([contiguous, -contiguous], dim=2)[..., 0]  # row stride 128, element stride 2
-    bias = random_bias(64, torch.float32, device, seed=3)
-    for logits in (transposed, strided):
-        assert not logits.is_contiguous()
-        assert_routing_equal(
-            ops.route_softmax_topk(logits, 6, True), tuple(t.cpu() for t in ops.route_softmax_topk(contiguous, 6, True))
-        )
-        assert_routing_equal(
-            ops.route_deepseek_v3(logits, bias, 6, 8, 3, 2.5),
-            tuple(t.cpu() for t in ops.route_deepseek_v3(contiguous, bias, 6, 8, 3, 2.5)),
-        )
+def test_deepseek_v3_orders_nans_and_infinities_as_torch_sort(device):
+    logits, bias = special_logits(device)
+    ids, weights = ops.route_deepseek_v3(logits, bias, 8, 8, 3, 2.5)
+    assert ids[0, :3].tolist() == [3, 40, 41], "NaN experts first, equal NaNs by ascending id"
+    assert weights[0].isnan().all(), "a NaN weight makes the renormalized row NaN"
+    assert ids[2, 0] == 17 and 50 not in ids[2].tolist(), "all-(-inf) logits: the bias alone ranks"
+
+
+# --- the Hopper kernel (fp4moe.kernels.sm90.routing) -------------------------------------------
+KERNEL_CONFIGS = [
+    DEEPSEEK_V3,
+    dict(experts=160, top_k=8, n_group=1, topk_group=1, routed_scaling_factor=2.5),  # GLM-4.5: one group
+    dict(experts=384, top_k=8, n_group=1, topk_group=1, routed_scaling_factor=2.827),  # Kimi-K2-like
+    dict(experts=72, top_k=6, n_group=9, topk_group=3, routed_scaling_factor=1 / 3),  # experts on part of the lanes
+    dict(experts=512, top_k=32, n_group=32, topk_group=8, routed_scaling_factor=1.0),  # the kernel's largest
+]
+
+
+@pytest.fixture
+def hopper():
+    from tests.hopper import runs_the_sm90_kernels
+
+    if not runs_the_sm90_kernels():
+        pytest.skip("needs a Hopper (compute capability 9.x) GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", KERNEL_CONFIGS, ids=deepseek_config_id)
+@pytest.mark.parametrize("tokens", [1, 3, 17, 1000, 4099])
+def test_the_hopper_kernel_is_bitwise_the_reference(hopper, monkeypatch, config, tokens):
+    """On Hopper `route_deepseek_v3` runs its kernel (the reference's own function is never called): ids
+    and weights bit for bit the reference's on the same GPU, for every logits dtype and both bias dtypes,
+    renormalized or not, into poisoned allocations; at small T also the Python reference's."""
+    from fp4moe.reference import routing as reference
+    from tests.hopper import poisoned
+
+    assert fp4moe.routing_backend("route_deepseek_v3", "cuda") == dispatch.CUTE_SM90_BACKEND
+    assert fp4moe.routing_backend("route_softmax_topk", "cuda") == dispatch.REFERENCE_BACKEND
+    experts, args = config["experts"], deepseek_args(config)
+    for seed, dtype in enumerate(LOGIT_DTYPES):
+        logits = random_logits(tokens, experts, dtype, "cuda", seed=seed)
+        for bias_dtype in {torch.float32, dtype}:
+            bias = random_bias(experts, bias_dtype, "cuda", seed=seed)
+            for renormalize in (True, False):
+                expected = reference.route_deepseek_v3(logits, bias, *args, renormalize)
+                with monkeypatch.context() as patched:
+                    patched.setattr(reference, "route_deepseek_v3", None)  # calling it would raise
+                    poisoned([torch.empty(tokens, config["top_k"], dtype=torch.float32, device="cuda") for _ in range(4)])
+                    actual = ops.route_deepseek_v3(logits, bias, *args, renormalize)
+                what = f"{dtype} logits, {bias_dtype} bias, renormalize={renormalize}"
+                assert_routing_equal(actual, tuple(t.cpu() for t in expected), what)
+                if tokens <= 17:
+                    assert_routing_equal(actual, expected_deepseek_v3(logits, bias, *args, renormalize), what)
+
+
+@pytest.mark.gpu
+def test_the_hopper_kernel_orders_nans_and_infinities_as_the_reference(hopper):
+    from fp4moe.reference import routing as reference
+
+    logits, bias = special_logits("cuda")
+    for renormalize in (True, False):
+        actual = ops.route_deepseek_v3(logits, bias, 8, 8, 3, 2.5, renormalize)
+        expected = reference.route_deepseek_v3(logits, bias, 8, 8, 3, 2.5, renormalize)
+        assert_routing_equal(actual, tuple(t.cpu() for t in expected), f"renormalize={renormalize}")
+
+
+@pytest.mark.gpu
+def test_the_hopper_kernel_refuses_what_it_cannot_hold(hopper):
+    logits = random_logits(4, 1024, torch.bfloat16, "cuda", seed=1)
+    with pytest.raises(NotImplementedError, match="at most 512 experts"):
+        ops.route_deepseek_v3(logits, torch.zeros(1024, device="cuda"), 8, 8, 4)
+
+
+def test_routing_backends_on_the_cpu():
+    assert fp4moe.routing_backend("route_deepseek_v3", "cpu") == dispatch.REFERENCE_BACKEND
+    assert fp4moe.routing_backend("route_softmax_topk", torch.device("cpu")) == dispatch.REFERENCE_BACKEND
+    with pytest.raises(ValueError, match="op must be one of"):
+        fp4moe.routing_backend("route_topk", "cpu")
 
 
 # --- opcheck ------------------------------------------------------------------------------------

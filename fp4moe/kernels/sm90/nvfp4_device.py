@@ -39,7 +39,7 @@ def _operand(value, kind: str, loc, ip):
     return (Float32(value) if kind == "f" else Uint32(value)).ir_value(loc=loc, ip=ip)
 
 
-def _ptx(result_kind: str, ptx: str, operand_kinds: str, *operands, loc=None, ip=None):
+def inline_ptx(result_kind: str, ptx: str, operand_kinds: str, *operands, loc=None, ip=None):
     """One pure inline-PTX snippet with a single 32-bit result ("f": f32, "r": b32)."""
     result_type = T.f32() if result_kind == "f" else T.i32()
     constraints = ",".join([f"={result_kind}", *operand_kinds])
@@ -63,28 +63,28 @@ def bits_from_f32(value, *, loc=None, ip=None) -> Uint32:
 # ---------------------------------------------------------------------------------------------------
 @dsl_user_op
 def mul_rn(a, b, *, loc=None, ip=None) -> Float32:
-    return _ptx("f", "mul.rn.f32 $0, $1, $2;", "ff", a, b, loc=loc, ip=ip)
+    return inline_ptx("f", "mul.rn.f32 $0, $1, $2;", "ff", a, b, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def add_rn(a, b, *, loc=None, ip=None) -> Float32:
-    return _ptx("f", "add.rn.f32 $0, $1, $2;", "ff", a, b, loc=loc, ip=ip)
+    return inline_ptx("f", "add.rn.f32 $0, $1, $2;", "ff", a, b, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def sub_rn(a, b, *, loc=None, ip=None) -> Float32:
-    return _ptx("f", "sub.rn.f32 $0, $1, $2;", "ff", a, b, loc=loc, ip=ip)
+    return inline_ptx("f", "sub.rn.f32 $0, $1, $2;", "ff", a, b, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def div_rn(a, b, *, loc=None, ip=None) -> Float32:
-    return _ptx("f", "div.rn.f32 $0, $1, $2;", "ff", a, b, loc=loc, ip=ip)
+    return inline_ptx("f", "div.rn.f32 $0, $1, $2;", "ff", a, b, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def max_num(a, b, *, loc=None, ip=None) -> Float32:
     """max(a, b) ignoring a NaN operand (maxNum)."""
-    return _ptx("f", "max.f32 $0, $1, $2;", "ff", a, b, loc=loc, ip=ip)
+    return inline_ptx("f", "max.f32 $0, $1, $2;", "ff", a, b, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -92,7 +92,7 @@ def warp_max_of_magnitudes(value, *, loc=None, ip=None) -> Float32:
     """The maximum of a non-negative, non-NaN FP32 value over the 32 lanes of a (converged) warp, in one
     `redux.sync`: such values order as their bit patterns do, as unsigned integers."""
     ptx = "redux.sync.max.u32 $0, $1, 0xFFFFFFFF;"
-    return f32_from_bits(_ptx("r", ptx, "r", bits_from_f32(value, loc=loc, ip=ip), loc=loc, ip=ip), loc=loc, ip=ip)
+    return f32_from_bits(inline_ptx("r", ptx, "r", bits_from_f32(value, loc=loc, ip=ip), loc=loc, ip=ip), loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -102,7 +102,7 @@ def clamp_flt_max(value, *, loc=None, ip=None) -> Float32:
         "{ .reg .pred over; setp.gt.f32 over, $1, 0f7F7FFFFF; "
         "selp.f32 $0, 0f7F7FFFFF, $1, over; }"
     )
-    return _ptx("f", ptx, "f", value, loc=loc, ip=ip)
+    return inline_ptx("f", ptx, "f", value, loc=loc, ip=ip)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -112,25 +112,25 @@ def clamp_flt_max(value, *, loc=None, ip=None) -> Float32:
 # operands' signs, is dropped at the end), NaN propagating, so a block's NaN is detected for free.
 @dsl_user_op
 def abs_max_nan_bf16x2(acc, pair, *, loc=None, ip=None) -> Uint32:
-    return _ptx("r", "max.NaN.xorsign.abs.bf16x2 $0, $1, $2;", "rr", acc, pair, loc=loc, ip=ip)
+    return inline_ptx("r", "max.NaN.xorsign.abs.bf16x2 $0, $1, $2;", "rr", acc, pair, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def abs_max_nan_f16x2(acc, pair, *, loc=None, ip=None) -> Uint32:
-    return _ptx("r", "max.NaN.xorsign.abs.f16x2 $0, $1, $2;", "rr", acc, pair, loc=loc, ip=ip)
+    return inline_ptx("r", "max.NaN.xorsign.abs.f16x2 $0, $1, $2;", "rr", acc, pair, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def abs_max_nan_f32(acc, value, *, loc=None, ip=None) -> Float32:
     """max(|acc|, |value|), NaN if either is NaN (the result's sign is meaningless)."""
-    return _ptx("f", "max.NaN.xorsign.abs.f32 $0, $1, $2;", "ff", acc, value, loc=loc, ip=ip)
+    return inline_ptx("f", "max.NaN.xorsign.abs.f32 $0, $1, $2;", "ff", acc, value, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def is_nan(value, *, loc=None, ip=None) -> Uint32:
     """1 if `value` is NaN, else 0."""
     ptx = "{ .reg .pred p; setp.nan.f32 p, $1, $1; selp.u32 $0, 1, 0, p; }"
-    return _ptx("r", ptx, "f", value, loc=loc, ip=ip)
+    return inline_ptx("r", ptx, "f", value, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -147,13 +147,13 @@ def bf16_high_to_f32(pair, *, loc=None, ip=None) -> Float32:
 @dsl_user_op
 def f16_low_to_f32(pair, *, loc=None, ip=None) -> Float32:
     ptx = "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $1; cvt.f32.f16 $0, lo; }"
-    return _ptx("f", ptx, "r", pair, loc=loc, ip=ip)
+    return inline_ptx("f", ptx, "r", pair, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def f16_high_to_f32(pair, *, loc=None, ip=None) -> Float32:
     ptx = "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $1; cvt.f32.f16 $0, hi; }"
-    return _ptx("f", ptx, "r", pair, loc=loc, ip=ip)
+    return inline_ptx("f", ptx, "r", pair, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -166,7 +166,7 @@ def magnitude(value, *, loc=None, ip=None) -> Float32:
 def abs_finite(value, *, loc=None, ip=None) -> Float32:
     """|value| for a value known not to be NaN: `abs.f32`, which ptxas folds into the operand of the
     instruction that uses it (`magnitude` is an integer AND, which it does not)."""
-    return _ptx("f", "abs.f32 $0, $1;", "f", value, loc=loc, ip=ip)
+    return inline_ptx("f", "abs.f32 $0, $1;", "f", value, loc=loc, ip=ip)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -179,7 +179,7 @@ def to_e4m3(value, *, loc=None, ip=None) -> Uint32:
         "{ .reg .b16 pair; .reg .f32 zero; mov.f32 zero, 0f00000000; "
         "cvt.rn.satfinite.e4m3x2.f32 pair, zero, $1; cvt.u32.u16 $0, pair; and.b32 $0, $0, 0xFF; }"
     )
-    return _ptx("r", ptx, "f", value, loc=loc, ip=ip)
+    return inline_ptx("r", ptx, "f", value, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -189,7 +189,7 @@ def e4m3_to_f32(bits, *, loc=None, ip=None) -> Float32:
         "{ .reg .b16 byte, lo, hi; .reg .b32 halves; cvt.u16.u32 byte, $1; "
         "cvt.rn.f16x2.e4m3x2 halves, byte; mov.b32 {lo, hi}, halves; cvt.f32.f16 $0, lo; }"
     )
-    return _ptx("f", ptx, "r", bits, loc=loc, ip=ip)
+    return inline_ptx("f", ptx, "r", bits, loc=loc, ip=ip)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -225,7 +225,7 @@ _ENCODE_E2M1 = (
 @dsl_user_op
 def encode_e2m1(value, *, loc=None, ip=None) -> Uint32:
     """FP32 -> E2M1 code (0..15), as `nvfp4.encode_e2m1`: nearest even, saturating, sign kept."""
-    return _ptx("r", _ENCODE_E2M1, "r", bits_from_f32(value, loc=loc, ip=ip), loc=loc, ip=ip)
+    return inline_ptx("r", _ENCODE_E2M1, "r", bits_from_f32(value, loc=loc, ip=ip), loc=loc, ip=ip)
 
 
 # Codes 2..7 are 1.0, 1.5, 2, 3, 4, 6: FP32 bit patterns (code + 252) << 22 (the inverse of the
@@ -244,7 +244,7 @@ _DECODE_E2M1 = (
 @dsl_user_op
 def decode_e2m1(code, *, loc=None, ip=None) -> Float32:
     """E2M1 code (0..15) -> its FP32 value (exact), as `nvfp4.decode_e2m1`."""
-    return f32_from_bits(_ptx("r", _DECODE_E2M1, "r", code, loc=loc, ip=ip), loc=loc, ip=ip)
+    return f32_from_bits(inline_ptx("r", _DECODE_E2M1, "r", code, loc=loc, ip=ip), loc=loc, ip=ip)
 
 
 # Fast path of `encode_e2m1` for a value w = |v| < 7 (the callers route blocks holding a NaN, or a
@@ -285,13 +285,13 @@ PACK_BIAS = 0x05000000
 @dsl_user_op
 def encode_e2m1_biased(value, *, loc=None, ip=None) -> Uint32:
     """0x4B000000 + E2M1 code of an FP32 value with |value| < 7 (see `_E2M1_MAGNITUDE`)."""
-    return _ptx("r", _ENCODE_E2M1_BIASED, "f", value, loc=loc, ip=ip)
+    return inline_ptx("r", _ENCODE_E2M1_BIASED, "f", value, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def encode_e2m1_magnitude_biased(value, *, loc=None, ip=None) -> Uint32:
     """0x4B000000 + E2M1 code of |value| for an FP32 value with |value| < 7 (sign bit of the code clear)."""
-    return _ptx("r", _ENCODE_E2M1_MAGNITUDE_BIASED, "f", value, loc=loc, ip=ip)
+    return inline_ptx("r", _ENCODE_E2M1_MAGNITUDE_BIASED, "f", value, loc=loc, ip=ip)
 
 
 # 4-over-6 error term of one value from its biased magnitude code (`_E2M1_MAGNITUDE`). E2M1 is a small
@@ -316,7 +316,7 @@ def e2m1_scaled_error(biased_code, negated_large_scale, scaled_magnitude, *, loc
     """RN(scaled_magnitude - |e2m1(code)| * scale) for an `encode_e2m1_magnitude_biased` result, given
     -scale / `E2M1_AS_FLOAT16_SCALE` (scale an E4M3 value): the 4-over-6 difference of semantics §2.3, on
     magnitudes."""
-    return _ptx(
+    return inline_ptx(
         "f", _E2M1_SCALED_ERROR, "rff", biased_code, negated_large_scale, scaled_magnitude, loc=loc, ip=ip
     )
 
@@ -342,7 +342,7 @@ _E2M1_VALUE_MAGNITUDE = (
 def e2m1_value_magnitude(value, *, loc=None, ip=None) -> Float32:
     """|decode_e2m1(encode_e2m1(value))| for an FP32 value with |value| < 7 (not NaN): the magnitude of
     the E2M1 grid point it rounds to, without forming the code."""
-    return _ptx("f", _E2M1_VALUE_MAGNITUDE, "f", value, loc=loc, ip=ip)
+    return inline_ptx("f", _E2M1_VALUE_MAGNITUDE, "f", value, loc=loc, ip=ip)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -399,7 +399,7 @@ _SIGN_BITS_OF_CODES = (
 @dsl_user_op
 def sign_bits_of_codes(pair0, pair1, pair2, pair3, *, loc=None, ip=None) -> Uint32:
     """The sign bits of a word of eight codes from the eight 16-bit values they encode."""
-    return _ptx("r", _SIGN_BITS_OF_CODES, "rrrr", pair0, pair1, pair2, pair3, loc=loc, ip=ip)
+    return inline_ptx("r", _SIGN_BITS_OF_CODES, "rrrr", pair0, pair1, pair2, pair3, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -408,7 +408,7 @@ def pack_biased_nibbles(biased_codes, sign_bits=0, *, loc=None, ip=None) -> Uint
     4i..4i+3), with `sign_bits` (bit 3 of each nibble, from `sign_bits_of_codes`) set."""
     word = Uint32(PACK_BIAS) | Uint32(sign_bits)
     for i, code in enumerate(biased_codes):
-        word = _ptx("r", f"mad.lo.u32 $0, $1, {1 << (4 * i)}, $2;", "rr", code, word, loc=loc, ip=ip)
+        word = inline_ptx("r", f"mad.lo.u32 $0, $1, {1 << (4 * i)}, $2;", "rr", code, word, loc=loc, ip=ip)
     return word
 
 

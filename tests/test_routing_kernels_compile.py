@@ -1,0 +1,112 @@
+"""The sm90 routing kernel compiles for sm_90a without a GPU, keeps its registers (no local memory), and
+computes its scores with the very instructions CUDA's compiler makes of torch's FP32 sigmoid, which is
+what makes it bitwise equal to the reference on the GPU (`fp4moe.kernels.sm90.routing`).
+
+Runs in CI on a CPU machine, in a subprocess (`CUTE_DSL_KEEP` is read when the DSL is imported).
+"""
+
+import re
+import shutil
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fp4moe.kernels.sm90.routing import TORCH_SIGMOID_PTX
+from tests.sm90_compile import compile_in_subprocess, sass
+
+# (experts, top_k, n_group, topk_group, renormalize, logits dtype, bias dtype)
+VARIANTS = [
+    (256, 8, 8, 4, True, "bfloat16", "float32"),  # DeepSeek-V3
+    (160, 8, 1, 1, True, "bfloat16", "bfloat16"),  # GLM-4.5: one group
+    (20, 3, 10, 2, False, "float32", "float32"),  # groups of two, experts on part of the lanes
+    (512, 32, 32, 8, True, "float16", "float16"),  # the kernel's largest
+]
+
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    import torch
+    from fp4moe.kernels.sm90 import routing_launch
+    out = Path(sys.argv[1])
+    for i, (experts, top_k, n_group, topk_group, renormalize, logits, bias) in enumerate(json.loads(sys.argv[2])):
+        compiled = routing_launch.compile_deepseek_v3(
+            experts, top_k, n_group, topk_group, renormalize, getattr(torch, logits), getattr(torch, bias))
+        (out / f"route_{i}.ptx").write_text(compiled.__ptx__)
+        (out / f"route_{i}.cubin").write_bytes(compiled.__cubin__)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    return compile_in_subprocess(_COMPILE_SCRIPT, VARIANTS, tmp_path_factory.mktemp("sm90_routing"))
+
+
+def test_every_variant_compiles_for_sm90a_without_spills(compiled):
+    for i, (experts, *_) in enumerate(VARIANTS):
+        assert ".target sm_90a" in (compiled / f"route_{i}.ptx").read_text()
+        code = sass(compiled / f"route_{i}.cubin")
+        assert not re.search(r"\b(LDL|STL)\b", code), f"variant {i} spills to local memory"
+        # One exponential per expert a lane holds, and the kernel waits for its predecessor (PDL).
+        assert len(re.findall(r"MUFU\.EX2", code)) == -(-experts // 32), f"variant {i}"
+        assert "griddepcontrol.wait" in (compiled / f"route_{i}.ptx").read_text()
+
+
+def _dataflow(instructions: list[str]) -> list[tuple]:
+    """Instructions as (opcode, sources) in SSA form: every result a fresh value numbered in order, the
+    input (a register read before any instruction writes it) `x`, and a register that only holds a
+    constant (`mov.f32 %f, 0f...`, as nvcc writes them) replaced by the constant. Two sequences that
+    compute the same values from the same input compare equal, whatever their register names."""
+    constants: dict[str, str] = {}
+    values: dict[str, str] = {}
+    flow = []
+    for line in instructions:
+        opcode, _, rest = line.strip().rstrip(";").partition(" ")
+        destination, *sources = [o.strip() for o in rest.split(",")]
+        if opcode == "mov.f32" and sources[0].startswith("0f"):
+            constants[destination] = sources[0]
+            continue
+        named = []
+        for source in sources:
+            if source in constants:
+                named.append(constants[source])
+            elif source.startswith(("%", "$")) or re.fullmatch(r"[a-z]+", source):
+                named.append(values.get(source, "x"))
+            else:
+                named.append(source)
+        flow.append((opcode.replace("add.f32", "add.rn.f32"), tuple(named)))
+        values[destination] = f"v{len(flow)}"
+    return flow
+
+
+def _nvcc() -> str:
+    nvcc = shutil.which("nvcc") or next((str(p) for p in Path("/usr/local").glob("cuda*/bin/nvcc")), None)
+    if nvcc is None:
+        pytest.skip("nvcc is not installed")
+    return nvcc
+
+
+def test_the_scores_are_the_instructions_nvcc_makes_of_torch_s_sigmoid(tmp_path):
+    """torch's CUDA sigmoid for FP32 is `one / (one + std::exp(-a))` (ATen's sigmoid_kernel_cuda), compiled
+    without fast math; nvcc's PTX for that expression, from the load of x to the store of the result,
+    must be the kernel's snippet instruction for instruction."""
+    source = tmp_path / "sigmoid.cu"
+    source.write_text(
+        "#include <cmath>\n"
+        'extern "C" __global__ void sigmoid(const float* x, float* y) {\n'
+        "  const float one = 1.0f;\n"
+        "  y[threadIdx.x] = one / (one + std::exp(-x[threadIdx.x]));\n"
+        "}\n"
+    )
+    ptx = tmp_path / "sigmoid.ptx"
+    subprocess.run([_nvcc(), "-O3", "-arch=sm_90a", "-ptx", str(source), "-o", str(ptx)], check=True)
+    body = ptx.read_text()
+    start = body.index("ld.global.f32")
+    lines = [line.strip() for line in body[start:body.index("st.global.f32", start)].splitlines()[1:]]
+    nvcc = _dataflow([line for line in lines if line and not line.startswith(("//", "add.s64", "cvta", "mul.wide"))])
+    ours = _dataflow([i for i in TORCH_SIGMOID_PTX.strip("{} ").split(";") if i.strip() and not i.strip().startswith(".reg")])
+    assert ours == nvcc, "\n".join(f"{a}  |  {b}" for a, b in zip(ours, nvcc))
+    assert [opcode for opcode, _ in ours][-3:] == ["ex2.approx.ftz.f32", "fma.rn.f32", "rcp.rn.f32"]
