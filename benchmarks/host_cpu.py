@@ -1,11 +1,12 @@
-"""`python -m benchmarks.host_cpu`: the host side of an eager `fused_moe` call, on any machine.
+"""`python -m benchmarks.host_cpu`: the host side of eager `fused_moe` and `route_deepseek_v3` calls, on any machine.
 
     python -m benchmarks.host_cpu [--tokens 1] [--calls 200]
 
 The sm90 pipeline runs on CPU tensors with its device facts faked (`stubbed_sm90_kernels`): every
 compiled kernel is a TVM-FFI function of a Python callable that launches nothing, so what is timed is
 the host path alone, without CUDA's launch and allocation costs. Per W4A4/W4A16 mode, on prepared
-weights of 16 experts (H = 256, I = 128, top-4): the op's Python kernel, the C++ host launcher's replay
+weights of 16 experts (H = 256, I = 128, top-4), and for DeepSeek-V3 routing (E = 256): the op's Python
+kernel, the C++ host launcher's replay
 of its recording (`fp4moe.kernels.launch_recording`, including the conversion of the call's arguments
 from Python that a dispatcher call would not pay), and the stub launches alone; median of 15 batches of
 `--calls` calls each. An indicator for host-side work on a machine without a GPU; on a GPU,
@@ -37,14 +38,15 @@ def stubbed_sm90_kernels(on_launch=None):
 
     from fp4moe import dispatch
     from fp4moe.kernels import host_launcher
-    from fp4moe.kernels.sm90 import aligned_launch, compiler, moe_launch, quantize_launch
+    from benchmarks.precompile import LAUNCH_MODULES
+    from fp4moe.kernels.sm90 import compiler, moe_launch
 
     def stub(kernel, fake_args, arch, cache_key):
         name = type(kernel).__name__
         return tvm_ffi.convert((lambda *args: on_launch(name, args)) if on_launch else (lambda *args: None))
 
     def clear_compile_caches():
-        for module in (moe_launch, quantize_launch, aligned_launch):
+        for module in LAUNCH_MODULES:
             for value in vars(module).values():
                 if callable(getattr(value, "cache_clear", None)):
                     value.cache_clear()
@@ -119,6 +121,19 @@ def median_us(call, calls: int) -> float:
     return statistics.median(times)
 
 
+def route_deepseek_v3_python_kernel(*args):
+    """`route_deepseek_v3`'s Python kernel as the host launcher calls it: every schema argument, in order."""
+    from fp4moe.ops import routing
+
+    return routing.route_deepseek_v3(*args)
+
+
+def route_deepseek_v3_arguments(tokens: int) -> tuple:
+    """A DeepSeek-V3 routing call (E = 256 in 8 groups, top-8 of 4 groups), every schema argument."""
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(tokens, 256, generator=g), torch.randn(256, generator=g), 8, 8, 4, 2.5, True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1)
@@ -128,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     from fp4moe.kernels import host_launcher, launch_recording
 
     launcher = host_launcher.module()
-    print(f"fused_moe host path on the CPU, kernels stubbed: E={EXPERTS}, H={HIDDEN}, I={INTERMEDIATE}, top-{TOP_K}, "
-          f"T={args.tokens}; median of 15 x {args.calls} calls, us")
-    print("| mode | launches | Python kernel | C++ replay | stub launches alone |")
+    print(f"host path on the CPU, kernels stubbed: fused_moe E={EXPERTS}, H={HIDDEN}, I={INTERMEDIATE}, top-{TOP_K}; "
+          f"route_deepseek_v3 E=256; T={args.tokens}; median of 15 x {args.calls} calls, us")
+    print("| call | launches | Python kernel | C++ replay | stub launches alone |")
     print("|---|---|---|---|---|")
     launched = []  # the Python kernel's launches while `noting`: the stubs' own cost is timed on them
 
@@ -140,22 +155,27 @@ def main(argv: list[str] | None = None) -> int:
 
     noting = False
     with stubbed_sm90_kernels(note), torch.inference_mode():
-        for mode in MODES:
-            call = fused_moe_arguments(args.tokens, mode, seed=0)
-            _, program, why_not = launch_recording.record(fused_moe_python_kernel, call)
+        cases = [
+            (f"fused_moe {mode}", "fused_moe", fused_moe_python_kernel, fused_moe_arguments(args.tokens, mode, seed=0))
+            for mode in MODES
+        ]
+        cases.append(("route_deepseek_v3", "route_deepseek_v3", route_deepseek_v3_python_kernel,
+                      route_deepseek_v3_arguments(args.tokens)))
+        for label, op, kernel, call in cases:
+            _, program, why_not = launch_recording.record(kernel, call)
             if program is None:
-                print(f"| {mode} | not replayable: {why_not} | | | |")
+                print(f"| {label} | not replayable: {why_not} | | | |")
                 continue
-            key = f"benchmarks.host_cpu {mode} {args.tokens}".encode()
-            launcher.register_program(key, "fused_moe", program.buffers, program.launches, program.result)
+            key = f"benchmarks.host_cpu {label} {args.tokens}".encode()
+            launcher.register_program(key, op, program.buffers, program.launches, program.results)
             noting, launched[:] = True, []
-            fused_moe_python_kernel(*call)
+            kernel(*call)
             noting = False
-            python = median_us(lambda: fused_moe_python_kernel(*call), args.calls)
-            replay = median_us(lambda: launcher.replay_for_test(key, "fused_moe", call), args.calls)
+            python = median_us(lambda: kernel(*call), args.calls)
+            replay = median_us(lambda: launcher.replay_for_test(key, op, call), args.calls)
             pairs = list(zip(program.functions, list(launched), strict=True))
             stubs = median_us(lambda: [function(*arguments) for function, arguments in pairs], args.calls)
-            print(f"| {mode} | {len(program.functions)} | {python:.1f} | {replay:.1f} | {stubs:.1f} |")
+            print(f"| {label} | {len(program.functions)} | {python:.1f} | {replay:.1f} | {stubs:.1f} |")
     return 0
 
 

@@ -10,7 +10,7 @@ on the same GPU; every other call runs the pure-torch reference (`fp4moe.referen
 from __future__ import annotations
 
 from fp4moe import dispatch, validation
-from fp4moe.ops.library import define_op
+from fp4moe.ops.library import define_op, serve_from_cpp
 
 ROUTE_SOFTMAX_TOPK_SCHEMA = (
     "route_softmax_topk(Tensor router_logits, int top_k, bool renormalize=False) "
@@ -35,6 +35,7 @@ def route_deepseek_v3(router_logits, correction_bias, top_k, n_group, topk_group
     validation.check_route_deepseek_v3(
         router_logits, correction_bias, top_k, n_group, topk_group, routed_scaling_factor
     )
+    serve_from_cpp(router_logits.device)  # on Hopper, later calls replay from C++ (`fp4moe.kernels.host_launcher.RECORDED_OPS`)
     return _backend_for("route_deepseek_v3", router_logits).route_deepseek_v3(
         router_logits, correction_bias, top_k, n_group, topk_group, routed_scaling_factor, renormalize
     )

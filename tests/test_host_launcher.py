@@ -786,3 +786,28 @@ def test_repeat_aligned_moe_calls_replay_their_recording(hopper):
     overlapping = dict(arguments, hidden=shared[: tokens * k // 2].view(tokens, k // 2))
     with pytest.raises(RuntimeError, match="out overlaps hidden"):
         ops.aligned_moe_(shared.view(torch.bfloat16).view(tokens, k), **overlapping)
+
+
+@pytest.mark.gpu
+def test_repeat_routing_calls_replay_their_recording(hopper):
+    """`route_deepseek_v3` (two results) is a recorded op too: from a configuration's third call on, each
+    call replays in C++, into poisoned allocations, bitwise the reference's ids and weights."""
+    from fp4moe.reference import routing as reference_routing
+
+    bias = torch.randn(256, device="cuda") * 0.1
+    arguments = (8, 8, 4, 2.5, True)
+    for seed in (0, 1):
+        ops.route_deepseek_v3(torch.randn(7, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)), bias, *arguments)
+    calls = [torch.randn(7, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)) for seed in (2, 3, 4)]
+    expected = [reference_routing.route_deepseek_v3(logits, bias, *arguments) for logits in calls]
+    slow = host_launcher.slow_path_calls()
+    for logits, want in zip(calls, expected, strict=True):
+        poisoned([torch.empty(7, 8, dtype=torch.float32, device="cuda") for _ in range(4)])
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = ops.route_deepseek_v3(logits, bias, *arguments)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for g, w in zip(got, want, strict=True):
+            assert_bitwise_equal(g, w, "replayed routing")
+    assert host_launcher.slow_path_calls() == slow, "a recorded routing configuration went through Python"

@@ -96,7 +96,7 @@ def record_and_file(launcher, args, key=b"test key"):
     with torch.inference_mode():
         _, program, why_not = launch_recording.record(fused_moe_python_kernel, args)
     assert program is not None, why_not
-    launcher.register_program(key, "fused_moe", program.buffers, program.launches, program.result)
+    launcher.register_program(key, "fused_moe", program.buffers, program.launches, program.results)
     return program
 
 
@@ -189,7 +189,7 @@ def test_a_replay_holds_each_buffer_from_its_first_launch_to_its_last(launcher, 
         for argument in arguments:
             if argument[0] == "buffer":
                 uses.setdefault(argument[1], []).append(launch)
-    result_buffer = program.result[1]
+    ((_, result_buffer, *_),) = program.results
     want = [([], []) for _ in program.launches]
     for buffer, taken_by in sorted(uses.items()):
         want[taken_by[0]][0].append(buffer)
@@ -383,7 +383,7 @@ def test_what_a_replay_could_not_reproduce_is_not_recorded(launcher):
         ("float", 0.5),
         ("none",),
     ]
-    assert program.result == ("buffer", 0, 8, (1, 8), (8, 1))
+    assert program.results == [("buffer", 0, 8, (1, 8), (8, 1))]
     assert launch_recording.current() is None
 
     # A tensor within two arguments (the same tensor passed twice, say) is a view of the first of them.
@@ -393,7 +393,7 @@ def test_what_a_replay_could_not_reproduce_is_not_recorded(launcher):
     assert shared_program.launches[0][1][0] == ("input", 0, 16, (8,), (1,), torch.float32)
 
     # Replayed on other tensors: the views at the recorded offsets of those and of a fresh buffer.
-    launcher.register_program(b"recordable", "fused_moe", program.buffers, program.launches, program.result)
+    launcher.register_program(b"recordable", "fused_moe", program.buffers, program.launches, program.results)
     c, d = torch.zeros(8), torch.zeros(8)
     replayed = launcher.replay_for_test(b"recordable", "fused_moe", (c, d) + fused_moe_arguments(1, "w4a16", seed=0)[2:])
     assert (replayed.shape, replayed.stride()) == ((1, 8), (8, 1))
@@ -403,7 +403,7 @@ def test_what_a_replay_could_not_reproduce_is_not_recorded(launcher):
 def test_a_program_must_point_into_its_own_buffers_and_arguments(launcher):
     handle = tvm_ffi.convert(lambda *args: None).__chandle__()
     buffers = [((4,), (1,), torch.float32)]
-    result = ("buffer", 0, 0, (4,), (1,))
+    result = [("buffer", 0, 0, (4,), (1,))]
     with pytest.raises(RuntimeError, match="a view of no buffer"):
         launcher.register_program(b"bad", "fused_moe", buffers, [(handle, [("buffer", 1, 0, (4,), (1,), torch.float32)])], result)
     with pytest.raises(RuntimeError, match="a view of no input"):
@@ -411,7 +411,9 @@ def test_a_program_must_point_into_its_own_buffers_and_arguments(launcher):
     with pytest.raises(RuntimeError, match="no tensor"):
         launcher.register_program(b"bad", "fused_moe", buffers, [(handle, [("input", 11, 0, (4,), (1,), torch.float32)])], result)
     with pytest.raises(RuntimeError, match="returns no buffer"):
-        launcher.register_program(b"bad", "fused_moe", buffers, [], ("buffer", 1, 0, (4,), (1,)))
+        launcher.register_program(b"bad", "fused_moe", buffers, [], [("buffer", 1, 0, (4,), (1,))])
+    with pytest.raises(RuntimeError, match="returns 1 tensors, its program 2"):
+        launcher.register_program(b"bad", "fused_moe", buffers, [], result * 2)
     assert launcher.replay_for_test(b"bad", "fused_moe", fused_moe_arguments(1, "w4a16", seed=0)) is None
 
 
@@ -478,6 +480,43 @@ def test_an_in_place_op_is_recorded_and_replayed_returning_nothing(launcher, lau
     )
 
 
+def test_an_op_of_two_results_is_replayed_returning_both(launcher, launches):
+    """`route_deepseek_v3` (ids and weights) through the CUDA kernel's own path: recorded on its second
+    call, replayed on the next (other logits), launching what its Python kernel launches and returning two
+    fresh allocations of the Python kernel's shapes, strides and dtypes. Logits whose elements are not
+    contiguous (copied first) and a call without tokens (no launch) stay on the Python path."""
+    if not host_launcher.install():
+        pytest.skip("the C++ host launcher is not in use")
+    from fp4moe.ops import routing as routing_ops
+
+    def arguments(seed, tokens=5, transposed=False):
+        g = torch.Generator().manual_seed(seed)
+        logits = torch.randn(256, tokens, generator=g).t() if transposed else torch.randn(tokens, 256, generator=g)
+        return (aligned(logits), aligned(torch.randn(256, generator=g)), 8, 8, 4, 2.5, True)
+
+    slow, programs = host_launcher.slow_path_calls(), launcher.recorded_program_count()
+    for _ in range(2):
+        launcher.serve_for_test("route_deepseek_v3", arguments(0))
+    assert (host_launcher.slow_path_calls(), launcher.recorded_program_count()) == (slow + 2, programs + 1)
+    args = arguments(1)
+    launches.clear()
+    with torch.inference_mode(), KeepingAllocations():
+        expected = routing_ops.route_deepseek_v3(*args)
+    expected_launches = canonical(launches, args)
+    launches.clear()
+    with KeepingAllocations():
+        got = launcher.serve_for_test("route_deepseek_v3", args)
+    assert host_launcher.slow_path_calls() == slow + 2, "the third call went to Python"
+    assert canonical(launches, args) == expected_launches and len(expected_launches) == 1
+    assert len(got) == 2 and got[0].data_ptr() != got[1].data_ptr()
+    for g, e in zip(got, expected, strict=True):
+        assert (g.shape, g.stride(), g.dtype) == (e.shape, e.stride(), e.dtype)
+    for unreplayable in (arguments(2, transposed=True), arguments(3, tokens=0)):
+        for _ in range(3):
+            launcher.serve_for_test("route_deepseek_v3", unreplayable)
+    assert host_launcher.slow_path_calls() == slow + 8 and launcher.recorded_program_count() == programs + 1
+
+
 def test_an_out_overlapping_an_input_changes_the_key_and_is_refused_again(launcher, launches):
     """The key spells which tensors share bytes: a call whose out overlaps hidden (each with the
     metadata of a recorded call) is not replayed but goes to the Python kernel, which refuses it."""
@@ -535,6 +574,6 @@ def test_the_cpu_host_benchmark_times_both_paths(launcher, capsys):
     from benchmarks import host_cpu
 
     assert host_cpu.main(["--calls", "2"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| w4a")]
-    assert [row.split("|")[1].strip() for row in rows] == list(host_cpu.MODES)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| fused_moe", "| route"))]
+    assert [row.split("|")[1].strip() for row in rows] == [f"fused_moe {mode}" for mode in host_cpu.MODES] + ["route_deepseek_v3"]
     assert all(len(row.split("|")) == 7 and "not replayable" not in row for row in rows)

@@ -524,7 +524,7 @@ at::Tensor tile_amax(const at::Tensor& x, int64_t tile_n) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Recorded ops (host_launcher.RECORDED_OPS): composed ops whose Python kernel launches several kernels.
+// Recorded ops (host_launcher.RECORDED_OPS): ops whose Python kernel costs more host time than its launches.
 // A call's key spells every argument's metadata; a call without a program for its key runs the op's
 // Python kernel under the recorder (host_launcher.serve_recorded_call), which records what it allocates
 // and launches (fp4moe/kernels/launch_recording.py) and files it as the key's program; a call with one
@@ -552,8 +552,15 @@ struct RecordedBuffer {
   c10::ScalarType dtype;
 };
 
+// A tensor the op returns: a view of one of the call's buffers.
+struct RecordedResult {
+  int64_t buffer = 0;
+  int64_t offset = 0;  // elements
+  std::vector<int64_t> sizes, strides;
+};
+
 // A recorded call: its allocations, its launches (holding one reference to each function) and which
-// allocation, seen how, it returns (if it returns one).
+// allocations, seen how, it returns.
 class Program {
  public:
   Program() = default;
@@ -566,15 +573,16 @@ class Program {
   std::vector<RecordedBuffer> buffers;
   std::vector<std::pair<TVMFFIObjectHandle, std::vector<RecordedArgument>>> launches;
   // Per launch, the buffers a replay allocates just before it (their first launch) and lets go just after
-  // it (their last launch; never the result's). At every launch a replay then holds only buffers the
+  // it (their last launch; never a result's). At every launch a replay then holds only buffers the
   // Python kernel must hold there too, so it needs no more memory than that kernel; a buffer no launch
-  // takes is never allocated (other than the result's, allocated at the end). The caching allocator hands
+  // takes is never allocated (other than a result's, allocated at the end). The caching allocator hands
   // a block let go after a launch only to work queued behind it on the same stream.
   std::vector<std::vector<int64_t>> allocated_before, released_after;
-  bool has_result = false;  // false for an op that returns nothing (it writes an argument in place)
-  int64_t result_buffer = 0;
-  int64_t result_offset = 0;
-  std::vector<int64_t> result_sizes, result_strides;
+  std::vector<RecordedResult> results;  // one per tensor the op returns; none where it writes an argument in place
+
+  bool returns(int64_t buffer) const {
+    return std::any_of(results.begin(), results.end(), [&](const RecordedResult& r) { return r.buffer == buffer; });
+  }
 };
 
 struct RecordedOps {
@@ -680,8 +688,8 @@ bool spell_recorded_key(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IV
   return found_device;
 }
 
-// A call of `program` for the op arguments `args` on `device`: its result (undefined where it has none).
-at::Tensor replay(const Program& program, c10::ArrayRef<c10::IValue> args, const c10::Device& device) {
+// A call of `program` for the op arguments `args` on `device`: the tensors it returns.
+std::vector<at::Tensor> replay(const Program& program, c10::ArrayRef<c10::IValue> args, const c10::Device& device) {
   std::vector<at::Tensor> buffers(program.buffers.size());
   const auto allocate = [&](int64_t index) {
     const RecordedBuffer& b = program.buffers[index];
@@ -712,15 +720,18 @@ at::Tensor replay(const Program& program, c10::ArrayRef<c10::IValue> args, const
     call.call(function, device);
     for (const int64_t index : program.released_after[launch]) buffers[index].reset();
   }
-  if (!program.has_result) return at::Tensor();
-  if (!buffers[program.result_buffer].defined()) allocate(program.result_buffer);  // no launch wrote it
-  at::Tensor& result = buffers[program.result_buffer];
-  if (program.result_offset == 0 && result.sizes().equals(program.result_sizes) &&
-      result.strides().equals(program.result_strides)) {
-    return std::move(result);  // the allocation itself, as the Python kernel returns it
+  std::vector<at::Tensor> results;
+  for (const RecordedResult& r : program.results) {
+    if (!buffers[r.buffer].defined()) allocate(r.buffer);  // no launch wrote it
+    const at::Tensor& buffer = buffers[r.buffer];
+    if (r.offset == 0 && buffer.sizes().equals(r.sizes) && buffer.strides().equals(r.strides)) {
+      results.push_back(buffer);  // the allocation itself, as the Python kernel returns it
+    } else {
+      at::AutoDispatchBelowADInplaceOrView not_a_view;  // a fresh tensor to autograd, as the Python kernel's
+      results.push_back(buffer.as_strided(r.sizes, r.strides, r.offset));
+    }
   }
-  at::AutoDispatchBelowADInplaceOrView not_a_view;  // a fresh tensor to autograd, as the Python kernel's
-  return result.as_strided(program.result_sizes, program.result_strides, program.result_offset);
+  return results;
 }
 
 std::vector<int64_t> int_list(const py::handle& values) { return values.cast<std::vector<int64_t>>(); }
@@ -770,7 +781,7 @@ void schedule_buffers(Program& program) {
   for (size_t index = 0; index < program.buffers.size(); ++index) {
     if (first[index] == kUnused) continue;
     program.allocated_before[first[index]].push_back(static_cast<int64_t>(index));
-    if (!(program.has_result && program.result_buffer == static_cast<int64_t>(index))) {
+    if (!program.returns(static_cast<int64_t>(index))) {
       program.released_after[last[index]].push_back(static_cast<int64_t>(index));
     }
   }
@@ -779,7 +790,7 @@ void schedule_buffers(Program& program) {
 // Files a recorded call (launch_recording.Program's fields) under `key`. Checks that every index points
 // into the program or the op's arguments; the views themselves are the recorder's.
 void register_program(const py::bytes& key, const std::string& op_name, const py::list& buffers,
-                      const py::list& launches, const py::object& result) {
+                      const py::list& launches, const py::list& results) {
   const auto& schema = recorded_schema(op_name);
   const auto arguments = static_cast<int64_t>(schema.arguments().size());
   auto program = std::make_shared<Program>();
@@ -824,19 +835,16 @@ void register_program(const py::bytes& key, const std::string& op_name, const py
     TVMFFIObjectIncRef(function);
     program->launches.emplace_back(function, std::move(recorded));
   }
-  program->has_result = !result.is_none();
-  TORCH_CHECK(program->has_result == !schema.returns().empty(), "fp4moe host launcher: fp4moe::", op_name,
-              " returns ", schema.returns().size(), " tensors, its program ", program->has_result ? "one" : "none");
-  if (program->has_result) {
-    const auto returned = result.cast<py::tuple>();
+  TORCH_CHECK(results.size() == schema.returns().size(), "fp4moe host launcher: fp4moe::", op_name, " returns ",
+              schema.returns().size(), " tensors, its program ", results.size());
+  for (const py::handle item : results) {
+    const auto returned = item.cast<py::tuple>();
     TORCH_CHECK(returned.size() == 5 && returned[0].cast<std::string>() == "buffer",
-                "fp4moe host launcher: a program returns one of its buffers");
-    program->result_buffer = returned[1].cast<int64_t>();
-    TORCH_CHECK(program->result_buffer >= 0 && program->result_buffer < buffer_count,
-                "fp4moe host launcher: a program returns no buffer of its own");
-    program->result_offset = returned[2].cast<int64_t>();
-    program->result_sizes = int_list(returned[3]);
-    program->result_strides = int_list(returned[4]);
+                "fp4moe host launcher: a program returns views of its buffers");
+    RecordedResult r{returned[1].cast<int64_t>(), returned[2].cast<int64_t>(), int_list(returned[3]),
+                     int_list(returned[4])};
+    TORCH_CHECK(r.buffer >= 0 && r.buffer < buffer_count, "fp4moe host launcher: a program returns no buffer of its own");
+    program->results.push_back(std::move(r));
   }
   schedule_buffers(*program);
   std::lock_guard<std::mutex> lock(recorded_ops.mutex);
@@ -901,7 +909,15 @@ void call_python_boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack, 
                                      : (*recorded_ops.recorder)(py::bytes(*key), name.substr(name.find("::") + 2),
                                                                 python, values);
   torch::jit::drop(*stack, n);
-  if (!schema.returns().empty()) torch::jit::push(*stack, torch::jit::toIValue(result, schema.returns()[0].type()));
+  const auto& returns = schema.returns();
+  if (returns.size() == 1) {
+    torch::jit::push(*stack, torch::jit::toIValue(result, returns[0].type()));
+  } else if (!returns.empty()) {
+    const auto returned = result.cast<py::tuple>();
+    TORCH_CHECK(returned.size() == returns.size(), "fp4moe host launcher: ", schema.name(), " returned ",
+                returned.size(), " values, its schema ", returns.size());
+    for (size_t i = 0; i < returns.size(); ++i) torch::jit::push(*stack, torch::jit::toIValue(returned[i], returns[i].type()));
+  }
 }
 
 // A recorded op's call on `stack`: replayed where its key has a program, else through the op's Python
@@ -914,9 +930,9 @@ void serve_recorded(const c10::OperatorHandle& op, torch::jit::Stack* stack, boo
   c10::Device device(c10::kCUDA);
   if (spell_recorded_key(schema, torch::jit::last(*stack, n), key, device, cuda_only)) {
     if (const auto program = find_program(key)) {
-      at::Tensor result = replay(*program, torch::jit::last(*stack, n), device);
+      std::vector<at::Tensor> results = replay(*program, torch::jit::last(*stack, n), device);
       torch::jit::drop(*stack, n);
-      if (program->has_result) torch::jit::push(*stack, std::move(result));
+      for (at::Tensor& result : results) torch::jit::push(*stack, std::move(result));
       return;
     }
     if (records(key)) {
@@ -966,6 +982,15 @@ py::object recorded_key_for_test(const std::string& op_name, const py::tuple& va
   return py::bytes(key);
 }
 
+// Tensors as an op returns them to Python: None, the tensor, or a tuple of them.
+py::object as_returned(const std::vector<at::Tensor>& results) {
+  if (results.empty()) return py::none();
+  if (results.size() == 1) return py::cast(results[0]);
+  py::tuple returned(results.size());
+  for (size_t i = 0; i < results.size(); ++i) returned[i] = py::cast(results[i]);
+  return returned;
+}
+
 // For the tests: a call of the recorded op `op_name` served as its CUDA kernel serves one, on any device
 // (CPU tensors included): replayed, or through the op's Python kernel (installed), recorded.
 py::object serve_for_test(const std::string& op_name, const py::tuple& values) {
@@ -975,20 +1000,21 @@ py::object serve_for_test(const std::string& op_name, const py::tuple& values) {
     py::gil_scoped_release no_gil;  // as in a dispatcher call: the Python path takes it back
     serve_recorded(op, &stack, false);
   }
-  return stack.empty() ? py::none() : torch::jit::toPyObject(stack.back());
+  std::vector<at::Tensor> results;
+  for (const c10::IValue& value : stack) results.push_back(value.toTensor());
+  return as_returned(results);
 }
 
 // For the tests: a recorded program replayed outside the dispatcher, on any device (CPU tensors
-// included, with TVM-FFI functions of Python callables): the result, or None (no program, or an op that
-// returns nothing).
+// included, with TVM-FFI functions of Python callables): what the op returns (`as_returned`), or None
+// without a program.
 py::object replay_for_test(const py::bytes& key, const std::string& op_name, const py::tuple& values) {
   const auto program = find_program(std::string(key));
   if (program == nullptr) return py::none();
   const auto args = boxed_arguments(recorded_schema(op_name), values);
   for (const c10::IValue& value : args) {
     if (value.isTensor()) {
-      at::Tensor result = replay(*program, args, value.toTensor().device());
-      return result.defined() ? py::cast(result) : py::none();
+      return as_returned(replay(*program, args, value.toTensor().device()));
     }
   }
   TORCH_CHECK(false, "fp4moe host launcher: a replay needs a tensor argument");
@@ -1097,9 +1123,10 @@ void install(const py::dict& values, const py::object& recorder, const std::vect
               kernels.size());
   for (const std::string& name : recorded) {
     const auto& schema = recorded_schema(name);
-    TORCH_CHECK(schema.returns().empty() ||
-                    (schema.returns().size() == 1 && schema.returns()[0].type()->kind() == c10::TypeKind::TensorType),
-                "fp4moe host launcher: a recorded op returns one tensor or nothing; ", name, " does not");
+    for (const c10::Argument& returned : schema.returns()) {
+      TORCH_CHECK(returned.type()->kind() == c10::TypeKind::TensorType,
+                  "fp4moe host launcher: a recorded op returns tensors or nothing; ", name, " does not");
+    }
   }
   contract = contract_from(values);
   for (int op = 0; op < kNumOps; ++op) {

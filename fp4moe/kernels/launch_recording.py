@@ -1,7 +1,7 @@
 """Recording an op call's kernel launches, so that the C++ host launcher can replay them.
 
-An eager call of a composed op (`fused_moe`: plan, GEMM1, GEMM2, finalize; `aligned_moe_`) spends most
-of its host time in Python between the launches: argument checks, dispatch, tile arithmetic,
+An eager call of a composed op (`fused_moe`: plan, GEMM1, GEMM2, finalize; `aligned_moe_`;
+`route_deepseek_v3`, one launch) spends most of its host time in Python around the launches: argument checks, dispatch, tile arithmetic,
 allocations, the TVM-FFI calls' conversion of torch tensors. None of that depends on the tensors'
 values: the pipeline never reads the device (no host synchronization), so what it launches is fixed by
 the call's static configuration, the arguments' metadata. The C++ host launcher
@@ -17,8 +17,8 @@ torch dispatch mode sees every torch op the Python kernel runs: allocations (whi
 views pass; any other op (a copy, a fill, a read of a value) makes the call not replayable, and its
 key then has no program: such configurations stay on the Python path. So do calls whose kernel
 arguments cannot be described (a tensor within no op argument or buffer, a Python scalar of another
-type), and calls that return anything but nothing (an op that writes an argument in place) or a view of
-one of the buffers. Compiled kernels report their launches through `note_launch` (the wrapper
+type), and calls that return anything but nothing (an op that writes an argument in place) or views of
+the buffers. Compiled kernels report their launches through `note_launch` (the wrapper
 `fp4moe.kernels.sm90.compiler` puts around each of them).
 """
 
@@ -65,13 +65,13 @@ class Program:
     `launches`: (function handle, arguments), each argument one of ("input", op argument index,
     byte offset, sizes, strides, dtype), ("buffer", buffer index, byte offset, sizes, strides, dtype),
     ("empty", sizes, strides, dtype) (a tensor of no elements), ("int", value), ("float", value),
-    ("none",); `result`: ("buffer", buffer index, element offset, sizes, strides) of the returned tensor,
-    None for an op that returns nothing (it writes an argument in place).
+    ("none",); `results`: ("buffer", buffer index, element offset, sizes, strides) of each tensor the op
+    returns, in order (none for an op that writes an argument in place).
     `functions` keeps the compiled functions alive as long as the program."""
 
     buffers: list = field(default_factory=list)
     launches: list = field(default_factory=list)
-    result: tuple | None = None
+    results: list = field(default_factory=list)
     functions: list = field(default_factory=list)
 
 
@@ -148,18 +148,20 @@ class Recording(TorchDispatchMode):
         return ("input", owners[0], start - self.inputs[owners[0]].data_ptr(), *_layout(t))
 
     def finish(self, result) -> Program | None:
-        """The program of the call that returned `result` (None for an op that returns nothing), or None
-        where it is not replayable."""
-        if result is None:
-            pass
-        elif not isinstance(result, torch.Tensor):
-            self.refuse("the op returns neither one tensor nor nothing")
-        else:
-            buffer = self.buffer_of_storage.get(result.untyped_storage().data_ptr()) if result.numel() else None
-            if buffer is None or self.program.buffers[buffer][2] != result.dtype:
-                self.refuse("the result is not one of the call's allocations")
-            else:
-                self.program.result = ("buffer", buffer, result.storage_offset(), tuple(result.shape), tuple(result.stride()))
+        """The program of the call that returned `result` (a tensor, a tuple of tensors, or None for an op
+        that returns nothing), or None where it is not replayable."""
+        returned = () if result is None else (result,) if isinstance(result, torch.Tensor) else result
+        if not isinstance(returned, tuple) or not all(isinstance(t, torch.Tensor) for t in returned):
+            self.refuse("the op returns neither tensors nor nothing")
+            returned = ()
+        for tensor in returned:
+            buffer = self.buffer_of_storage.get(tensor.untyped_storage().data_ptr()) if tensor.numel() else None
+            if buffer is None or self.program.buffers[buffer][2] != tensor.dtype:
+                self.refuse("a result is not one of the call's allocations")
+                break
+            self.program.results.append(
+                ("buffer", buffer, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+            )
         if not self.program.launches:
             self.refuse("it launches no kernel")
         return None if self.why_not is not None else self.program
