@@ -68,13 +68,16 @@ def _prepared_weights(shape: MoEShape):
 
 def compile_routing(shape: MoEShape) -> None:
     """The routing kernel the harness routes a shape's tokens with (`moe_cases.MoEProblem`: FP32 logits
-    and bias), if the shape's routing has one (inside `compile_without_launching`)."""
+    and bias; inside `compile_without_launching`)."""
+    experts = shape.num_experts
+    logits = _empty((1, experts), torch.float32)
     if shape.routing == "deepseek_v3":
-        experts = shape.num_experts
         routing_launch.route_deepseek_v3(
-            _empty((1, experts), torch.float32), _empty((experts,), torch.float32), shape.top_k, shape.n_group,
-            shape.topk_group, shape.routed_scaling_factor, True,
+            logits, _empty((experts,), torch.float32), shape.top_k, shape.n_group, shape.topk_group,
+            shape.routed_scaling_factor, True,
         )
+    else:
+        routing_launch.route_softmax_topk(logits, shape.top_k, True)
 
 
 def compile_cell(shape: MoEShape, tokens: int, implementation: str) -> None:

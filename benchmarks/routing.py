@@ -1,15 +1,16 @@
-"""DeepSeek-V3 routing on Hopper: the sm90 kernel against the reference's torch ops, per call.
+"""The routing ops on Hopper: the sm90 kernels against the reference's torch ops, per call.
 
     python -m benchmarks.routing [--out-dir benchmarks/results] [--replays 200]
 
 For the DeepSeek-V3 (E=256 in 8 groups, top-8 of 4 groups) and GLM-4.5 (E=160, one group, top-8)
-routings, FP32 logits and bias as a model's router gives them, and T in {1, 8, 64, 512, 4096}:
+`route_deepseek_v3` routings and Qwen3-MoE's `route_softmax_topk` (E=128, top-8, renormalized), FP32
+logits (and bias) as a model's router gives them, and T in {1, 8, 64, 512, 4096}:
 
 1. the kernel's ids and weights are checked bitwise against the reference's on the same inputs (a
    mismatch fails the run);
-2. `route_deepseek_v3` is captured into a CUDA graph twice, once on the kernel and once with
-   `FP4MOE_BACKEND=reference` (the reference's sort, gather and arithmetic ops, about 25 kernels per
-   call), and the two graphs are replayed in `--replays` interleaved rounds
+2. the op is captured into a CUDA graph twice, once on the kernel and once with
+   `FP4MOE_BACKEND=reference` (the reference's softmax or sigmoid, sort, gather and arithmetic ops,
+   about 10 to 25 kernels per call), and the two graphs are replayed in `--replays` interleaved rounds
    (`benchmarks.timing.time_interleaved`), each replay timed with CUDA events: the median per call,
    and the reference / kernel ratio;
 3. the host time of one eager call (T = 1) on each: the median over batches of back-to-back calls.
@@ -34,19 +35,24 @@ from fp4moe import dispatch
 
 ops = torch.ops.fp4moe
 ROUTINGS = {
-    "deepseek_v3": dict(experts=256, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5),
-    "glm": dict(experts=160, top_k=8, n_group=1, topk_group=1, routed_scaling_factor=2.5),
+    "deepseek_v3": dict(op="route_deepseek_v3", experts=256, top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5),
+    "glm": dict(op="route_deepseek_v3", experts=160, top_k=8, n_group=1, topk_group=1, routed_scaling_factor=2.5),
+    "qwen3": dict(op="route_softmax_topk", experts=128, top_k=8),
 }
 TOKENS = (1, 8, 64, 512, 4096)
 HOST_CALLS = 200
 HOST_BATCHES = 15
 
 
-def _arguments(routing: dict, tokens: int, device) -> tuple:
+def _call(routing: dict, tokens: int, device):
+    """A routing call on fresh logits: a function of no arguments running the op."""
     generator = torch.Generator(device=device).manual_seed(tokens)
     logits = torch.randn(tokens, routing["experts"], generator=generator, device=device)
+    if routing["op"] == "route_softmax_topk":
+        return lambda: ops.route_softmax_topk(logits, routing["top_k"], True)
     bias = 0.1 * torch.randn(routing["experts"], generator=generator, device=device)
-    return logits, bias, routing["top_k"], routing["n_group"], routing["topk_group"], routing["routed_scaling_factor"]
+    args = (logits, bias, routing["top_k"], routing["n_group"], routing["topk_group"], routing["routed_scaling_factor"])
+    return lambda: ops.route_deepseek_v3(*args)
 
 
 class _Backend:
@@ -66,35 +72,35 @@ class _Backend:
             os.environ[dispatch.BACKEND_VARIABLE] = self.previous
 
 
-def check(args: tuple, what: str) -> None:
+def check(call, what: str) -> None:
     with _Backend("auto"):
-        kernel = ops.route_deepseek_v3(*args)
+        kernel = call()
     with _Backend(dispatch.REFERENCE_BACKEND):
-        reference = ops.route_deepseek_v3(*args)
+        reference = call()
     for got, want, name in zip(kernel, reference, ("ids", "weights"), strict=True):
         if not torch.equal(got.view(torch.int32), want.view(torch.int32)):
             raise SystemExit(f"{what}: the kernel's {name} differ from the reference's")
 
 
-def time_cell(args: tuple, device, replays: int) -> tuple[float, float]:
+def time_cell(call, device, replays: int) -> tuple[float, float]:
     """Median us per call: (kernel, reference), graphs replayed in interleaved rounds."""
     with _Backend("auto"):
-        kernel = PreparedCall(lambda: ops.route_deepseek_v3(*args), device)
+        kernel = PreparedCall(call, device)
     with _Backend(dispatch.REFERENCE_BACKEND):
-        reference = PreparedCall(lambda: ops.route_deepseek_v3(*args), device)
+        reference = PreparedCall(call, device)
     with kernel, reference:
         timings = time_interleaved([kernel, reference], device, replays, warmup=10)
     return tuple(t.median_s * 1e6 for t in timings)
 
 
-def host_us(args: tuple) -> tuple[float, float]:
+def host_us(call) -> tuple[float, float]:
     """Median host time per eager call, us: (kernel, reference)."""
 
     def batch(backend):
         def run():
             with _Backend(backend):
                 for _ in range(HOST_CALLS):
-                    ops.route_deepseek_v3(*args)
+                    call()
 
         return run
 
@@ -109,18 +115,18 @@ def main(argv=None) -> None:
     parser.add_argument("--replays", type=int, default=200)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or fp4moe.routing_backend("route_deepseek_v3", "cuda") != dispatch.CUTE_SM90_BACKEND:
-        raise SystemExit("benchmarks.routing times the sm90 routing kernel, which needs a Hopper (sm_90) GPU")
+        raise SystemExit("benchmarks.routing times the sm90 routing kernels, which need a Hopper (sm_90) GPU")
     device = torch.device("cuda")
     env = environment(device, "benchmarks.routing", argv)
     results = []
     for name, routing in ROUTINGS.items():
         for tokens in TOKENS:
-            call_args = _arguments(routing, tokens, device)
-            check(call_args, f"{name} T={tokens}")
-            kernel_us, reference_us = time_cell(call_args, device, args.replays)
+            call = _call(routing, tokens, device)
+            check(call, f"{name} T={tokens}")
+            kernel_us, reference_us = time_cell(call, device, args.replays)
             results.append(dict(routing=name, tokens=tokens, kernel_us=kernel_us, reference_us=reference_us))
             print(f"{name} T={tokens}: kernel {kernel_us:.1f} us, reference {reference_us:.1f} us", flush=True)
-    host = {name: dict(zip(("kernel_us", "reference_us"), host_us(_arguments(routing, 1, device))))
+    host = {name: dict(zip(("kernel_us", "reference_us"), host_us(_call(routing, 1, device))))
             for name, routing in ROUTINGS.items()}
     rows = [[r["routing"], str(r["tokens"]), f"{r['kernel_us']:.1f}", f"{r['reference_us']:.1f}",
              f"{r['reference_us'] / r['kernel_us']:.1f}"] for r in results]

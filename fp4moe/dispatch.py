@@ -89,10 +89,8 @@ def quantize_backend(device) -> str:
 
 
 ROUTING_OPS = ("route_softmax_topk", "route_deepseek_v3")
-ROUTING_KERNELS = {CUTE_SM90_BACKEND: ("route_deepseek_v3",)}
-"""The routing ops each kernel backend runs kernels for; its devices run the others on the reference
-(`route_softmax_topk`'s scores come from `torch.softmax`, whose FP32 sum follows torch's own reduction
-order, which a kernel would have to reproduce to be bitwise equal)."""
+ROUTING_KERNELS = {CUTE_SM90_BACKEND: ROUTING_OPS}
+"""The routing ops each kernel backend runs kernels for; its devices run the others on the reference."""
 
 
 def routing_backend(op: str, device) -> str:

@@ -1,9 +1,9 @@
 """Schemas and CPU/CUDA registrations of the routing ops (semantics §3.1).
 
 Each call runs on the backend the architecture switch picks for the logits' device
-(`dispatch.routing_backend`, family `routing` of `dispatch.KERNEL_MODULES`): on Hopper,
-`route_deepseek_v3` is one kernel (`fp4moe.kernels.sm90.routing_launch`), bitwise equal to the reference
-on the same GPU; every other call runs the pure-torch reference (`fp4moe.reference.routing`). Outputs: `topk_ids` int32 [T, top_k] (global expert ids) and
+(`dispatch.routing_backend`, family `routing` of `dispatch.KERNEL_MODULES`): on Hopper, each op is one
+kernel (`fp4moe.kernels.sm90.routing_launch`), bitwise equal to the reference on the same GPU; elsewhere
+the pure-torch reference (`fp4moe.reference.routing`). Outputs: `topk_ids` int32 [T, top_k] (global expert ids) and
 `topk_weights` fp32 [T, top_k], slots in descending score order, ties to the lower expert id.
 """
 
@@ -28,6 +28,7 @@ def _backend_for(op, router_logits):
 
 def route_softmax_topk(router_logits, top_k, renormalize):
     validation.check_route_softmax_topk(router_logits, top_k)
+    serve_from_cpp(router_logits.device)  # on Hopper, later calls replay from C++ (`fp4moe.kernels.host_launcher.RECORDED_OPS`)
     return _backend_for("route_softmax_topk", router_logits).route_softmax_topk(router_logits, top_k, renormalize)
 
 

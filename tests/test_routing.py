@@ -278,7 +278,6 @@ def test_the_hopper_kernel_is_bitwise_the_reference(hopper, monkeypatch, config,
     from tests.hopper import poisoned
 
     assert fp4moe.routing_backend("route_deepseek_v3", "cuda") == dispatch.CUTE_SM90_BACKEND
-    assert fp4moe.routing_backend("route_softmax_topk", "cuda") == dispatch.REFERENCE_BACKEND
     experts, args = config["experts"], deepseek_args(config)
     for seed, dtype in enumerate(LOGIT_DTYPES):
         logits = random_logits(tokens, experts, dtype, "cuda", seed=seed)
@@ -296,22 +295,58 @@ def test_the_hopper_kernel_is_bitwise_the_reference(hopper, monkeypatch, config,
                     assert_routing_equal(actual, expected_deepseek_v3(logits, bias, *args, renormalize), what)
 
 
+SOFTMAX_KERNEL_CONFIGS = [(128, 8), (60, 4), (8, 2), (1, 1), (512, 32), (256, 8)]
+"""(E, top_k): Qwen3-MoE's; a row padded to 64; rows narrower than a warp; the kernel's largest; 256."""
+
+
 @pytest.mark.gpu
-def test_the_hopper_kernel_orders_nans_and_infinities_as_the_reference(hopper):
+@pytest.mark.parametrize(("experts", "top_k"), SOFTMAX_KERNEL_CONFIGS)
+@pytest.mark.parametrize("tokens", [1, 3, 17, 1000, 4099])
+def test_the_hopper_softmax_kernel_is_bitwise_the_reference(hopper, monkeypatch, experts, top_k, tokens):
+    """On Hopper `route_softmax_topk` runs its kernel (the reference's own function is never called): ids
+    and weights bit for bit the reference's (torch.softmax on the same GPU, then the exact rules), for
+    every logits dtype, renormalized or not, into poisoned allocations; at small T also the Python
+    reference's."""
+    from fp4moe.reference import routing as reference
+    from tests.hopper import poisoned
+
+    assert fp4moe.routing_backend("route_softmax_topk", "cuda") == dispatch.CUTE_SM90_BACKEND
+    for seed, dtype in enumerate(LOGIT_DTYPES):
+        logits = random_logits(tokens, experts, dtype, "cuda", seed=seed, scale=4.0)
+        for renormalize in (True, False):
+            expected = reference.route_softmax_topk(logits, top_k, renormalize)
+            with monkeypatch.context() as patched:
+                patched.setattr(reference, "route_softmax_topk", None)  # calling it would raise
+                poisoned([torch.empty(tokens, top_k, dtype=torch.float32, device="cuda") for _ in range(4)])
+                actual = ops.route_softmax_topk(logits, top_k, renormalize)
+            what = f"{dtype} logits, renormalize={renormalize}"
+            assert_routing_equal(actual, tuple(t.cpu() for t in expected), what)
+            if tokens <= 17:
+                assert_routing_equal(actual, expected_softmax_topk(logits, top_k, renormalize), what)
+
+
+@pytest.mark.gpu
+def test_the_hopper_kernels_order_nans_and_infinities_as_the_reference(hopper):
     from fp4moe.reference import routing as reference
 
     logits, bias = special_logits("cuda")
     for renormalize in (True, False):
         actual = ops.route_deepseek_v3(logits, bias, 8, 8, 3, 2.5, renormalize)
         expected = reference.route_deepseek_v3(logits, bias, 8, 8, 3, 2.5, renormalize)
-        assert_routing_equal(actual, tuple(t.cpu() for t in expected), f"renormalize={renormalize}")
+        assert_routing_equal(actual, tuple(t.cpu() for t in expected), f"deepseek_v3, renormalize={renormalize}")
+        for rows in (logits, logits[:, :60], logits[:, :8]):  # a full warp, a padded row, a narrow one
+            actual = ops.route_softmax_topk(rows, 4, renormalize)
+            expected = reference.route_softmax_topk(rows, 4, renormalize)
+            assert_routing_equal(actual, tuple(t.cpu() for t in expected), f"softmax E={rows.shape[1]}, renormalize={renormalize}")
 
 
 @pytest.mark.gpu
-def test_the_hopper_kernel_refuses_what_it_cannot_hold(hopper):
+def test_the_hopper_kernels_refuse_what_they_cannot_hold(hopper):
     logits = random_logits(4, 1024, torch.bfloat16, "cuda", seed=1)
     with pytest.raises(NotImplementedError, match="at most 512 experts"):
         ops.route_deepseek_v3(logits, torch.zeros(1024, device="cuda"), 8, 8, 4)
+    with pytest.raises(NotImplementedError, match="at most 512 experts"):
+        ops.route_softmax_topk(logits, 8)
 
 
 def test_routing_backends_on_the_cpu():

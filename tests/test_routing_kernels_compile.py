@@ -1,6 +1,7 @@
-"""The sm90 routing kernel compiles for sm_90a without a GPU, keeps its registers (no local memory), and
-computes its scores with the very instructions CUDA's compiler makes of torch's FP32 sigmoid, which is
-what makes it bitwise equal to the reference on the GPU (`fp4moe.kernels.sm90.routing`).
+"""The sm90 routing kernels compile for sm_90a without a GPU, keep their registers (no local memory), and
+compute their scores with the very instructions CUDA's compiler makes of torch's FP32 sigmoid and
+exponential, which is what makes them bitwise equal to the reference on the GPU
+(`fp4moe.kernels.sm90.routing`).
 
 Runs in CI on a CPU machine, in a subprocess (`CUTE_DSL_KEEP` is read when the DSL is imported).
 """
@@ -13,15 +14,22 @@ from pathlib import Path
 
 import pytest
 
-from fp4moe.kernels.sm90.routing import TORCH_SIGMOID_PTX
+from fp4moe.kernels.sm90.routing import TORCH_EXPF_PTX, TORCH_SIGMOID_PTX
 from tests.sm90_compile import compile_in_subprocess, sass
 
-# (experts, top_k, n_group, topk_group, renormalize, logits dtype, bias dtype)
+# route_deepseek_v3: (experts, top_k, n_group, topk_group, renormalize, logits dtype, bias dtype)
 VARIANTS = [
     (256, 8, 8, 4, True, "bfloat16", "float32"),  # DeepSeek-V3
     (160, 8, 1, 1, True, "bfloat16", "bfloat16"),  # GLM-4.5: one group
     (20, 3, 10, 2, False, "float32", "float32"),  # groups of two, experts on part of the lanes
     (512, 32, 32, 8, True, "float16", "float16"),  # the kernel's largest
+]
+# route_softmax_topk: (experts, top_k, renormalize, logits dtype)
+SOFTMAX_VARIANTS = [
+    (128, 8, True, "bfloat16"),  # Qwen3-MoE
+    (60, 4, False, "float32"),  # a row padded to 64
+    (8, 2, True, "float16"),  # a row narrower than a warp
+    (512, 32, True, "float32"),  # the kernel's largest
 ]
 
 _COMPILE_SCRIPT = textwrap.dedent(
@@ -31,28 +39,41 @@ _COMPILE_SCRIPT = textwrap.dedent(
     import torch
     from fp4moe.kernels.sm90 import routing_launch
     out = Path(sys.argv[1])
-    for i, (experts, top_k, n_group, topk_group, renormalize, logits, bias) in enumerate(json.loads(sys.argv[2])):
-        compiled = routing_launch.compile_deepseek_v3(
-            experts, top_k, n_group, topk_group, renormalize, getattr(torch, logits), getattr(torch, bias))
-        (out / f"route_{i}.ptx").write_text(compiled.__ptx__)
-        (out / f"route_{i}.cubin").write_bytes(compiled.__cubin__)
+    deepseek, softmax = json.loads(sys.argv[2])
+    def save(name, compiled):
+        (out / f"{name}.ptx").write_text(compiled.__ptx__)
+        (out / f"{name}.cubin").write_bytes(compiled.__cubin__)
+    for i, (experts, top_k, n_group, topk_group, renormalize, logits, bias) in enumerate(deepseek):
+        save(f"route_{i}", routing_launch.compile_deepseek_v3(
+            experts, top_k, n_group, topk_group, renormalize, getattr(torch, logits), getattr(torch, bias)))
+    for i, (experts, top_k, renormalize, logits) in enumerate(softmax):
+        save(f"softmax_{i}", routing_launch.compile_softmax_topk(experts, top_k, renormalize, getattr(torch, logits)))
     """
 )
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    return compile_in_subprocess(_COMPILE_SCRIPT, VARIANTS, tmp_path_factory.mktemp("sm90_routing"))
+    return compile_in_subprocess(_COMPILE_SCRIPT, [VARIANTS, SOFTMAX_VARIANTS], tmp_path_factory.mktemp("sm90_routing"))
+
+
+def _exponentials_per_lane(name: str, experts: int) -> int:
+    """`route_deepseek_v3`: one per expert a lane holds; `route_softmax_topk`: one per value of torch's
+    padded row a lane holds (the row's next power of two over at most 32 lanes)."""
+    if name.startswith("route"):
+        return -(-experts // 32)
+    padded = 1 << (experts - 1).bit_length()
+    return padded // min(padded, 32)
 
 
 def test_every_variant_compiles_for_sm90a_without_spills(compiled):
-    for i, (experts, *_) in enumerate(VARIANTS):
-        assert ".target sm_90a" in (compiled / f"route_{i}.ptx").read_text()
-        code = sass(compiled / f"route_{i}.cubin")
-        assert not re.search(r"\b(LDL|STL)\b", code), f"variant {i} spills to local memory"
-        # One exponential per expert a lane holds, and the kernel waits for its predecessor (PDL).
-        assert len(re.findall(r"MUFU\.EX2", code)) == -(-experts // 32), f"variant {i}"
-        assert "griddepcontrol.wait" in (compiled / f"route_{i}.ptx").read_text()
+    names = [(f"route_{i}", v[0]) for i, v in enumerate(VARIANTS)] + [(f"softmax_{i}", v[0]) for i, v in enumerate(SOFTMAX_VARIANTS)]
+    for name, experts in names:
+        ptx = (compiled / f"{name}.ptx").read_text()
+        assert ".target sm_90a" in ptx and "griddepcontrol.wait" in ptx, name  # waits for its predecessor (PDL)
+        code = sass(compiled / f"{name}.cubin")
+        assert not re.search(r"\b(LDL|STL)\b", code), f"{name} spills to local memory"
+        assert len(re.findall(r"MUFU\.EX2", code)) == _exponentials_per_lane(name, experts), name
 
 
 def _dataflow(instructions: list[str]) -> list[tuple]:
@@ -77,7 +98,7 @@ def _dataflow(instructions: list[str]) -> list[tuple]:
                 named.append(values.get(source, "x"))
             else:
                 named.append(source)
-        flow.append((opcode.replace("add.f32", "add.rn.f32"), tuple(named)))
+        flow.append((re.sub(r"^(add|sub|mul)\.f32$", r"\1.rn.f32", opcode), tuple(named)))
         values[destination] = f"v{len(flow)}"
     return flow
 
@@ -110,3 +131,33 @@ def test_the_scores_are_the_instructions_nvcc_makes_of_torch_s_sigmoid(tmp_path)
     ours = _dataflow([i for i in TORCH_SIGMOID_PTX.strip("{} ").split(";") if i.strip() and not i.strip().startswith(".reg")])
     assert ours == nvcc, "\n".join(f"{a}  |  {b}" for a, b in zip(ours, nvcc))
     assert [opcode for opcode, _ in ours][-3:] == ["ex2.approx.ftz.f32", "fma.rn.f32", "rcp.rn.f32"]
+
+
+def test_the_softmax_exponentials_are_the_instructions_nvcc_makes_of_torch_s(tmp_path):
+    """torch's warp softmax keeps each `std::exp(x - max)` (it divides it by the sum afterwards) and adds it
+    to the lane's sum: nvcc's PTX for that arithmetic computes the exponential as the kernel's snippet
+    does, instruction for instruction, and sums the rounded exponential (an `add` of the product, which
+    no `fma` contracts), as the kernel's `add.rn` does."""
+    source = tmp_path / "softmax_step.cu"
+    source.write_text(
+        "#include <cmath>\n"
+        'extern "C" __global__ void softmax_step(const float* x, const float* m, float* total, float* y) {\n'
+        "  float e = std::exp(x[threadIdx.x] - m[0]);\n"
+        "  float s = total[threadIdx.x] + e;\n"
+        "  total[threadIdx.x] = s;\n"
+        "  y[threadIdx.x] = e / s;\n"
+        "}\n"
+    )
+    ptx = tmp_path / "softmax_step.ptx"
+    subprocess.run([_nvcc(), "-O3", "-arch=sm_90a", "-ptx", str(source), "-o", str(ptx)], check=True)
+    lines = [line.strip() for line in ptx.read_text().splitlines()]
+    start = next(i for i, line in enumerate(lines) if line.startswith("sub.f32"))
+    end = next(i for i, line in enumerate(lines) if i > start and line.startswith("mul.f32"))
+    window = [line for line in lines[start + 1 : end + 1] if line and not line.startswith("//")]
+    ours = _dataflow([i for i in TORCH_EXPF_PTX.strip("{} ").split(";") if i.strip() and not i.strip().startswith(".reg")])
+    nvcc = _dataflow(window)
+    assert ours == nvcc, "\n".join(f"{a}  |  {b}" for a, b in zip(ours, nvcc))
+    product = lines[end].split()[1].rstrip(",")
+    uses = [line for line in lines[end + 1 :] if re.search(rf"{re.escape(product)}\b", line)]
+    assert any(line.startswith("add.f32") for line in uses), uses
+    assert not any(line.startswith("fma") for line in uses), uses

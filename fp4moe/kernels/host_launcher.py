@@ -21,7 +21,7 @@ Python once more, without compiling).
 
 `fused_moe` and `aligned_moe_` (`RECORDED_OPS`) launch four to six kernels per call from Python
 pipelines whose checks, dispatch, tile arithmetic and allocations cost most of an eager call's host
-time; `route_deepseek_v3` launches one, after checks and dispatch that cost several times its launch. The launcher takes them over by recording: a call's key spells every argument's metadata (dtype,
+time; the routing ops launch one, after checks and dispatch that cost several times its launch. The launcher takes them over by recording: a call's key spells every argument's metadata (dtype,
 sizes, strides, device, address modulo 256; every non-tensor argument's value), which tensors overlap
 in memory and by how much (`aligned_moe_` refuses an `out` overlapping an input) and `FP4MOE_BACKEND`.
 The first call of a key through the launcher runs the op's Python kernel; its second runs it under `serve_recorded_call`, which records its
@@ -68,7 +68,7 @@ NAME = "fp4moe_host_launcher"
 OPS = ("quantize", "quantize_per_token", "tile_amax")
 """The ops whose CUDA and Autograd kernels the launcher takes over with kernels of their own, keyed by
 their static configurations (the argument order of its `install`)."""
-RECORDED_OPS = ("fused_moe", "aligned_moe_", "route_deepseek_v3")
+RECORDED_OPS = ("fused_moe", "aligned_moe_", "route_softmax_topk", "route_deepseek_v3")
 """The composed ops whose CUDA and Autograd kernels the launcher takes over by replaying recorded calls
 (`serve_recorded_call`, `fp4moe.kernels.launch_recording`)."""
 MODE_VARIABLE = "FP4MOE_HOST_LAUNCHER"
@@ -169,7 +169,7 @@ def install() -> bool:
     except Exception as error:  # no C++ compiler or ninja, a failed build
         warnings.warn(  # one line, whatever the error
             f"fp4moe: the C++ host launcher is unavailable ({type(error).__name__}: {_first_line(error)}); the "
-            f"CUDA quantization ops, fused_moe, aligned_moe_ and route_deepseek_v3 launch from Python, with more host time per call (set {MODE_VARIABLE}=python "
+            f"CUDA quantization ops, fused_moe, aligned_moe_ and the routing ops launch from Python, with more host time per call (set {MODE_VARIABLE}=python "
             "to choose this and silence this notice)",
             RuntimeWarning,
             stacklevel=2,

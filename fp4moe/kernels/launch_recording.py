@@ -1,7 +1,7 @@
 """Recording an op call's kernel launches, so that the C++ host launcher can replay them.
 
-An eager call of a composed op (`fused_moe`: plan, GEMM1, GEMM2, finalize; `aligned_moe_`;
-`route_deepseek_v3`, one launch) spends most of its host time in Python around the launches: argument checks, dispatch, tile arithmetic,
+An eager call of a composed op (`fused_moe`: plan, GEMM1, GEMM2, finalize; `aligned_moe_`; a routing
+op, one launch) spends most of its host time in Python around the launches: argument checks, dispatch, tile arithmetic,
 allocations, the TVM-FFI calls' conversion of torch tensors. None of that depends on the tensors'
 values: the pipeline never reads the device (no host synchronization), so what it launches is fixed by
 the call's static configuration, the arguments' metadata. The C++ host launcher
