@@ -340,6 +340,57 @@ def test_the_hopper_kernels_order_nans_and_infinities_as_the_reference(hopper):
             assert_routing_equal(actual, tuple(t.cpu() for t in expected), f"softmax E={rows.shape[1]}, renormalize={renormalize}")
 
 
+def _elementwise_kernel(function_name: str):
+    """A compiled CuTe DSL kernel applying `fp4moe.kernels.sm90.routing.<function_name>` to every element
+    of an FP32 vector (`kernel(x, y)`)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    from fp4moe.kernels.sm90 import routing
+    from fp4moe.kernels.sm90.compiler import compile_kernel
+
+    function = getattr(routing, function_name)
+
+    class Elementwise:
+        @cute.jit
+        def __call__(self, mX: cute.Tensor, mY: cute.Tensor, stream):
+            self.kernel(mX, mY).launch(grid=[cute.ceil_div(mX.shape[0], 256), 1, 1], block=[256, 1, 1], stream=stream)
+
+        @cute.kernel
+        def kernel(self, mX, mY):
+            tidx, _, _ = cute.arch.thread_idx()
+            cta, _, _ = cute.arch.block_idx()
+            i = cta * 256 + tidx
+            if i < mX.shape[0]:
+                mY[i] = function(mX[i])
+
+    length = cute.sym_int()
+    vectors = [make_fake_compact_tensor(cutlass.Float32, (length,)) for _ in range(2)]
+    return compile_kernel(Elementwise(), *vectors)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("function_name", "torch_function"), [("sigmoid_as_torch", torch.sigmoid), ("expf_as_torch", torch.exp)])
+def test_the_kernels_sigmoid_and_exponential_are_torch_s_for_every_fp32_value(hopper, function_name, torch_function):
+    """Every one of the 2^32 FP32 bit patterns (numbers of every magnitude, subnormals, infinities, NaNs):
+    the routing kernels' sigmoid and exponential give torch's bits on this GPU. The routing kernels' equality
+    with the reference rests on this (their other steps are exactly rounded operations)."""
+    kernel = _elementwise_kernel(function_name)
+    chunk = 1 << 28
+    mismatches, examples = 0, []
+    for start in range(-(1 << 31), 1 << 31, chunk):
+        x = torch.arange(start, start + chunk, dtype=torch.int32, device="cuda").view(torch.float32)
+        y = torch.empty_like(x)
+        kernel(x, y)
+        different = y.view(torch.int32) != torch_function(x).view(torch.int32)
+        count = int(different.sum())
+        if count:
+            mismatches += count
+            examples += x[different][:4].tolist()
+    assert mismatches == 0, f"{mismatches} inputs differ, e.g. {examples[:8]}"
+
+
 @pytest.mark.gpu
 def test_the_hopper_kernels_refuse_what_they_cannot_hold(hopper):
     logits = random_logits(4, 1024, torch.bfloat16, "cuda", seed=1)

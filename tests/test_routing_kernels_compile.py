@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from fp4moe.kernels.sm90.routing import TORCH_EXPF_PTX, TORCH_SIGMOID_PTX
 from tests.sm90_compile import compile_in_subprocess, sass
@@ -76,12 +77,13 @@ def test_every_variant_compiles_for_sm90a_without_spills(compiled):
         assert len(re.findall(r"MUFU\.EX2", code)) == _exponentials_per_lane(name, experts), name
 
 
-def _dataflow(instructions: list[str]) -> list[tuple]:
+def _dataflow(instructions: list[str], constants: dict[str, str] | None = None) -> list[tuple]:
     """Instructions as (opcode, sources) in SSA form: every result a fresh value numbered in order, the
     input (a register read before any instruction writes it) `x`, and a register that only holds a
-    constant (`mov.f32 %f, 0f...`, as nvcc writes them) replaced by the constant. Two sequences that
-    compute the same values from the same input compare equal, whatever their register names."""
-    constants: dict[str, str] = {}
+    constant (`mov.f32 %f, 0f...`, as nvcc writes them, here or in `constants`) replaced by the constant.
+    Two sequences that compute the same values from the same input compare equal, whatever their
+    register names."""
+    constants = dict(constants or {})
     values: dict[str, str] = {}
     flow = []
     for line in instructions:
@@ -134,30 +136,37 @@ def test_the_scores_are_the_instructions_nvcc_makes_of_torch_s_sigmoid(tmp_path)
 
 
 def test_the_softmax_exponentials_are_the_instructions_nvcc_makes_of_torch_s(tmp_path):
-    """torch's warp softmax keeps each `std::exp(x - max)` (it divides it by the sum afterwards) and adds it
-    to the lane's sum: nvcc's PTX for that arithmetic computes the exponential as the kernel's snippet
-    does, instruction for instruction, and sums the rounded exponential (an `add` of the product, which
-    no `fma` contracts), as the kernel's `add.rn` does."""
-    source = tmp_path / "softmax_step.cu"
+    """torch's CUDA softmax of rows of at most 2048 FP32 values is its warp softmax (the installed header
+    `ATen/native/cuda/PersistentSoftmax.cuh`), compiled here for rows of 128 values: each
+    `std::exp(x - max)` in its PTX is the kernel's snippet instruction for instruction, and the lane's sum
+    adds the rounded exponentials from 0 (`add`s of the products, which no `fma` contracts), as the
+    kernel's `add.rn` do."""
+    include = Path(torch.__file__).resolve().parent / "include"
+    source = tmp_path / "warp_softmax.cu"
     source.write_text(
-        "#include <cmath>\n"
-        'extern "C" __global__ void softmax_step(const float* x, const float* m, float* total, float* y) {\n'
-        "  float e = std::exp(x[threadIdx.x] - m[0]);\n"
-        "  float s = total[threadIdx.x] + e;\n"
-        "  total[threadIdx.x] = s;\n"
-        "  y[threadIdx.x] = e / s;\n"
+        "#include <ATen/native/cuda/PersistentSoftmax.cuh>\n"
+        "void launch(float* out, const float* in, int rows) {\n"
+        "  softmax_warp_forward<float, float, float, 7, false, false, 32><<<1, 1>>>(out, in, rows, 128, 128);\n"
         "}\n"
     )
-    ptx = tmp_path / "softmax_step.ptx"
-    subprocess.run([_nvcc(), "-O3", "-arch=sm_90a", "-ptx", str(source), "-o", str(ptx)], check=True)
-    lines = [line.strip() for line in ptx.read_text().splitlines()]
-    start = next(i for i, line in enumerate(lines) if line.startswith("sub.f32"))
-    end = next(i for i, line in enumerate(lines) if i > start and line.startswith("mul.f32"))
-    window = [line for line in lines[start + 1 : end + 1] if line and not line.startswith("//")]
+    ptx = tmp_path / "warp_softmax.ptx"
+    subprocess.run(
+        [_nvcc(), "-O3", "-std=c++17", "--expt-relaxed-constexpr", "-arch=sm_90a", "-ptx", f"-I{include}",
+         f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}", str(source), "-o", str(ptx)],
+        check=True,
+    )
+    lines = [line.strip() for line in ptx.read_text().splitlines() if line.strip() and not line.strip().startswith("//")]
     ours = _dataflow([i for i in TORCH_EXPF_PTX.strip("{} ").split(";") if i.strip() and not i.strip().startswith(".reg")])
-    nvcc = _dataflow(window)
-    assert ours == nvcc, "\n".join(f"{a}  |  {b}" for a, b in zip(ours, nvcc))
-    product = lines[end].split()[1].rstrip(",")
-    uses = [line for line in lines[end + 1 :] if re.search(rf"{re.escape(product)}\b", line)]
-    assert any(line.startswith("add.f32") for line in uses), uses
-    assert not any(line.startswith("fma") for line in uses), uses
+    constants = dict(re.fullmatch(r"mov\.f32\s+(%f\d+), (0f[0-9A-F]{8});", line).groups() for line in lines
+                     if re.fullmatch(r"mov\.f32\s+%f\d+, 0f[0-9A-F]{8};", line))  # hoisted out of the loop
+    exponentials = [i for i, line in enumerate(lines) if line.startswith("ex2.approx")]
+    assert len(exponentials) == 2 * 4, "two rows of four values per lane"
+    for ex2 in exponentials:
+        start = max(i for i in range(ex2) if lines[i].startswith("sub.f32"))
+        end = next(i for i in range(ex2, len(lines)) if lines[i].startswith("mul.f32"))
+        nvcc = _dataflow(lines[start + 1 : end + 1], constants)
+        assert ours == nvcc, "\n".join(f"{a}  |  {b}" for a, b in zip(ours, nvcc))
+        product = lines[end].split()[1].rstrip(",")
+        uses = [line for line in lines[end + 1 :] if re.search(rf"{re.escape(product)}\b", line)]
+        assert any(line.startswith("add.f32") for line in uses) and not any(line.startswith("fma") for line in uses), uses
+    assert any(re.fullmatch(r"add\.f32\s+%f\d+, %f\d+, 0f00000000;", line) for line in lines), "the sum starts from 0"
