@@ -334,11 +334,13 @@ class FusedMoE(nn.Module):
         if router_logits is not None:
             self._check_router_logits(router_logits, shape)
             _refuse_grad("router_logits", router_logits)
-            logits = router_logits.reshape(tokens.shape[0], router_logits.shape[-1]).float()
+            logits = router_logits.reshape(tokens.shape[0], router_logits.shape[-1])
         elif self.router_weight is None:
             raise ValueError("this FusedMoE has no router (router_weight=None): pass router_logits to forward")
         else:  # in the router's own dtype (bf16 unless the module was converted)
-            logits = torch.nn.functional.linear(tokens.to(self.router_weight.dtype), self.router_weight).float()
+            logits = torch.nn.functional.linear(tokens.to(self.router_weight.dtype), self.router_weight)
+        if logits.dtype not in validation.ROUTER_LOGITS_DTYPES:
+            logits = logits.float()  # the routing ops widen bf16 / fp16 to FP32 exactly themselves
         ops = torch.ops.fp4moe
         if self.routing == "softmax":
             topk_ids, topk_weights = ops.route_softmax_topk(logits, self.top_k, self.renormalize)
