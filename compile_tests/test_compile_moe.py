@@ -40,7 +40,7 @@ class TestCompileMoE(expecttest.TestCase):
         self.assertExpectedInline(
             backend.fp4moe_calls(),
             """\
-fp4moe.route_softmax_topk(float32[S0, 8], 2, True)
+fp4moe.route_softmax_topk(bfloat16[S0, 8], 2, True)
 fp4moe.fused_moe(bfloat16[S0, 64], int32[S0, 2], float32[S0, 2], uint8[8, 2, 2, 2048], uint8[8, 2, 2, 256], float32[8], uint8[8, 2, 2, 2048], uint8[8, 2, 2, 256], float32[8], None, None, 'w4a4', True, 'swiglu', None, None, None, True, False, 0, weight_layout='sm90', global_num_experts=8)""",
         )
 
