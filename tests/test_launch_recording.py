@@ -495,8 +495,9 @@ def test_an_op_of_two_results_is_replayed_returning_both(launcher, launches):
         return (aligned(logits), aligned(torch.randn(256, generator=g)), 8, 8, 4, 2.5, True)
 
     slow, programs = host_launcher.slow_path_calls(), launcher.recorded_program_count()
-    for _ in range(2):
-        launcher.serve_for_test("route_deepseek_v3", arguments(0))
+    for _ in range(2):  # through Python (the second recorded): both results come back from its tuple
+        ids, weights = launcher.serve_for_test("route_deepseek_v3", arguments(0))
+        assert (ids.dtype, weights.dtype, ids.shape, weights.shape) == (torch.int32, torch.float32, (5, 8), (5, 8))
     assert (host_launcher.slow_path_calls(), launcher.recorded_program_count()) == (slow + 2, programs + 1)
     args = arguments(1)
     launches.clear()
