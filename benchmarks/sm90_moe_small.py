@@ -1,6 +1,7 @@
 """A small `fused_moe` on the sm90 kernels (E=8, H=256, I=128, top-2, T in {1, 37, 300, 400}: plan tiles of
-8, 32, 128 and 192 rows; W4A16, per-tensor and per-token W4A4; fused and deterministic finalize): the case
-the memory and race checkers run,
+8, 32, 128 and 192 rows; W4A16, per-tensor and per-token W4A4; fused and deterministic finalize), routed by
+the sm90 routing kernels (softmax over 8 experts; DeepSeek-V3 routing over 72 on the side): the case the
+memory and race checkers run,
 
     compute-sanitizer --tool memcheck --report-api-errors no python -m benchmarks.sm90_moe_small [--sms 2]
     compute-sanitizer --tool racecheck python -m benchmarks.sm90_moe_small [--sms 2]
@@ -48,6 +49,9 @@ def run() -> int:
             x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
             logits = torch.randn(tokens, EXPERTS, generator=g, device="cuda")
             topk_ids, topk_weights = ops.route_softmax_topk(logits, TOP_K, True)
+            # The DeepSeek-V3 routing kernel too (72 experts: lanes past E; not used below).
+            grouped = torch.randn(tokens, 72, generator=g, device="cuda")
+            ops.route_deepseek_v3(grouped, torch.randn(72, generator=g, device="cuda"), 6, 9, 3, 2.5)
             scales = {}
             if mode == "w4a4_tensor":  # calibrated on these tokens, and a bound on the intermediate
                 scales = dict(
