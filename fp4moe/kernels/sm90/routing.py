@@ -171,6 +171,16 @@ def launch_per_token(kernel, tokens, stream):
     kernel.launch(grid=[cute.ceil_div(tokens, WARPS), 1, 1], block=[32 * WARPS, 1, 1], stream=stream, use_pdl=USE_PDL)
 
 
+@cute.jit
+def warp_token():
+    """A routing kernel's first statement (`launch_per_token`'s grid, after the PDL wait): (the token of
+    this warp, this thread's lane)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    cta, _, _ = cute.arch.block_idx()
+    wait_for_predecessor_and_release_successor()
+    return cta * WARPS + tidx // 32, tidx % 32
+
+
 class RouteDeepSeekV3Sm90:
     """`route_deepseek_v3` for `experts` experts in `n_group` groups: one warp per token, lane `l`
     holding experts `l, l + 32, ...` (coalesced loads; a lane's experts ascend).
@@ -208,11 +218,7 @@ class RouteDeepSeekV3Sm90:
 
     @cute.kernel
     def kernel(self, mLogits, mBias, mIds, mWeights, scaling_factor):
-        tidx, _, _ = cute.arch.thread_idx()
-        cta, _, _ = cute.arch.block_idx()
-        wait_for_predecessor_and_release_successor()
-        lane = tidx % 32
-        token = cta * WARPS + tidx // 32
+        token, lane = warp_token()
         if token < mLogits.shape[0]:
             self.route(mLogits, mBias, mIds, mWeights, scaling_factor, token, lane)
 
@@ -302,11 +308,7 @@ class RouteSoftmaxTopkSm90:
 
     @cute.kernel
     def kernel(self, mLogits, mIds, mWeights):
-        tidx, _, _ = cute.arch.thread_idx()
-        cta, _, _ = cute.arch.block_idx()
-        wait_for_predecessor_and_release_successor()
-        lane = tidx % 32
-        token = cta * WARPS + tidx // 32
+        token, lane = warp_token()
         if token < mLogits.shape[0]:
             self.route(mLogits, mIds, mWeights, token, lane)
 
