@@ -59,6 +59,7 @@ import torch
 from fp4moe import validation
 from fp4moe.kernels import launch_recording
 from fp4moe.kernels.sm90.arguments import VECTOR_BYTES
+from fp4moe.kernels.sm90.compiler import tvm_ffi_function
 from fp4moe.kernels.sm90.quantize import MANY_ELEMENTS
 from fp4moe.op_outputs import OutputRule
 from fp4moe.ops.library import hand_over_to_native
@@ -216,8 +217,7 @@ def register(compiled, op: str, outputs: tuple[OutputRule, ...]) -> None:
     meanwhile), the launcher files `compiled` and `outputs` under that call's key and serves the
     configuration from then on; otherwise (launches outside the op, or no launcher) this does nothing."""
     if install() and module().awaits(op):
-        function = compiled.__tvm_ffi_object__() if hasattr(compiled, "__tvm_ffi_object__") else compiled  # fresh / from disk
-        module().register_kernel(op, function.__chandle__(), outputs)
+        module().register_kernel(op, tvm_ffi_function(compiled).__chandle__(), outputs)
 
 
 def slow_path_calls() -> int:

@@ -127,6 +127,12 @@ def _compile(kernel, fake_args, arch: str):
     )
 
 
+def tvm_ffi_function(compiled):
+    """The TVM-FFI function of a compiled kernel: a fresh compile (or a `Kernel`) wraps it, a kernel loaded
+    from the disk cache is one."""
+    return compiled.__tvm_ffi_object__() if hasattr(compiled, "__tvm_ffi_object__") else compiled
+
+
 class Kernel:
     """A compiled kernel as the launch layers call it: `kernel(*args)` launches it on the current
     stream, after reporting the launch to the op call being recorded on this thread, if any
@@ -137,10 +143,10 @@ class Kernel:
 
     def __init__(self, compiled):
         self.compiled = compiled
-        # The TVM-FFI function: a fresh compile wraps it, a kernel loaded from disk is one. The C++ host
-        # launcher calls it directly, with the arguments the launch layer passes here (no keywords, no
-        # defaults: what the wrapper of a fresh compile would add, the launch layers never rely on).
-        self.function = compiled.__tvm_ffi_object__() if hasattr(compiled, "__tvm_ffi_object__") else compiled
+        # The C++ host launcher calls the TVM-FFI function directly, with the arguments the launch layer
+        # passes here (no keywords, no defaults: what the wrapper of a fresh compile would add, the launch
+        # layers never rely on).
+        self.function = tvm_ffi_function(compiled)
 
     def __tvm_ffi_object__(self):
         return self.function
