@@ -25,12 +25,13 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 import fp4moe
 from benchmarks.report import environment, markdown_table, output_directory, result_stem, write_json
-from benchmarks.timing import PreparedCall, time_interleaved
+from benchmarks.timing import PreparedCall, cycled, time_interleaved
 from fp4moe import dispatch
 
 ops = torch.ops.fp4moe
@@ -55,27 +56,15 @@ def _call(routing: dict, tokens: int, device):
     return lambda: ops.route_deepseek_v3(*args)
 
 
-class _Backend:
+def _backend(backend: str):
     """Inside: every routing call runs on `backend` ("reference" forces the reference; "auto" the device's)."""
-
-    def __init__(self, backend: str):
-        self.backend = backend
-
-    def __enter__(self):
-        self.previous = os.environ.get(dispatch.BACKEND_VARIABLE)
-        os.environ[dispatch.BACKEND_VARIABLE] = self.backend
-
-    def __exit__(self, *exc_info):
-        if self.previous is None:
-            os.environ.pop(dispatch.BACKEND_VARIABLE, None)
-        else:
-            os.environ[dispatch.BACKEND_VARIABLE] = self.previous
+    return mock.patch.dict(os.environ, {dispatch.BACKEND_VARIABLE: backend})
 
 
 def check(call, what: str) -> None:
-    with _Backend("auto"):
+    with _backend("auto"):
         kernel = call()
-    with _Backend(dispatch.REFERENCE_BACKEND):
+    with _backend(dispatch.REFERENCE_BACKEND):
         reference = call()
     for got, want, name in zip(kernel, reference, ("ids", "weights"), strict=True):
         if not torch.equal(got.view(torch.int32), want.view(torch.int32)):
@@ -84,9 +73,9 @@ def check(call, what: str) -> None:
 
 def time_cell(call, device, replays: int) -> tuple[float, float]:
     """Median us per call: (kernel, reference), graphs replayed in interleaved rounds."""
-    with _Backend("auto"):
+    with _backend("auto"):
         kernel = PreparedCall(call, device)
-    with _Backend(dispatch.REFERENCE_BACKEND):
+    with _backend(dispatch.REFERENCE_BACKEND):
         reference = PreparedCall(call, device)
     with kernel, reference:
         timings = time_interleaved([kernel, reference], device, replays, warmup=10)
@@ -98,11 +87,12 @@ def host_us(call) -> tuple[float, float]:
 
     def batch(backend):
         def run():
-            with _Backend(backend):
-                for _ in range(HOST_CALLS):
-                    call()
+            with _backend(backend):
+                calls()
 
         return run
+
+    calls = cycled([call], HOST_CALLS)
 
     timings = time_interleaved([batch("auto"), batch(dispatch.REFERENCE_BACKEND)], "cpu", HOST_BATCHES, warmup=2)
     return tuple(t.median_s / HOST_CALLS * 1e6 for t in timings)
