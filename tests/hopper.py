@@ -1,5 +1,6 @@
 """Shared pieces of the Hopper kernel tests: the skip condition, random activations, poisoned outputs."""
 
+import pytest
 import torch
 
 import fp4moe
@@ -10,6 +11,12 @@ POISON = 0xAB
 
 def runs_the_sm90_kernels() -> bool:
     return torch.cuda.is_available() and fp4moe.quantize_backend(torch.device("cuda")) == dispatch.CUTE_SM90_BACKEND
+
+
+def skip_without_hopper() -> None:
+    """Skip the calling test where the sm90 kernels do not run."""
+    if not runs_the_sm90_kernels():
+        pytest.skip("needs a Hopper (compute capability 9.x) GPU")
 
 
 def activations(rows, k, dtype, seed):

@@ -33,7 +33,7 @@ from fp4moe.op_outputs import (
 )
 from fp4moe.reference import quantize as reference
 from tests.compare import assert_bitwise_equal
-from tests.hopper import activations, poisoned, runs_the_sm90_kernels
+from tests.hopper import activations, poisoned, skip_without_hopper
 from tests.moe_problems import assert_moe_close, loop_reference, make_problem
 from tests.test_aligned_moe import make_problem as make_aligned_problem
 from tests.test_aligned_moe import plan_for as aligned_plan_for
@@ -300,8 +300,7 @@ def test_the_python_mode_keeps_the_python_kernels_without_a_notice(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 @pytest.fixture
 def hopper():
-    if not runs_the_sm90_kernels():
-        pytest.skip("needs a Hopper (compute capability 9.x) GPU")
+    skip_without_hopper()
     if not host_launcher.install():
         pytest.skip("the C++ host launcher is not in use")
 

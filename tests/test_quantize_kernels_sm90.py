@@ -21,7 +21,7 @@ from fp4moe.op_outputs import (
 )
 from fp4moe.reference import quantize as reference
 from tests.compare import as_bits, assert_bitwise_equal
-from tests.hopper import POISON, activations, poisoned, runs_the_sm90_kernels
+from tests.hopper import POISON, activations, poisoned, skip_without_hopper
 
 pytestmark = pytest.mark.gpu
 ops = torch.ops.fp4moe
@@ -37,8 +37,7 @@ TILE_N = 128
 
 @pytest.fixture(autouse=True)
 def _hopper_only():
-    if not runs_the_sm90_kernels():
-        pytest.skip("needs a Hopper (compute capability 9.x) GPU")
+    skip_without_hopper()
 
 
 def special_rows(k, dtype):

@@ -17,6 +17,7 @@ import fp4moe
 from fp4moe import dispatch
 from tests.compare import assert_bitwise_equal
 from tests.devices import DEVICES
+from tests.hopper import poisoned, skip_without_hopper
 
 ops = torch.ops.fp4moe
 LOGIT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -261,10 +262,7 @@ KERNEL_CONFIGS = [
 
 @pytest.fixture
 def hopper():
-    from tests.hopper import runs_the_sm90_kernels
-
-    if not runs_the_sm90_kernels():
-        pytest.skip("needs a Hopper (compute capability 9.x) GPU")
+    skip_without_hopper()
 
 
 @pytest.mark.gpu
@@ -275,7 +273,6 @@ def test_the_hopper_kernel_is_bitwise_the_reference(hopper, monkeypatch, config,
     and weights bit for bit the reference's on the same GPU, for every logits dtype and both bias dtypes,
     renormalized or not, into poisoned allocations; at small T also the Python reference's."""
     from fp4moe.reference import routing as reference
-    from tests.hopper import poisoned
 
     assert fp4moe.routing_backend("route_deepseek_v3", "cuda") == dispatch.CUTE_SM90_BACKEND
     experts, args = config["experts"], deepseek_args(config)
@@ -308,7 +305,6 @@ def test_the_hopper_softmax_kernel_is_bitwise_the_reference(hopper, monkeypatch,
     every logits dtype, renormalized or not, into poisoned allocations; at small T also the Python
     reference's."""
     from fp4moe.reference import routing as reference
-    from tests.hopper import poisoned
 
     assert fp4moe.routing_backend("route_softmax_topk", "cuda") == dispatch.CUTE_SM90_BACKEND
     for seed, dtype in enumerate(LOGIT_DTYPES):
