@@ -31,9 +31,8 @@ def align_block_size(topk_ids, block_m, num_experts, local_expert_offset):
 
 def aligned_moe_(**args):
     validation.check_aligned_moe(**args, real_storage=True)
-    device = args["out"].device
-    serve_from_cpp(device)  # on Hopper, later calls replay from C++ (`fp4moe.kernels.host_launcher.RECORDED_OPS`)
-    dispatch.kernel_module("aligned_moe", dispatch.device_backend(device)).aligned_moe_(**args)
+    backend = serve_from_cpp(args["out"].device)  # on Hopper, later calls replay from C++ (`host_launcher.RECORDED_OPS`)
+    dispatch.kernel_module("aligned_moe", backend).aligned_moe_(**args)
 
 
 for _schema, _impl in ((ALIGN_BLOCK_SIZE_SCHEMA, align_block_size), (ALIGNED_MOE_SCHEMA, aligned_moe_)):

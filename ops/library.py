@@ -117,15 +117,18 @@ def hand_over_to_native(names: tuple[str, ...], install: Callable) -> None:
         raise
 
 
-def serve_from_cpp(device: torch.device) -> None:
+def serve_from_cpp(device: torch.device) -> str:
     """Where the sm90 kernels serve `device` (a device with an index: a tensor's), the C++ host launcher
     takes over the CUDA kernels of its ops from the first call of one of them on (installed once per
-    process: `fp4moe.kernels.host_launcher.install`). The MoE ops ask on every call that reaches their
-    Python kernels, since `FP4MOE_BACKEND` may change which backend serves the device."""
-    if dispatch.device_backend(device) == dispatch.CUTE_SM90_BACKEND:
+    process: `fp4moe.kernels.host_launcher.install`). The ops ask on every call that reaches their
+    Python kernels, since `FP4MOE_BACKEND` may change which backend serves the device. Returns that
+    backend (`dispatch.device_backend`)."""
+    backend = dispatch.device_backend(device)
+    if backend == dispatch.CUTE_SM90_BACKEND:
         from fp4moe.kernels import host_launcher
 
         host_launcher.install()
+    return backend
 
 
 def register_fake_op(name: str, fake: Callable) -> None:

@@ -27,9 +27,7 @@ TILE_AMAX_SCHEMA = "tile_amax(Tensor x, int tile_n) -> Tensor"
 def _backend_for(x: torch.Tensor):
     """The module implementing the quantization ops on x's device, asked on every call (as the MoE ops
     ask), since `FP4MOE_BACKEND` may change which backend serves the device."""
-    module = dispatch.kernel_module("quantize", dispatch.quantize_backend(x.device))  # imports the CuTe DSL only where it runs
-    serve_from_cpp(x.device)
-    return module
+    return dispatch.kernel_module("quantize", serve_from_cpp(x.device))  # imports the CuTe DSL only where it runs
 
 
 def quantize(x, global_scale, sf_layout, four_over_six):
