@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 import fp4moe
-from fp4moe import nvfp4
+from fp4moe import nvfp4, weight_layout
 
 ops = torch.ops.fp4moe
 
@@ -105,9 +105,27 @@ def _dequant(codes, scales):
     return nvfp4.dequantize_blocks(codes, scales).double()
 
 
+def _linear_experts(w: fp4moe.MoEWeights):
+    """`(w1, w1_scales, w2, w2_scales)` of `w` in the linear layout, unpadded (`[gate; up]` halves of I
+    rows for SwiGLU), whichever layout `w` holds."""
+    if w.layout == weight_layout.LINEAR:
+        return w.w1, w.w1_scales, w.w2, w.w2_scales
+    gated = w.activation == "swiglu"
+    hidden, intermediate = w.hidden_size, w.intermediate_size
+    w1, w1_scales = weight_layout.as_linear(w.w1, w.w1_scales, w.layout, gated, None if gated else intermediate, hidden)
+    if gated:  # each padded half cut to its first I rows
+        half = w1.shape[1] // 2
+        rows = torch.cat((torch.arange(intermediate), half + torch.arange(intermediate))).to(w1.device)
+        w1, w1_scales = w1[:, rows], w1_scales[:, rows]
+    w2, w2_scales = weight_layout.as_linear(w.w2, w.w2_scales, w.layout, False, hidden, intermediate)
+    return w1, w1_scales, w2, w2_scales
+
+
 def loop_reference(p: MoEProblem) -> torch.Tensor:
-    """bf16 [T, H]: semantics §3 one (token, slot) pair at a time, FP64 products, FP32 epilogue order."""
+    """bf16 [T, H]: semantics §3 one (token, slot) pair at a time, FP64 products, FP32 epilogue order.
+    `p.weights` may be in either layout."""
     w = p.weights
+    w1, w1_scales, w2, w2_scales = _linear_experts(w)
     w1_alpha, w2_alpha = p.alphas
     tokens, top_k = p.topk_ids.shape
     opts = p.options
@@ -128,7 +146,7 @@ def loop_reference(p: MoEProblem) -> torch.Tensor:
             if not 0 <= e < w.num_experts:
                 continue
             weight = p.topk_weights[t, j]
-            h = (a[t] @ _dequant(w.w1[e], w.w1_scales[e]).T).float()
+            h = (a[t] @ _dequant(w1[e], w1_scales[e]).T).float()
             if w1_alpha.dim() == 2:  # per SwiGLU half: [gate; up]
                 h = h * torch.cat((w1_alpha[0, e].expand(h.shape[0] // 2), w1_alpha[1, e].expand(h.shape[0] // 2)))
             else:
@@ -158,7 +176,7 @@ def loop_reference(p: MoEProblem) -> torch.Tensor:
                 fc2 = p.fc2_input_scale if p.fc2_input_scale.numel() == 1 else p.fc2_input_scale[e : e + 1]
                 codes, scales = ops.quantize(row, fc2, sf_layout="linear")
                 inter = _dequant(codes, scales)
-            down = (inter[0] @ _dequant(w.w2[e], w.w2_scales[e]).T).float() * w2_alpha[e]
+            down = (inter[0] @ _dequant(w2[e], w2_scales[e]).T).float() * w2_alpha[e]
             if inter_pts is not None:
                 down = down * inter_pts[0]
             if not router_weight_on_input:

@@ -1,6 +1,7 @@
 """The MoE pipeline ops against the independent loop reference, the dispatch, opcheck, bad input."""
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -26,6 +27,17 @@ def test_fused_moe_matches_the_loop_reference(activation, top_k, mode, determini
         deterministic=deterministic, apply_router_weight_on_input=on_input,
     )
     assert_moe_close(p.run(), loop_reference(p))
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
+def test_the_loop_reference_reads_prepared_weights_as_their_linear_source(activation):
+    """Hidden and intermediate sizes off the prepared layout's 64-row / 64-column grid, so the prepared
+    weights carry padding that the loop reference must cut (the GPU tests compare replays of calls on
+    prepared weights with it)."""
+    p = make_problem(tokens=5, hidden=96, intermediate=80, top_k=2, num_experts=4, activation=activation, mode="w4a16", seed=3)
+    prepared = replace(p, weights=p.weights.prepared())
+    assert prepared.weights.w1.shape != p.weights.w1.shape
+    assert_bitwise_equal(loop_reference(prepared), loop_reference(p))
 
 
 @pytest.mark.parametrize("device", DEVICES)
