@@ -574,10 +574,17 @@ class Program {
   std::vector<RecordedBuffer> buffers;
   std::vector<std::pair<TVMFFIObjectHandle, std::vector<RecordedArgument>>> launches;
   // Per launch, the buffers a replay allocates just before it (their first launch) and lets go just after
-  // it (their last launch; never a result's). At every launch a replay then holds only buffers the
-  // Python kernel must hold there too, so it needs no more memory than that kernel; a buffer no launch
-  // takes is never allocated (other than a result's, allocated at the end). The caching allocator hands
-  // a block let go after a launch only to work queued behind it on the same stream.
+  // it (the launch after their last; never a result's). A buffer no launch takes is never allocated
+  // (other than a result's, allocated at the end). The caching allocator hands a block let go after a
+  // launch to later allocations on the same stream, trusting stream order; PDL (`kernels/sm90/pdl.py`)
+  // loosens that order. Every kernel waits for its predecessor before it completes, so a kernel's
+  // completion implies all earlier ones'; most wait before they touch memory, but a kernel launched
+  // beside a predecessor that shares no memory with it writes before it waits (the activation quantizer
+  // beside the plan kernel, the aligned MoE's decode beside its setup kernel), and such a predecessor
+  // always waits first. A block let go right after its last launch i could thus be written by launch
+  // i + 1 while launch i still reads or writes it. Let go after launch i + 1, it serves launches from
+  // i + 2 on: such a launch writes after its own wait (launch i + 1 and so launch i complete) or, beside
+  // a predecessor that waited first, once that predecessor (launch i + 1 or later) has waited.
   std::vector<std::vector<int64_t>> allocated_before, released_after;
   std::vector<RecordedResult> results;  // one per tensor the op returns; none where it writes an argument in place
 
@@ -783,7 +790,8 @@ void schedule_buffers(Program& program) {
     if (first[index] == kUnused) continue;
     program.allocated_before[first[index]].push_back(static_cast<int64_t>(index));
     if (!program.returns(static_cast<int64_t>(index))) {
-      program.released_after[last[index]].push_back(static_cast<int64_t>(index));
+      const int64_t after = std::min(last[index] + 1, static_cast<int64_t>(launches) - 1);  // see Program
+      program.released_after[after].push_back(static_cast<int64_t>(index));
     }
   }
 }
