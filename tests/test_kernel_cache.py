@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import fp4moe
+from fp4moe import provenance
 from fp4moe.kernels.sm90 import compiler
 
 _SCRIPT = textwrap.dedent(
@@ -69,6 +70,34 @@ def test_the_file_name_depends_on_the_key_the_architecture_and_the_toolchain(tmp
         assert compiler.cache_file(tmp_path, other, "sm_90a", "f") != base
     assert compiler.cache_file(tmp_path, ("k", 1), "sm_100a", "f") != base
     assert compiler.cache_file(tmp_path, ("k", 1), "sm_90a", "g") != base
+
+
+_CODE = textwrap.dedent(
+    '''
+    """A module."""
+    SCALE = 2.0  # a constant
+
+
+    class Kernel:
+        """A kernel."""
+
+        def body(self, x):
+            """Doubles."""
+            return x * SCALE
+    '''
+)
+
+
+def test_the_kernel_cache_key_ignores_comments_docstrings_and_layout_but_not_code():
+    """`provenance.python_code` is what keys compiled kernels to fp4moe's sources: editing documentation
+    or the C++ host launcher must not throw away a precompiled cache, changing code must."""
+    same = _CODE.replace('"""A kernel."""', '"""A kernel, documented anew."""').replace("# a constant", "")
+    same = same.replace("return x * SCALE", "return (x *\n                    SCALE)  # wrapped")
+    assert provenance.python_code(same) == provenance.python_code(_CODE)
+    for changed in (_CODE.replace("2.0", "3.0"), _CODE.replace("x * SCALE", "SCALE * x"), _CODE.replace("body", "run")):
+        assert provenance.python_code(changed) != provenance.python_code(_CODE)
+    # A string that is not a docstring is code.
+    assert provenance.python_code(_CODE.replace("SCALE = 2.0", "SCALE = 2.0\n'not a docstring'")) != provenance.python_code(_CODE)
 
 
 def test_the_cache_lives_in_the_user_cache_folder_unless_moved_or_turned_off(monkeypatch, tmp_path):

@@ -39,7 +39,7 @@ from cutlass.cute.runtime import load_module, make_fake_stream
 
 from fp4moe import dispatch
 from fp4moe.kernels import launch_recording
-from fp4moe.provenance import source_digest
+from fp4moe.provenance import kernel_source_digest
 
 ARCH = dispatch.ARCH_BY_BACKEND[dispatch.CUTE_SM90_BACKEND]
 CACHE_VARIABLE = "FP4MOE_KERNEL_CACHE"
@@ -105,11 +105,12 @@ def cache_directory() -> Path | None:
 
 @functools.cache
 def toolchain_fingerprint() -> str:
-    """A digest of fp4moe's sources (`provenance.source_digest`) and the CuTe DSL and TVM-FFI versions."""
+    """A digest of fp4moe's Python code (`provenance.kernel_source_digest`) and the CuTe DSL and TVM-FFI
+    versions."""
     import tvm_ffi
 
     versions = f"cutlass-dsl {cutlass.__version__} tvm-ffi {tvm_ffi.__version__}"
-    return hashlib.sha256(f"{versions} {source_digest()}".encode()).hexdigest()
+    return hashlib.sha256(f"{versions} {kernel_source_digest()}".encode()).hexdigest()
 
 
 def cache_file(directory: Path, cache_key: tuple, arch: str, fingerprint: str) -> Path:
