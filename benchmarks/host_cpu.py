@@ -32,8 +32,9 @@ MODES = ("w4a16", "w4a4_tensor", "w4a4_token")
 @contextlib.contextmanager
 def stubbed_sm90_kernels(on_launch=None):
     """The sm90 backend on any device, 132 multiprocessors, every kernel a TVM-FFI function of a Python
-    callable: `on_launch(kernel class name, arguments)` where given, else nothing. The launch layers'
-    compile caches are cleared on entry and exit, so no stub outlives the context."""
+    callable: `on_launch(kernel, arguments)` where given (the kernel object the launch layer compiled),
+    else nothing. The launch layers' compile caches are cleared on entry and exit, so no stub outlives
+    the context."""
     import tvm_ffi
 
     from fp4moe import dispatch
@@ -42,8 +43,7 @@ def stubbed_sm90_kernels(on_launch=None):
     from fp4moe.kernels.sm90 import compiler, moe_launch
 
     def stub(kernel, fake_args, arch, cache_key):
-        name = type(kernel).__name__
-        return tvm_ffi.convert((lambda *args: on_launch(name, args)) if on_launch else (lambda *args: None))
+        return tvm_ffi.convert((lambda *args: on_launch(kernel, args)) if on_launch else (lambda *args: None))
 
     def clear_compile_caches():
         for module in LAUNCH_MODULES:
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|")
     launched = []  # the Python kernel's launches while `noting`: the stubs' own cost is timed on them
 
-    def note(name, arguments):
+    def note(kernel, arguments):
         if noting:
             launched.append(arguments)
 

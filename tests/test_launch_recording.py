@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from benchmarks.host_cpu import EXPERTS, HIDDEN, fused_moe_arguments, fused_moe_python_kernel, stubbed_sm90_kernels
 from fp4moe import dispatch, weight_layout
 from fp4moe.kernels import host_launcher, launch_recording
+from fp4moe.kernels.sm90 import pdl
 from fp4moe.ops import aligned_moe as aligned_ops
 from fp4moe.validation import byte_range
 
@@ -43,9 +44,10 @@ def launches():
     sizes, strides, dtype)."""
     noted = []
 
-    def note(name, args):
+    def note(kernel, args):
         noted.append(
-            (name, [(a.data_ptr(), tuple(a.shape), tuple(a.strides), str(a.dtype)) if isinstance(a, tvm_ffi.Tensor) else a for a in args])
+            (type(kernel).__name__,
+             [(a.data_ptr(), tuple(a.shape), tuple(a.strides), str(a.dtype)) if isinstance(a, tvm_ffi.Tensor) else a for a in args])
         )
 
     with stubbed_sm90_kernels(note):
@@ -211,6 +213,40 @@ def test_a_replay_holds_each_buffer_from_its_first_launch_to_the_one_after_its_l
         live -= set(released)
     assert live == {result_buffer}
     assert peak < sum(map(size, range(len(program.buffers)))), "some buffer is let go before another is allocated"
+
+
+def launch_orders_of(run) -> list[str]:
+    """Where each kernel `run()` launches waits for its predecessor (`pdl.LAUNCH_ORDERS`; kernels without
+    a `launch_order` wait first), on stubbed kernels."""
+    orders = []
+    with stubbed_sm90_kernels(lambda kernel, args: orders.append(getattr(kernel, "launch_order", "wait_first"))):
+        with torch.inference_mode():
+            run()
+    return orders
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_a_kernel_that_signals_before_it_waits_follows_one_that_waits_first(tokens):
+    """The premise of a replay's buffer schedule (`Program` in host_launcher.cpp): a block let go one
+    launch after its last is safe only if no kernel that signals its successor before waiting follows
+    another such kernel. Every `fused_moe` mode and finalize, and `aligned_moe_`."""
+    runs = [
+        lambda mode=mode, deterministic=deterministic: fused_moe_python_kernel(
+            *fused_moe_arguments(tokens, mode, seed=0, deterministic=deterministic)
+        )
+        for mode in MODES
+        for deterministic in (False, True)
+    ]
+    args = aligned_arguments(0)
+    runs.append(lambda: aligned_ops.aligned_moe_(**dict(zip([a.name for a in ALIGNED_SCHEMA.arguments], args, strict=True))))
+    seen = set()
+    for run in runs:
+        orders = launch_orders_of(run)
+        seen.update(orders)
+        assert orders[0] == "wait_first", orders
+        for before, after in zip(orders, orders[1:]):
+            assert before == "wait_first" or after == "wait_first", orders
+    assert seen == set(pdl.LAUNCH_ORDERS), "every launch order is exercised"
 
 
 def test_the_replay_allocates_afresh_on_every_call(launcher, launches):
