@@ -96,9 +96,13 @@ ROUTING_KERNELS = {CUTE_SM90_BACKEND: ROUTING_OPS}
 def routing_backend(op: str, device) -> str:
     """The backend that runs the routing op `op` (`ROUTING_OPS`) on `device`: the device's
     (`device_backend`) where it has a kernel for it (`ROUTING_KERNELS`), else the reference."""
+    return routing_kernel_backend(op, device_backend(device))
+
+
+def routing_kernel_backend(op: str, backend: str) -> str:
+    """`routing_backend` for a device that `backend` serves (the ops' Python path has looked it up)."""
     if op not in ROUTING_OPS:
         raise ValueError(f"op must be one of {ROUTING_OPS}, got {op!r}")
-    backend = device_backend(device)
     return backend if op in ROUTING_KERNELS.get(backend, ()) else REFERENCE_BACKEND
 
 

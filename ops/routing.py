@@ -22,22 +22,23 @@ ROUTE_DEEPSEEK_V3_SCHEMA = (
 )
 
 
-def _backend_for(op, router_logits):
-    return dispatch.kernel_module("routing", dispatch.routing_backend(op, router_logits.device))
+def _kernels_for(op, router_logits):
+    """The module that runs `op` here. On Hopper, later calls replay from C++
+    (`fp4moe.kernels.host_launcher.RECORDED_OPS`)."""
+    backend = serve_from_cpp(router_logits.device)
+    return dispatch.kernel_module("routing", dispatch.routing_kernel_backend(op, backend))
 
 
 def route_softmax_topk(router_logits, top_k, renormalize):
     validation.check_route_softmax_topk(router_logits, top_k)
-    serve_from_cpp(router_logits.device)  # on Hopper, later calls replay from C++ (`fp4moe.kernels.host_launcher.RECORDED_OPS`)
-    return _backend_for("route_softmax_topk", router_logits).route_softmax_topk(router_logits, top_k, renormalize)
+    return _kernels_for("route_softmax_topk", router_logits).route_softmax_topk(router_logits, top_k, renormalize)
 
 
 def route_deepseek_v3(router_logits, correction_bias, top_k, n_group, topk_group, routed_scaling_factor, renormalize):
     validation.check_route_deepseek_v3(
         router_logits, correction_bias, top_k, n_group, topk_group, routed_scaling_factor
     )
-    serve_from_cpp(router_logits.device)  # on Hopper, later calls replay from C++ (`fp4moe.kernels.host_launcher.RECORDED_OPS`)
-    return _backend_for("route_deepseek_v3", router_logits).route_deepseek_v3(
+    return _kernels_for("route_deepseek_v3", router_logits).route_deepseek_v3(
         router_logits, correction_bias, top_k, n_group, topk_group, routed_scaling_factor, renormalize
     )
 
