@@ -79,6 +79,11 @@ W4A4, the activation quantizer) still runs and no GEMM has asked DRAM for a byte
 block) takes at least one k tile, which exceeds the budget where the pairs are many (DeepSeek-V3 from
 T = 2). 4 MB measured faster than 12 MB, which made DeepSeek-V3 and Qwen3-30B-A3B at T = 1 slower than no
 prefetch (runs log)."""
+GEMM2_PREFETCH_K_TILES = 2
+"""How many of its first k tiles GEMM2's thread 0 prefetches into L2 before it waits for GEMM1
+(`prefetch_first_items`; at most the stages). Two keep DRAM busy across the gap between the launches
+until GEMM2's producer issues its own loads; prefetching all the stages competes with GEMM1's last wave
+for DRAM and measured slower at decode (A/B in the runs log)."""
 EARLY_ROWS_TILE_ROWS = 16
 """Tiles of at most this many rows (decode) load their epilogue's plan entries and router weights
 before the MMAs, which hide the loads' latency; larger tiles would hold too many registers. Their rows
@@ -303,7 +308,7 @@ class MoEGemmSm90:
     Epilogue (consumers, straight from the accumulators): the FP32 accumulator times
     `alpha[e] * 2^8` (the decode's `2^-8`, `gemm_device`), then per `epilogue`.
 
-    GEMM2's thread 0 prefetches its first item's weights into L2 before waiting for GEMM1
+    GEMM2's thread 0 prefetches its first item's first k tiles into L2 before waiting for GEMM1
     (`prefetch_first_items`), so that the weight stream continues across the two launches. A decode
     GEMM1 (`prefetches_routed`) prefetches the routed experts' first weights before waiting for the plan,
     reading the routing the plan is built from (`prefetch_routed_weights`), so that the weight stream
@@ -557,15 +562,16 @@ class MoEGemmSm90:
     @cute.jit
     def prefetch_first_items(self, mTileExpert, mCodes, mScales, mLiveTiles):
         """GEMM2, before it waits for its predecessor (GEMM1, whose last wave it may overlap through
-        PDL): the weights of the CTA's first `stages` k tiles (its first item's, and the next items'
-        where items are shorter: split K) into L2, so that the weight stream does not stop between the
-        two GEMMs. The plan was written a launch before GEMM1 and is complete by the time GEMM2 starts;
+        PDL): the weights of the CTA's first `GEMM2_PREFETCH_K_TILES` k tiles (its first item's, and the
+        next items' where items are shorter: split K) into L2, so that the weight stream does not stop
+        between the two GEMMs. The plan was written a launch before GEMM1 and is complete by the time GEMM2 starts;
         a plan read too early (a caller launching GEMM2 right after the plan) only prefetches other
         bytes, as the prefetch is a hint and nothing computes with it."""
         first, end, step = self.item_bounds(mTileExpert, mLiveTiles)
-        for i in cutlass.range_constexpr(-(-self.stages // self.k_iterations)):
+        prefetched = min(self.stages, GEMM2_PREFETCH_K_TILES)
+        for i in cutlass.range_constexpr(-(-prefetched // self.k_iterations)):
             item = first + i * step
-            k_tiles = min(self.k_iterations, self.stages - i * self.k_iterations)
+            k_tiles = min(self.k_iterations, prefetched - i * self.k_iterations)
             if item < end:
                 tile, feature_block, k_first = self.item_place(item)
                 expert = self.tile_expert(mTileExpert, tile)
