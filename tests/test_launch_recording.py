@@ -181,15 +181,18 @@ def test_a_call_without_a_program_is_recorded_and_the_next_one_replayed(launcher
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_replay_holds_each_buffer_from_its_first_launch_to_the_one_after_its_last(launcher, launches, mode):
+def test_a_replay_holds_each_buffer_from_its_first_launch_to_its_last(launcher, launches, mode):
     """A replay allocates each buffer just before the first launch that takes it and lets it go just after
-    the launch that follows its last (the result's at the end): with PDL that next kernel may still run
-    beside the last, and the activation quantizer writes before it waits, so a block let go any earlier
-    could be handed to it while the plan kernel still writes there (`Program` in host_launcher.cpp). One
-    that no launch takes is never allocated; less than all of them are held at once."""
+    its last (the result's at the end), or after the next launch where that one writes before it waits:
+    with PDL such a kernel runs beside its predecessor, so a block let go after the predecessor could be
+    handed to it while the predecessor still uses it (the activation quantizer beside the plan kernel;
+    `Program` in host_launcher.cpp). One that no launch takes is never allocated; less than all of them
+    are held at once."""
     program = record_and_file(launcher, fused_moe_arguments(300, mode, seed=0, deterministic=True))
+    writes_before_wait = [early for _, _, early in program.launches]
+    assert writes_before_wait.count(True) == (mode != "w4a16"), "only the activation quantizer writes before it waits"
     uses = {}  # buffer index -> the launches that take it
-    for launch, (_, arguments) in enumerate(program.launches):
+    for launch, (_, arguments, _) in enumerate(program.launches):
         for argument in arguments:
             if argument[0] == "buffer":
                 uses.setdefault(argument[1], []).append(launch)
@@ -198,7 +201,9 @@ def test_a_replay_holds_each_buffer_from_its_first_launch_to_the_one_after_its_l
     for buffer, taken_by in sorted(uses.items()):
         want[taken_by[0]][0].append(buffer)
         if buffer != result_buffer:
-            want[min(taken_by[-1] + 1, len(program.launches) - 1)][1].append(buffer)
+            last = taken_by[-1]
+            held = last + 1 < len(program.launches) and writes_before_wait[last + 1]
+            want[last + held][1].append(buffer)
     schedule = launcher.buffer_schedule_for_test(b"test key")
     assert [(sorted(a), sorted(r)) for a, r in schedule] == want
 
@@ -227,9 +232,9 @@ def launch_orders_of(run) -> list[str]:
 
 @pytest.mark.parametrize("tokens", [1, 7, 300])
 def test_a_kernel_that_signals_before_it_waits_follows_one_that_waits_first(tokens):
-    """The premise of a replay's buffer schedule (`Program` in host_launcher.cpp): a block let go one
-    launch after its last is safe only if no kernel that signals its successor before waiting follows
-    another such kernel. Every `fused_moe` mode and finalize, and `aligned_moe_`."""
+    """The premise of a replay's buffer schedule (`Program` in host_launcher.cpp): a block let go after
+    the launch that follows its last, where that launch writes before it waits, is safe only if no
+    kernel that signals its successor before waiting follows another such kernel. Every `fused_moe` mode and finalize, and `aligned_moe_`."""
     runs = [
         lambda mode=mode, deterministic=deterministic: fused_moe_python_kernel(
             *fused_moe_arguments(tokens, mode, seed=0, deterministic=deterministic)
@@ -351,7 +356,7 @@ class _Launches:
         )
 
     def __call__(self, *args):
-        launch_recording.note_launch(self.function, args)
+        launch_recording.note_launch(self.function, args, writes_before_wait=False)
 
 
 def test_what_a_replay_could_not_reproduce_is_not_recorded(launcher):
@@ -412,7 +417,8 @@ def test_what_a_replay_could_not_reproduce_is_not_recorded(launcher):
         result, program, why_not = launch_recording.record(recordable, (a, b))
     assert why_not is None
     assert program.buffers == [((2, 8), (8, 1), torch.float32)]
-    ((_, arguments),) = program.launches
+    ((_, arguments, writes_before_wait),) = program.launches
+    assert not writes_before_wait
     assert arguments == [
         ("input", 0, 0, (8,), (1,), torch.float32),
         ("input", 1, 8, (6,), (1,), torch.float32),
@@ -443,11 +449,13 @@ def test_a_program_must_point_into_its_own_buffers_and_arguments(launcher):
     buffers = [((4,), (1,), torch.float32)]
     result = [("buffer", 0, 0, (4,), (1,))]
     with pytest.raises(RuntimeError, match="a view of no buffer"):
-        launcher.register_program(b"bad", "fused_moe", buffers, [(handle, [("buffer", 1, 0, (4,), (1,), torch.float32)])], result)
+        launcher.register_program(b"bad", "fused_moe", buffers, [(handle, [("buffer", 1, 0, (4,), (1,), torch.float32)], False)], result)
     with pytest.raises(RuntimeError, match="a view of no input"):
-        launcher.register_program(b"bad", "fused_moe", buffers, [(handle, [("input", 99, 0, (4,), (1,), torch.float32)])], result)
+        launcher.register_program(b"bad", "fused_moe", buffers, [(handle, [("input", 99, 0, (4,), (1,), torch.float32)], False)], result)
     with pytest.raises(RuntimeError, match="no tensor"):
-        launcher.register_program(b"bad", "fused_moe", buffers, [(handle, [("input", 11, 0, (4,), (1,), torch.float32)])], result)
+        launcher.register_program(b"bad", "fused_moe", buffers, [(handle, [("input", 11, 0, (4,), (1,), torch.float32)], False)], result)
+    with pytest.raises(RuntimeError, match="writes before wait"):
+        launcher.register_program(b"bad", "fused_moe", buffers, [(handle, [])], result)
     with pytest.raises(RuntimeError, match="returns no buffer"):
         launcher.register_program(b"bad", "fused_moe", buffers, [], [("buffer", 1, 0, (4,), (1,))])
     with pytest.raises(RuntimeError, match="returns 1 tensors, its program 2"):

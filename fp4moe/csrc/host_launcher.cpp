@@ -574,17 +574,18 @@ class Program {
   std::vector<RecordedBuffer> buffers;
   std::vector<std::pair<TVMFFIObjectHandle, std::vector<RecordedArgument>>> launches;
   // Per launch, the buffers a replay allocates just before it (their first launch) and lets go just after
-  // it (the launch after their last; never a result's). A buffer no launch takes is never allocated
-  // (other than a result's, allocated at the end). The caching allocator hands a block let go after a
-  // launch to later allocations on the same stream, trusting stream order; PDL (`kernels/sm90/pdl.py`)
-  // loosens that order. Every kernel waits for its predecessor before it completes, so a kernel's
-  // completion implies all earlier ones'; most wait before they touch memory, but a kernel launched
+  // it (their last launch, or the one after it where that one writes before it waits; never a result's).
+  // A buffer no launch takes is never allocated (other than a result's, allocated at the end). The
+  // caching allocator hands a block let go after a launch to later allocations on the same stream,
+  // trusting stream order; PDL (`kernels/sm90/pdl.py`) loosens that order. Every kernel waits for its
+  // predecessor before it completes, so a kernel's completion implies all earlier ones'; most wait
+  // before they touch memory, and start only once their predecessor has waited. But a kernel launched
   // beside a predecessor that shares no memory with it writes before it waits (the activation quantizer
   // beside the plan kernel, the aligned MoE's decode beside its setup kernel), and such a predecessor
-  // always waits first. A block let go right after its last launch i could thus be written by launch
-  // i + 1 while launch i still reads or writes it. Let go after launch i + 1, it serves launches from
-  // i + 2 on: such a launch writes after its own wait (launch i + 1 and so launch i complete) or, beside
-  // a predecessor that waited first, once that predecessor (launch i + 1 or later) has waited.
+  // always waits first. A block let go right after its last launch i serves launches from i + 1 on:
+  // one that waits first touches it once launch i is complete, and one that writes before it waits
+  // starts once its predecessor has waited, which completes launch i, unless that predecessor is launch
+  // i itself. So a block whose next launch writes before it waits is let go after that launch instead.
   std::vector<std::vector<int64_t>> allocated_before, released_after;
   std::vector<RecordedResult> results;  // one per tensor the op returns; none where it writes an argument in place
 
@@ -771,8 +772,9 @@ RecordedView view_of(const py::tuple& item, bool empty) {
   return view;
 }
 
-// Fills `program`'s allocated_before and released_after from the launches' buffer arguments.
-void schedule_buffers(Program& program) {
+// Fills `program`'s allocated_before and released_after from the launches' buffer arguments and whether
+// each launch writes before it waits for its predecessor.
+void schedule_buffers(Program& program, const std::vector<bool>& writes_before_wait) {
   const size_t launches = program.launches.size();
   constexpr int64_t kUnused = -1;
   std::vector<int64_t> first(program.buffers.size(), kUnused), last(program.buffers.size(), kUnused);
@@ -790,8 +792,9 @@ void schedule_buffers(Program& program) {
     if (first[index] == kUnused) continue;
     program.allocated_before[first[index]].push_back(static_cast<int64_t>(index));
     if (!program.returns(static_cast<int64_t>(index))) {
-      const int64_t after = std::min(last[index] + 1, static_cast<int64_t>(launches) - 1);  // see Program
-      program.released_after[after].push_back(static_cast<int64_t>(index));
+      const int64_t next = last[index] + 1;
+      const bool next_writes_first = next < static_cast<int64_t>(launches) && writes_before_wait[next];
+      program.released_after[next_writes_first ? next : last[index]].push_back(static_cast<int64_t>(index));  // see Program
     }
   }
 }
@@ -808,8 +811,11 @@ void register_program(const py::bytes& key, const std::string& op_name, const py
     program->buffers.push_back({int_list(buffer[0]), int_list(buffer[1]), scalar_type_of(buffer[2])});
   }
   const auto buffer_count = static_cast<int64_t>(program->buffers.size());
+  std::vector<bool> writes_before_wait;
   for (const py::handle item : launches) {
     const auto launch = item.cast<py::tuple>();
+    TORCH_CHECK(launch.size() == 3, "fp4moe host launcher: a launch is (function, arguments, writes before wait)");
+    writes_before_wait.push_back(launch[2].cast<bool>());
     std::vector<RecordedArgument> recorded;
     for (const py::handle argument : launch[1].cast<py::list>()) {
       const auto a = argument.cast<py::tuple>();
@@ -855,7 +861,7 @@ void register_program(const py::bytes& key, const std::string& op_name, const py
     TORCH_CHECK(r.buffer >= 0 && r.buffer < buffer_count, "fp4moe host launcher: a program returns no buffer of its own");
     program->results.push_back(std::move(r));
   }
-  schedule_buffers(*program);
+  schedule_buffers(*program, writes_before_wait);
   std::lock_guard<std::mutex> lock(recorded_ops.mutex);
   recorded_ops.programs[std::string(key)] = std::move(program);
 }

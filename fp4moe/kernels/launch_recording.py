@@ -51,18 +51,20 @@ def current() -> "Recording | None":
     return getattr(_current, "recording", None)
 
 
-def note_launch(function, args: tuple) -> None:
+def note_launch(function, args: tuple, writes_before_wait: bool) -> None:
     """Called by a compiled kernel's wrapper before each launch: `function` is its TVM-FFI function
-    (the program keeps it), `args` the launch's arguments."""
+    (the program keeps it), `args` the launch's arguments, `writes_before_wait` whether the kernel
+    writes global memory before it waits for its predecessor (`pdl.py`)."""
     recording = current()
     if recording is not None:
-        recording.launch(function, args)
+        recording.launch(function, args, writes_before_wait)
 
 
 @dataclass
 class Program:
     """What the C++ host launcher replays. `buffers`: (sizes, strides, dtype) of each allocation;
-    `launches`: (function handle, arguments), each argument one of ("input", op argument index,
+    `launches`: (function handle, arguments, whether the kernel writes before it waits for its
+    predecessor), each argument one of ("input", op argument index,
     byte offset, sizes, strides, dtype), ("buffer", buffer index, byte offset, sizes, strides, dtype),
     ("empty", sizes, strides, dtype) (a tensor of no elements), ("int", value), ("float", value),
     ("none",); `results`: ("buffer", buffer index, element offset, sizes, strides) of each tensor the op
@@ -110,7 +112,7 @@ class Recording(TorchDispatchMode):
             self.refuse(f"it runs {func}")
         return out
 
-    def launch(self, function, args: tuple) -> None:
+    def launch(self, function, args: tuple, writes_before_wait: bool) -> None:
         described = []
         for value in args:
             if isinstance(value, torch.Tensor):
@@ -128,7 +130,7 @@ class Recording(TorchDispatchMode):
                 self.refuse(f"a launch takes a {type(value).__name__}")
                 return
         self.program.functions.append(function)
-        self.program.launches.append((function.__chandle__(), described))
+        self.program.launches.append((function.__chandle__(), described, writes_before_wait))
 
     def tensor_argument(self, t: torch.Tensor) -> tuple:
         if t.numel() == 0:

@@ -137,13 +137,15 @@ def tvm_ffi_function(compiled):
 class Kernel:
     """A compiled kernel as the launch layers call it: `kernel(*args)` launches it on the current
     stream, after reporting the launch to the op call being recorded on this thread, if any
-    (`fp4moe.kernels.launch_recording`). Other attributes are the compiled object's (a fresh compile's
-    `__ptx__` and `__cubin__`, which the compile tests read)."""
+    (`fp4moe.kernels.launch_recording`), with whether it writes before it waits for its predecessor
+    (a ``"before_wait"`` `launch_order`, `pdl.LAUNCH_ORDERS`). Other attributes are the compiled
+    object's (a fresh compile's `__ptx__` and `__cubin__`, which the compile tests read)."""
 
-    __slots__ = ("compiled", "function")
+    __slots__ = ("compiled", "function", "writes_before_wait")
 
-    def __init__(self, compiled):
+    def __init__(self, compiled, writes_before_wait: bool):
         self.compiled = compiled
+        self.writes_before_wait = writes_before_wait
         # The C++ host launcher calls the TVM-FFI function directly, with the arguments the launch layer
         # passes here (no keywords, no defaults: what the wrapper of a fresh compile would add, the launch
         # layers never rely on).
@@ -158,7 +160,7 @@ class Kernel:
         return getattr(self.compiled, name)
 
     def __call__(self, *args):
-        launch_recording.note_launch(self.function, args)
+        launch_recording.note_launch(self.function, args, self.writes_before_wait)
         return self.compiled(*args)
 
 
@@ -168,7 +170,8 @@ def compile_kernel(kernel, *fake_args, arch: str = ARCH, cache_key: tuple | None
     With a `cache_key` (the caller's static configuration, which must determine the binary), the
     kernel comes from the disk cache when a file for it exists, and is written there otherwise.
     """
-    return Kernel(_compile_or_load(kernel, fake_args, arch, cache_key))
+    writes_before_wait = getattr(kernel, "launch_order", "wait_first") == "before_wait"
+    return Kernel(_compile_or_load(kernel, fake_args, arch, cache_key), writes_before_wait)
 
 
 def _compile_or_load(kernel, fake_args, arch: str, cache_key: tuple | None):

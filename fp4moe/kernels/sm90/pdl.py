@@ -23,8 +23,9 @@ The MoE pipeline's quantizers (`quantize.QuantizeSm90`'s `launch_order`) signal 
   activation quantizer after the plan kernel, which reads the routing and writes the plan), so the
   two run at the same time. Its completion still implies the predecessor's, so a successor's wait
   covers both. Its outputs must not lie in memory the predecessor still uses: the Python pipeline
-  holds the plan's outputs to the end of the call, and the C++ replay lets each buffer go one launch
-  after its last (`Program` in `fp4moe/csrc/host_launcher.cpp`), never right after the plan kernel.
+  holds the plan's outputs to the end of the call, and the C++ replay lets a buffer whose next launch
+  is such a kernel go after that launch instead of after its last (`Program` in
+  `fp4moe/csrc/host_launcher.cpp`), never right after the plan kernel.
 """
 
 from __future__ import annotations
