@@ -39,24 +39,22 @@ PYTHON_VERSION_FIELDS = frozenset({"type_params"})
 
 def python_code(source: str) -> str:
     """`source`'s syntax tree, spelled the same by every Python version from 3.11, without its comments,
-    its layout and the docstrings of its module, classes and functions: what `kernel_source_digest` hashes."""
+    its layout and its string statements (the docstrings of its module, classes and functions, and those
+    written under constants), which do nothing when run: what `kernel_source_digest` hashes."""
+
+    def documents(statement) -> bool:
+        return (
+            isinstance(statement, ast.Expr)
+            and isinstance(statement.value, ast.Constant)
+            and isinstance(statement.value.value, str)
+        )
 
     def spelled(node) -> str:
         if isinstance(node, ast.AST):
-            body = getattr(node, "body", None)
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body:
-                first = body[0]
-                if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
-                    body = body[1:]
-            fields = []
-            for field in node._fields:
-                if field in PYTHON_VERSION_FIELDS:
-                    continue
-                value = body if field == "body" and body is not None else getattr(node, field, None)
-                fields.append(f"{field}={spelled(value)}")
+            fields = [f"{field}={spelled(getattr(node, field, None))}" for field in node._fields if field not in PYTHON_VERSION_FIELDS]
             return f"{type(node).__name__}({','.join(fields)})"
         if isinstance(node, list):
-            return f"[{','.join(spelled(item) for item in node)}]"
+            return f"[{','.join(spelled(item) for item in node if not documents(item))}]"
         return repr(node)
 
     return spelled(ast.parse(source))
@@ -65,7 +63,7 @@ def python_code(source: str) -> str:
 @functools.cache
 def kernel_source_digest() -> str:
     """SHA-256 over the names and `python_code` of fp4moe's Python sources: what keys the kernel cache.
-    The kernels are compiled from Python alone, so the C++ sources, comments and docstrings are left
+    The kernels are compiled from Python alone, so the C++ sources, comments and string statements are left
     out, and an edit of them keeps the kernels compiled before it (a cache filled on another machine by
     `benchmarks.precompile` included)."""
     digest = hashlib.sha256()

@@ -93,11 +93,12 @@ def test_the_kernel_cache_key_ignores_comments_docstrings_and_layout_but_not_cod
     or the C++ host launcher must not throw away a precompiled cache, changing code must."""
     same = _CODE.replace('"""A kernel."""', '"""A kernel, documented anew."""').replace("# a constant", "")
     same = same.replace("return x * SCALE", "return (x *\n                    SCALE)  # wrapped")
+    same = same.replace("SCALE = 2.0", 'SCALE = 2.0\n"""The factor: a docstring under a constant."""')
     assert provenance.python_code(same) == provenance.python_code(_CODE)
     for changed in (_CODE.replace("2.0", "3.0"), _CODE.replace("x * SCALE", "SCALE * x"), _CODE.replace("body", "run")):
         assert provenance.python_code(changed) != provenance.python_code(_CODE)
-    # A string that is not a docstring is code.
-    assert provenance.python_code(_CODE.replace("SCALE = 2.0", "SCALE = 2.0\n'not a docstring'")) != provenance.python_code(_CODE)
+    # A string that is a value is code.
+    assert provenance.python_code(_CODE.replace("x * SCALE", "x * SCALE, 'a value'")) != provenance.python_code(_CODE)
 
 
 def test_the_cache_lives_in_the_user_cache_folder_unless_moved_or_turned_off(monkeypatch, tmp_path):
