@@ -579,13 +579,13 @@ class Program {
   // caching allocator hands a block let go after a launch to later allocations on the same stream,
   // trusting stream order; PDL (`kernels/sm90/pdl.py`) loosens that order. Every kernel waits for its
   // predecessor before it completes, so a kernel's completion implies all earlier ones'; most wait
-  // before they touch memory, and start only once their predecessor has waited. But a kernel launched
-  // beside a predecessor that shares no memory with it writes before it waits (the activation quantizer
-  // beside the plan kernel, the aligned MoE's decode beside its setup kernel), and such a predecessor
-  // always waits first. A block let go right after its last launch i serves launches from i + 1 on:
-  // one that waits first touches it once launch i is complete, and one that writes before it waits
-  // starts once its predecessor has waited, which completes launch i, unless that predecessor is launch
-  // i itself. So a block whose next launch writes before it waits is let go after that launch instead.
+  // before they touch memory. But a kernel launched beside a predecessor that shares no memory with it
+  // writes before it waits (the activation quantizer beside the plan kernel, the aligned MoE's decode
+  // beside its setup kernel), and such a predecessor always waits first, then releases it. A block let
+  // go right after its last launch i serves launches from i + 1 on: one that waits first touches it once
+  // launch i is complete, and one that writes before it waits starts once its predecessor has waited,
+  // which completes launch i, unless that predecessor is launch i itself. So a block whose next launch
+  // writes before it waits is let go after that launch instead.
   std::vector<std::vector<int64_t>> allocated_before, released_after;
   std::vector<RecordedResult> results;  // one per tensor the op returns; none where it writes an argument in place
 
