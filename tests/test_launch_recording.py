@@ -14,6 +14,7 @@ import numpy
 import pytest
 import torch
 import tvm_ffi
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.host_cpu import EXPERTS, HIDDEN, fused_moe_arguments, fused_moe_python_kernel, stubbed_sm90_kernels
@@ -218,6 +219,56 @@ def test_a_replay_holds_each_buffer_from_its_first_launch_to_its_last(launcher, 
         live -= set(released)
     assert live == {result_buffer}
     assert peak < sum(map(size, range(len(program.buffers)))), "some buffer is let go before another is allocated"
+
+
+class LiveAllocations(TorchDispatchMode):
+    """Notes every allocation made under it (the Python kernel's, and a replay's, whose C++ allocations
+    the mode sees too) by a weak reference to its storage: `live_bytes` sums those still alive, each
+    rounded up to the CUDA caching allocator's 512-byte blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocations = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in launch_recording.ALLOCATIONS and out.numel():
+            storage = out.untyped_storage()
+            self.allocations.append((StorageWeakRef(storage), -(-storage.nbytes() // 512) * 512))
+        return out
+
+    def live_bytes(self) -> int:
+        return sum(size for reference, size in self.allocations if not reference.expired())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_replay_holds_no_more_memory_at_any_launch_than_the_python_kernel(launcher, mode):
+    """At each launch, the bytes of the call's allocations still alive: at most as many at the replay's
+    fullest launch as at the Python kernel's (which frees a tensor when its last reference goes), so a
+    replay never needs more memory than the Python path. The GPU test
+    `test_a_replay_needs_no_more_memory_than_the_python_pipeline` compares the peaks the caching
+    allocator reports."""
+    tracking = []  # the LiveAllocations of the call running, if any
+    samples = []
+
+    def on_launch(kernel, args):
+        if tracking:
+            samples.append(tracking[0].live_bytes())
+
+    peaks = []
+    with stubbed_sm90_kernels(on_launch):
+        args = fused_moe_arguments(300, mode, seed=0, deterministic=True)
+        record_and_file(launcher, args)
+        replay = lambda: launcher.replay_for_test(b"test key", "fused_moe", args)  # noqa: E731
+        for call in (replay, lambda: fused_moe_python_kernel(*args)):
+            samples.clear()
+            with torch.inference_mode(), LiveAllocations() as live:
+                tracking.append(live)
+                call()
+                tracking.clear()
+            peaks.append(max(samples))
+    replay_peak, python_peak = peaks
+    assert 0 < replay_peak <= python_peak, (replay_peak, python_peak)
 
 
 def launch_orders_of(run) -> list[str]:
