@@ -241,12 +241,18 @@ class LiveAllocations(TorchDispatchMode):
         return sum(size for reference, size in self.allocations if not reference.expired())
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_replay_holds_no_more_memory_at_any_launch_than_the_python_kernel(launcher, mode):
+def aligned_python_kernel(*args):
+    """`aligned_moe_`'s Python kernel called with every schema argument in order."""
+    return aligned_ops.aligned_moe_(**dict(zip([a.name for a in ALIGNED_SCHEMA.arguments], args, strict=True)))
+
+
+@pytest.mark.parametrize("case", [*MODES, "aligned_moe_"])
+def test_a_replay_holds_no_more_memory_at_any_launch_than_the_python_kernel(launcher, case):
     """At each launch, the bytes of the call's allocations still alive: at most as many at the replay's
     fullest launch as at the Python kernel's (which frees a tensor when its last reference goes), so a
-    replay never needs more memory than the Python path. The GPU test
-    `test_a_replay_needs_no_more_memory_than_the_python_pipeline` compares the peaks the caching
+    replay never needs more memory than the Python path. `fused_moe` in every mode (T = 300,
+    deterministic), and `aligned_moe_`, whose decode writes before it waits beside its setup kernel. The
+    GPU test `test_a_replay_needs_no_more_memory_than_the_python_pipeline` compares the peaks the caching
     allocator reports."""
     tracking = []  # the LiveAllocations of the call running, if any
     samples = []
@@ -257,10 +263,15 @@ def test_a_replay_holds_no_more_memory_at_any_launch_than_the_python_kernel(laun
 
     peaks = []
     with stubbed_sm90_kernels(on_launch):
-        args = fused_moe_arguments(300, mode, seed=0, deterministic=True)
-        record_and_file(launcher, args)
-        replay = lambda: launcher.replay_for_test(b"test key", "fused_moe", args)  # noqa: E731
-        for call in (replay, lambda: fused_moe_python_kernel(*args)):
+        if case == "aligned_moe_":
+            op, python_kernel, args = "aligned_moe_", aligned_python_kernel, aligned_arguments(0)
+        else:
+            op, python_kernel, args = "fused_moe", fused_moe_python_kernel, fused_moe_arguments(300, case, seed=0, deterministic=True)
+        with torch.inference_mode():
+            _, program, why_not = launch_recording.record(python_kernel, args)
+        assert program is not None, why_not
+        launcher.register_program(b"test key", op, program.buffers, program.launches, program.results)
+        for call in (lambda: launcher.replay_for_test(b"test key", op, args), lambda: python_kernel(*args)):
             samples.clear()
             with torch.inference_mode(), LiveAllocations() as live:
                 tracking.append(live)
