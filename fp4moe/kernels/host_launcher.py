@@ -33,9 +33,9 @@ from the launch layer's rules, module state that the key does not spell: `forget
 call that does anything a replay would not (a torch op other than an allocation or a view, such as a
 copy of misaligned rows) is not replayable: its configuration stays on the Python path, not recorded
 again. A replay allocates each buffer just before the first launch that takes it and lets it go just
-after the launch that follows its last (PDL may run that one beside the last; `Program` in
-`fp4moe/csrc/host_launcher.cpp`); a GPU test checks that its peak memory stays at most the Python
-path's.
+after its last, or after the next launch where that one writes before it waits (PDL runs such a kernel
+beside its predecessor; `Program` in `fp4moe/csrc/host_launcher.cpp`); tests check that at no launch
+it holds more memory than the Python path (on the CPU, and its peak on the GPU).
 
 The launcher is built with `torch.utils.cpp_extension` (a C++ compiler and ninja; no CUDA toolkit) on
 first use and cached under `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`). Set

@@ -564,9 +564,9 @@ class MoEGemmSm90:
         """GEMM2, before it waits for its predecessor (GEMM1, whose last wave it may overlap through
         PDL): the weights of the CTA's first `GEMM2_PREFETCH_K_TILES` k tiles (its first item's, and the
         next items' where items are shorter: split K) into L2, so that the weight stream does not stop
-        between the two GEMMs. The plan was written a launch before GEMM1 and is complete by the time GEMM2 starts;
-        a plan read too early (a caller launching GEMM2 right after the plan) only prefetches other
-        bytes, as the prefetch is a hint and nothing computes with it."""
+        between the two GEMMs. The plan was written a launch before GEMM1 and is complete by the time
+        GEMM2 starts; a plan read too early (a caller launching GEMM2 right after the plan) only
+        prefetches other bytes, as the prefetch is a hint and nothing computes with it."""
         first, end, step = self.item_bounds(mTileExpert, mLiveTiles)
         prefetched = min(self.stages, GEMM2_PREFETCH_K_TILES)
         for i in cutlass.range_constexpr(-(-prefetched // self.k_iterations)):
