@@ -648,8 +648,8 @@ def test_repeat_fused_moe_calls_replay_their_recording(hopper, mode, tokens, det
 @pytest.mark.parametrize("mode", FUSED_MOE_MODES)
 def test_a_replay_needs_no_more_memory_than_the_python_pipeline(hopper, mode):
     """A replay lets each buffer go after its last launch (or the next, where that one writes before it
-    waits): its peak allocation (over what was
-    allocated before the call) is at most the Python pipeline's for the same call."""
+    waits): its peak allocation (over what was allocated before the call) is at most the Python
+    pipeline's for the same call."""
     problem = routed_problem(300, mode, seed=7, deterministic=True)
     for _ in range(2):
         problem.run(weight_layout="sm90")  # the second call is recorded

@@ -304,8 +304,7 @@ def test_a_kernel_that_signals_before_it_waits_follows_one_that_waits_first(toke
         for mode in MODES
         for deterministic in (False, True)
     ]
-    args = aligned_arguments(0)
-    runs.append(lambda: aligned_ops.aligned_moe_(**dict(zip([a.name for a in ALIGNED_SCHEMA.arguments], args, strict=True))))
+    runs.append(lambda: aligned_python_kernel(*aligned_arguments(0)))
     seen = set()
     for run in runs:
         orders = launch_orders_of(run)
