@@ -132,6 +132,31 @@ def test_gemm2_quantizing_its_rows_equals_the_quantizer_then_gemm2_bitwise(token
     assert separate[live].isfinite().any()
 
 
+def test_fused_gemm2_quantizing_its_rows_in_k_slices_equals_the_quantizer_then_gemm2_bitwise():
+    # The fused GEMM2 in two slices of K, each item quantizing its slice of the rows (from the row's
+    # maximum over all of K) into its panel, against the per-token quantizer followed by the same GEMM2.
+    # One pair per token: each output row is its two slices' partial sums added to zero, equal in either
+    # order, so the two are bitwise equal. (256-feature CTAs: both multiply with `wgmma`.)
+    from fp4moe import nvfp4
+    from fp4moe.kernels.sm90 import moe_launch, quantize_launch
+
+    p = make_problem(tokens=8, hidden=4096, intermediate=2048, num_experts=8, top_k=1, mode="w4a4_per_token",
+                     device="cuda", seed=77)
+    w = p.weights.prepared()
+    _, w2_alpha = p.alphas
+    (permuted_to_pair, _, tile_expert, _, _), _ = moe_launch.plan(p.topk_ids, 8, 0, 8)
+    shape, k_splits = moe_launch.fused_gemm2_tiling(moe_launch.plan_gemm_shape(w.w2, permuted_to_pair, tile_expert, 8))
+    assert (shape.tile_features, k_splits) == (256, 2)
+    rows = spread_rows(permuted_to_pair.shape[0], w.w2.shape[2] * 64, seed=8)
+    args = (permuted_to_pair, tile_expert, w.w2, w.w2_scales, w2_alpha, "sm90", p.topk_weights, 8, 1, 4096)
+    gsi = nvfp4.DEFAULT_GLOBAL_SCALE_INV
+    fused = moe_launch.gemm2(rows, None, None, *args, torch.zeros(8, 4096, device="cuda"), quantize=("per_token", gsi))
+    values, per_token_scale = quantize_launch.quantize_per_token_decoded(rows, gsi, None, None)
+    separate = moe_launch.gemm2(values, None, per_token_scale, *args, torch.zeros(8, 4096, device="cuda"))
+    assert_bitwise_equal(fused, separate)
+    assert separate.isfinite().any() and separate.ne(0).any()
+
+
 @pytest.mark.parametrize("activation", ["swiglu", "relu2"])
 def test_gemm1_aux_amax_is_the_tile_maxima_of_its_bf16_output(activation):
     from fp4moe.kernels.sm90 import moe_launch
