@@ -106,6 +106,31 @@ def spread_rows(rows, k, seed):
     return x.to(torch.bfloat16)
 
 
+def gemm2_quantizing_and_after_the_quantizer(p, seed, fused_finalize):
+    """GEMM2 on a plan of 8-row tiles of problem `p`'s routing, over spread bf16 intermediate rows
+    (`spread_rows`), with the deterministic finalize's per-pair rows or (`fused_finalize`) into a zeroed
+    accumulator. Returns (its output quantizing the rows per token itself, its output on the per-token
+    quantizer's values of them, the plan, the prepared weights)."""
+    from fp4moe import nvfp4
+    from fp4moe.kernels.sm90 import moe_launch, quantize_launch
+
+    w = p.weights.prepared()
+    _, w2_alpha = p.alphas
+    (tokens, top_k), hidden = p.topk_ids.shape, p.x.shape[1]
+    plan = moe_launch.plan(p.topk_ids, w.w2.shape[0], 0, 8)[0]
+    permuted_to_pair, _, tile_expert, _, _ = plan
+    rows = spread_rows(permuted_to_pair.shape[0], w.w2.shape[2] * 64, seed=seed)
+    args = (permuted_to_pair, tile_expert, w.w2, w.w2_scales, w2_alpha, "sm90", p.topk_weights, tokens, top_k, hidden)
+
+    def accumulator():
+        return torch.zeros(tokens, hidden, device="cuda") if fused_finalize else None
+
+    gsi = nvfp4.DEFAULT_GLOBAL_SCALE_INV
+    quantizing = moe_launch.gemm2(rows, None, None, *args, accumulator(), quantize=("per_token", gsi))
+    values, per_token_scale = quantize_launch.quantize_per_token_decoded(rows, gsi, None, None)
+    return quantizing, moe_launch.gemm2(values, None, per_token_scale, *args, accumulator()), plan, w
+
+
 @pytest.mark.parametrize(("tokens", "intermediate"), [(1, 128), (3, 256), (40, 128)])
 def test_gemm2_quantizing_its_rows_equals_the_quantizer_then_gemm2_bitwise(tokens, intermediate):
     # GEMM2 of 8-row tiles quantizing the bf16 intermediate per token itself (the rescan path, into its
@@ -113,20 +138,9 @@ def test_gemm2_quantizing_its_rows_equals_the_quantizer_then_gemm2_bitwise(token
     # in the same order, so the per-pair rows (deterministic finalize) are bitwise equal. 1 and 3 tokens:
     # one and two k slices' worth of rows per tile; 40 tokens on 8 experts: several items per CTA (both
     # panels) and full tiles.
-    from fp4moe import nvfp4
-    from fp4moe.kernels.sm90 import moe_launch, quantize_launch
-
     p = make_problem(tokens=tokens, hidden=256, intermediate=intermediate, num_experts=8, top_k=2,
                      mode="w4a4_per_token", device="cuda", seed=60 + tokens)
-    w = p.weights.prepared()
-    _, w2_alpha = p.alphas
-    (permuted_to_pair, _, tile_expert, _, _), _ = moe_launch.plan(p.topk_ids, 8, 0, 8)
-    intermediate_rows = spread_rows(permuted_to_pair.shape[0], w.w2.shape[2] * 64, seed=tokens)
-    args = (permuted_to_pair, tile_expert, w.w2, w.w2_scales, w2_alpha, "sm90", p.topk_weights, tokens, 2, 256, None)
-    gsi = nvfp4.DEFAULT_GLOBAL_SCALE_INV
-    fused = moe_launch.gemm2(intermediate_rows, None, None, *args, quantize=("per_token", gsi))
-    values, per_token_scale = quantize_launch.quantize_per_token_decoded(intermediate_rows, gsi, None, None)
-    separate = moe_launch.gemm2(values, None, per_token_scale, *args)
+    fused, separate, (permuted_to_pair, *_), _ = gemm2_quantizing_and_after_the_quantizer(p, tokens, fused_finalize=False)
     live = permuted_to_pair[(permuted_to_pair >= 0) & (permuted_to_pair < 2 * tokens)].long()
     assert_bitwise_equal(fused[live], separate[live])
     assert separate[live].isfinite().any()
@@ -137,22 +151,15 @@ def test_fused_gemm2_quantizing_its_rows_in_k_slices_equals_the_quantizer_then_g
     # maximum over all of K) into its panel, against the per-token quantizer followed by the same GEMM2.
     # One pair per token: each output row is its two slices' partial sums added to zero, equal in either
     # order, so the two are bitwise equal. (256-feature CTAs: both multiply with `wgmma`.)
-    from fp4moe import nvfp4
-    from fp4moe.kernels.sm90 import moe_launch, quantize_launch
+    from fp4moe.kernels.sm90 import moe_launch
 
     p = make_problem(tokens=8, hidden=4096, intermediate=2048, num_experts=8, top_k=1, mode="w4a4_per_token",
                      device="cuda", seed=77)
-    w = p.weights.prepared()
-    _, w2_alpha = p.alphas
-    (permuted_to_pair, _, tile_expert, _, _), _ = moe_launch.plan(p.topk_ids, 8, 0, 8)
+    fused, separate, (permuted_to_pair, _, tile_expert, _, _), w = gemm2_quantizing_and_after_the_quantizer(
+        p, 8, fused_finalize=True
+    )
     shape, k_splits = moe_launch.fused_gemm2_tiling(moe_launch.plan_gemm_shape(w.w2, permuted_to_pair, tile_expert, 8))
     assert (shape.tile_features, k_splits) == (256, 2)
-    rows = spread_rows(permuted_to_pair.shape[0], w.w2.shape[2] * 64, seed=8)
-    args = (permuted_to_pair, tile_expert, w.w2, w.w2_scales, w2_alpha, "sm90", p.topk_weights, 8, 1, 4096)
-    gsi = nvfp4.DEFAULT_GLOBAL_SCALE_INV
-    fused = moe_launch.gemm2(rows, None, None, *args, torch.zeros(8, 4096, device="cuda"), quantize=("per_token", gsi))
-    values, per_token_scale = quantize_launch.quantize_per_token_decoded(rows, gsi, None, None)
-    separate = moe_launch.gemm2(values, None, per_token_scale, *args, torch.zeros(8, 4096, device="cuda"))
     assert_bitwise_equal(fused, separate)
     assert separate.isfinite().any() and separate.ne(0).any()
 
