@@ -262,6 +262,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     def save(name, compiled):
         (out / f"{name}.ptx").write_text(compiled.__ptx__)
         (out / f"{name}.cubin").write_bytes(compiled.__cubin__)
+        compiled.export_to_c(str(out / f"{name}.o"), function_name="kernel")  # with the host side of the launch
     for i, (epilogue, key, act_k, out_features, top_k, activation, swiglu, *flags) in enumerate(spec["gemm"]):
         save(f"gemm_{i}", launch.compile_gemm(epilogue, tuple(key), act_k, out_features, top_k, activation, tuple(swiglu), *flags))
     for i, (experts, tile_m, hidden, activations) in enumerate(spec["plan"]):
@@ -523,6 +524,15 @@ def test_quantizing_plans_wait_for_their_predecessor_before_reading_the_activati
         assert wait < release < min(accesses), i
         # The quantizer's code: its exact division of the global scale and its bf16 values out.
         assert ("div.rn.f32" in ptx) == (activations is not None), i
+
+
+def test_every_launch_gives_its_kernel_the_shared_memory_it_uses(compiled):
+    """Where a launch names its shared memory, the DSL compiles into the host side of the launch a check
+    that prints an error when the kernel's allocations (each `SmemAllocator`'s, placed one after another)
+    need more, and leaves it out where they provably fit: no kernel's object has it. (The quantizing plan
+    kernels allocate the quantizer's row exchange after the plan's tables; their launch names no size.)"""
+    for name in _names():
+        assert b"may exceed available memory" not in (compiled / f"{name}.o").read_bytes(), name
 
 
 LOCAL_MEMORY = re.compile(r"\b(LDL|STL)\b")

@@ -280,7 +280,7 @@ def test_the_plan_kernel_quantizing_the_activations_equals_the_plan_and_the_quan
     accumulator_hidden = hidden if fused else None
     global_scale = None if per_token else nvfp4.global_scale_from_amax(x[:1].float().abs().amax().reshape(1))
     global_scale_inv = nvfp4.DEFAULT_GLOBAL_SCALE_INV if per_token else None
-    for shape, dtype in (((tokens, hidden), torch.bfloat16), ((tokens,), torch.float32)):
+    for shape, dtype in (((tokens, hidden), torch.float32), ((tokens, hidden), torch.bfloat16), ((tokens,), torch.float32)):
         torch.full(shape, float("nan"), dtype=dtype, device="cuda")
     outputs, accumulator, values, per_token_scale = moe_launch.plan_quantizing(
         ids, 48, 8, 8, accumulator_hidden, x, global_scale, global_scale_inv
@@ -414,8 +414,8 @@ def test_split_k_gemm2_matches_the_loop_reference(tokens):
 @pytest.mark.parametrize("mode", ["w4a4", "w4a4_per_token"])
 def test_w4a4_routing_and_rows_that_need_copies_equal_compact_ones(mode):
     # Non-contiguous topk_ids and activation rows whose stride is not a multiple of 16 bytes: the pipeline
-    # makes the routing contiguous before the plan kernel, and the activation quantizer, reading a copy of
-    # the rows, waits for its predecessor (the copy) before it reads them (`decoded_launch_order`).
+    # makes the routing contiguous before the plan kernel, whose quantizing CTAs (T = 5 is a decode call,
+    # `dispatch.QUANTIZATION_IN_PLAN`) read a copy of the rows made before it, after their wait.
     p = make_problem(tokens=5, hidden=256, intermediate=128, num_experts=8, top_k=2, mode=mode, device="cuda",
                      seed=95, deterministic=True)
     compact = run_prepared(p)

@@ -2,10 +2,10 @@
 the reference (`fp4moe.reference.moe.moe_plan`), optionally a zeroed FP32 output accumulator, and
 optionally W4A4's activations quantized.
 
-CTA 0 builds the plan; the next CTAs (if any) zero the accumulator that GEMM2's fused finalize adds
-into, so that the whole plan stage is one node of a CUDA graph; the last CTAs (if any) quantize the
-activation rows as the activation quantizer would (`quantize.QuantizeSm90.quantize_rows`, the same
-code), so that at decode GEMM1 waits for one kernel, not for a quantizer launched after the plan.
+CTA 0 builds the plan; the next CTAs (if any) quantize the activation rows as the activation quantizer
+would (`quantize.QuantizeSm90.quantize_rows`, the same code), so that at decode GEMM1 waits for one
+kernel, not for a quantizer launched after the plan; the last CTAs (if any) zero the accumulator that
+GEMM2's fused finalize adds into, so that the whole plan stage is one node of a CUDA graph.
 """
 
 from __future__ import annotations
@@ -51,9 +51,12 @@ class MoEPlanSm90:
     pair per lane, with no CTA barrier and no per-expert table, so the plan's time does not grow with
     the expert count; the result is the same.
 
-    With `zero_accumulator`, CTAs 1 .. `zero_ctas` zero an FP32 `[rows, cols]` accumulator (cols a
-    multiple of 4). With `quantizer` (a `quantize.QuantizeSm90` of `PLAN_THREADS`-thread CTAs writing
-    decoded values), the CTAs after them quantize the activation rows, `quantizer.rows_per_cta` each.
+    With `quantizer` (a `quantize.QuantizeSm90` of `PLAN_THREADS`-thread CTAs writing decoded values),
+    CTAs 1.. quantize the activation rows, `quantizer.rows_per_cta` each: they come before the zeroing
+    CTAs, so that they start in the first wave where the grid is larger than the GPU. With
+    `zero_accumulator`, the last `zero_ctas` CTAs zero an FP32 `[rows, cols]` accumulator (cols a
+    multiple of 4). The launch takes the shared memory the DSL counts (the plan's tables, and a
+    quantizer's row exchange, which is allocated after them).
     """
 
     def __init__(self, num_experts: int, tile_m: int, zero_accumulator: bool, quantizer=None):
@@ -97,9 +100,8 @@ class MoEPlanSm90:
             mTopkIds, local_expert_offset, mPermutedToPair, mPairToPermuted, mTileExpert, mTileValidRows, mTotals,
             mAccumulator, zero_ctas, mX, mGlobalScale, mValues, mPerTokenScale, numerator,
         ).launch(
-            grid=[1 + zero_ctas + quantize_ctas, 1, 1],
+            grid=[1 + quantize_ctas + zero_ctas, 1, 1],
             block=[PLAN_THREADS, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
             stream=stream,
             use_pdl=USE_PDL,
         )
@@ -124,19 +126,23 @@ class MoEPlanSm90:
                     mTopkIds, local_expert_offset, mPermutedToPair, mPairToPermuted, mTileExpert, mTileValidRows, mTotals,
                     tidx,
                 )
-        elif cta <= zero_ctas:
-            if const_expr(self.zero_accumulator):
-                self.zero(mAccumulator, cta - 1, tidx, zero_ctas)
         else:
+            quantize_ctas = Int32(0)
             if const_expr(self.quantizer is not None):
-                self.quantizer.quantize_rows(
-                    mX, mGlobalScale, mValues, None, mPerTokenScale, numerator, None, None, mX.shape[0],
-                    cta - 1 - zero_ctas, tidx,
-                )
+                quantize_ctas = cute.ceil_div(mX.shape[0], self.quantizer.rows_per_cta)
+            if cta <= quantize_ctas:
+                if const_expr(self.quantizer is not None):
+                    self.quantizer.quantize_rows(
+                        mX, mGlobalScale, mValues, None, mPerTokenScale, numerator, None, None, mX.shape[0], cta - 1,
+                        tidx,
+                    )
+            elif const_expr(self.zero_accumulator):
+                self.zero(mAccumulator, cta - 1 - quantize_ctas, tidx, zero_ctas)
 
     @cute.jit
     def zero(self, mAccumulator, cta, tidx, zero_ctas):
-        """CTAs 1 .. `zero_ctas` zero the accumulator, `ZERO_VECTOR` elements per store, grid-stride."""
+        """Zeroing CTA `cta` of `zero_ctas` zeroes its share of the accumulator, `ZERO_VECTOR` elements per
+        store, grid-stride."""
         vectors = cute.size(mAccumulator) // ZERO_VECTOR
         flat = cute.make_tensor(mAccumulator.iterator, cute.make_layout((ZERO_VECTOR, vectors)))
         zeros = cute.make_rmem_tensor((ZERO_VECTOR,), cutlass.Float32)

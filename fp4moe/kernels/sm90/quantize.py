@@ -160,6 +160,7 @@ class QuantizeSm90:
         """`cta_threads`: the rows' work runs in CTAs of that many threads (`row_tiling`), inside the plan
         kernel (`quantize_rows`); the kernel of its own is then not launched."""
         assert scale_source in SCALE_SOURCES
+        assert cta_threads is None or scale_source != "aux", "the aux path's tile lanes follow the kernel's own tiling"
         assert launch_order in LAUNCH_ORDERS
         assert not decoded or (sf_layout == "linear" and four_over_six == "off")
         assert (amax_tiles > 0) == (scale_source == "aux"), "the aux path needs the tile count of input_amax"
