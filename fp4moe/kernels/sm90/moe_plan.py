@@ -98,7 +98,7 @@ class MoEPlanSm90:
             quantize_ctas = cute.ceil_div(mX.shape[0], self.quantizer.rows_per_cta)
         self.kernel(
             mTopkIds, local_expert_offset, mPermutedToPair, mPairToPermuted, mTileExpert, mTileValidRows, mTotals,
-            mAccumulator, zero_ctas, mX, mGlobalScale, mValues, mPerTokenScale, numerator,
+            mAccumulator, zero_ctas, quantize_ctas, mX, mGlobalScale, mValues, mPerTokenScale, numerator,
         ).launch(
             grid=[1 + quantize_ctas + zero_ctas, 1, 1],
             block=[PLAN_THREADS, 1, 1],
@@ -109,7 +109,7 @@ class MoEPlanSm90:
     @cute.kernel
     def kernel(
         self, mTopkIds, local_expert_offset, mPermutedToPair, mPairToPermuted, mTileExpert, mTileValidRows, mTotals,
-        mAccumulator, zero_ctas, mX, mGlobalScale, mValues, mPerTokenScale, numerator,
+        mAccumulator, zero_ctas, quantize_ctas, mX, mGlobalScale, mValues, mPerTokenScale, numerator,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -126,18 +126,13 @@ class MoEPlanSm90:
                     mTopkIds, local_expert_offset, mPermutedToPair, mPairToPermuted, mTileExpert, mTileValidRows, mTotals,
                     tidx,
                 )
-        else:
-            quantize_ctas = Int32(0)
+        elif cta <= quantize_ctas:
             if const_expr(self.quantizer is not None):
-                quantize_ctas = cute.ceil_div(mX.shape[0], self.quantizer.rows_per_cta)
-            if cta <= quantize_ctas:
-                if const_expr(self.quantizer is not None):
-                    self.quantizer.quantize_rows(
-                        mX, mGlobalScale, mValues, None, mPerTokenScale, numerator, None, None, mX.shape[0], cta - 1,
-                        tidx,
-                    )
-            elif const_expr(self.zero_accumulator):
-                self.zero(mAccumulator, cta - 1 - quantize_ctas, tidx, zero_ctas)
+                self.quantizer.quantize_rows(
+                    mX, mGlobalScale, mValues, None, mPerTokenScale, numerator, None, None, mX.shape[0], cta - 1, tidx
+                )
+        elif const_expr(self.zero_accumulator):
+            self.zero(mAccumulator, cta - 1 - quantize_ctas, tidx, zero_ctas)
 
     @cute.jit
     def zero(self, mAccumulator, cta, tidx, zero_ctas):
