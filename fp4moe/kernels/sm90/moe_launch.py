@@ -195,8 +195,7 @@ def plan_quantizing(
     fewer before GEMM1 (`fp4moe.dispatch.activation_quantization`). Returns (outputs, accumulator,
     values, per-token scales or None)."""
     per_token = global_scale is None
-    values = x.new_empty(x.shape, dtype=torch.bfloat16)
-    per_token_scale = x.new_empty((x.shape[0],), dtype=torch.float32) if per_token else None
+    values, per_token_scale = quantize_launch.decoded_outputs(x, per_token)
     if x.shape[0] == 0:
         outputs, accumulator = plan(topk_ids, num_local_experts, local_expert_offset, tile_m, accumulator_hidden)
         return outputs, accumulator, values, per_token_scale

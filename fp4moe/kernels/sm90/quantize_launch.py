@@ -217,13 +217,20 @@ def decoded_launch_order(after_plan: bool, x: torch.Tensor, rows: torch.Tensor) 
     return "before_wait" if after_plan and rows is x else "release_first"
 
 
+def decoded_outputs(x: torch.Tensor, per_token: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The outputs of a quantization as the sm90 MoE GEMMs take it: the codes' exact values in bf16, shaped
+    as `x`, and the FP32 per-token scale per row (`per_token`; else None)."""
+    values = x.new_empty(x.shape, dtype=torch.bfloat16)
+    return values, x.new_empty((x.shape[0],), dtype=torch.float32) if per_token else None
+
+
 def quantize_decoded(x: torch.Tensor, global_scale: torch.Tensor, after_plan: bool = False) -> torch.Tensor:
     """`quantize` (linear scales, no 4-over-6) as the sm90 MoE GEMMs take it: the codes' exact values
     `e2m1 * sf` in bf16 [M, K], what decoding its codes and scales gives (`moe_launch.decoded`), in the
     same pass as the quantization. The global factor stays out of the values, as in the codes.
     `after_plan`: the kernel just before it on the stream is the plan kernel, which neither writes `x`
     or `global_scale` nor reads memory this call writes (`decoded_launch_order`)."""
-    values = x.new_empty(x.shape, dtype=torch.bfloat16)
+    values, _ = decoded_outputs(x, per_token=False)
     if x.shape[0]:
         check_size("x", x)
         rows = vector_rows(x)
@@ -242,8 +249,7 @@ def quantize_per_token_decoded(
     """`quantize_per_token` (linear scales, no 4-over-6) as the sm90 MoE GEMMs take it: (the codes'
     exact values `e2m1 * sf` in bf16 [M, K], the FP32 per-token scale [M]), in one pass. Rows at or past
     `input_amax_valid_rows` are not written. `after_plan`: as `quantize_decoded`'s."""
-    values = x.new_empty(x.shape, dtype=torch.bfloat16)
-    per_token_scale = x.new_empty((x.shape[0],), dtype=torch.float32)
+    values, per_token_scale = decoded_outputs(x, per_token=True)
     if x.shape[0] == 0:
         return values, per_token_scale
     check_size("x", x)
