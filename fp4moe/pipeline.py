@@ -64,8 +64,9 @@ def fused_moe(
     stages = {name: dispatch.kernel_module("moe", getattr(choice, name)) for name in ("plan", "gemm1", "gemm2", "finalize")}
 
     # The plan kernel reads the routing in place: a copy made inside the plan stage would be freed while the
-    # kernel may still read it, and the activation quantizer launched next, which writes before it waits
-    # for the plan kernel (`fp4moe.kernels.sm90.pdl`), could be handed that memory.
+    # kernel may still read it, and an activation quantizer launched next (where the plan kernel does not
+    # quantize), which writes before it waits for the plan kernel (`fp4moe.kernels.sm90.pdl`), could be
+    # handed that memory.
     topk_ids = topk_ids.contiguous()
     w4a4 = quant_mode == "w4a4"
     quantizer = dispatch.kernel_module("quantize", choice.quantize) if w4a4 else None
