@@ -34,8 +34,9 @@ VALUE_WORDS = {
     dispatch.CUTE_SM90_BACKEND: "cute_sm90: the CuTe DSL kernels for Hopper",
     dispatch.AUX_AMAX_PATH: "aux_amax: GEMM1 hands its row maxima to the quantizer, which does not rescan",
     dispatch.RESCAN_PATH: "rescan: the quantizer rescans each row",
-    dispatch.QUANTIZATION_KERNEL: "kernel: a quantization kernel between the GEMMs",
+    dispatch.QUANTIZATION_KERNEL: "kernel: a quantization kernel of its own",
     dispatch.QUANTIZATION_IN_GEMM2: "gemm2: GEMM2 itself, before its MMAs",
+    dispatch.QUANTIZATION_IN_PLAN: "plan: the plan kernel's launch, beside the plan",
     None: "none (not in this mode)",
 }
 """Plain words for the dispatch's field names and values; other names print with spaces for

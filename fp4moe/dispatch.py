@@ -143,9 +143,31 @@ that no quantization kernel runs between the GEMMs. Their `moe` module's `gemm2_
 for which shapes it pays (`fp4moe.kernels.sm90.moe_launch`'s: decode tiles whose GEMM2 items are long
 enough to hide the quantization)."""
 QUANTIZATION_KERNEL = "kernel"
-"""Per-token W4A4's intermediate quantized by the quantization kernel between the GEMMs."""
+"""Quantized by a quantization kernel of its own: W4A4's activations after the plan kernel, per-token
+W4A4's intermediate between the GEMMs."""
 QUANTIZATION_IN_GEMM2 = "gemm2"
 """Per-token W4A4's intermediate quantized by GEMM2 itself (`QUANTIZING_GEMM2_BACKENDS`)."""
+QUANTIZATION_IN_PLAN = "plan"
+"""W4A4's activations quantized in the plan kernel's launch (`PLAN_QUANTIZING_BACKENDS`)."""
+PLAN_QUANTIZING_BACKENDS = (CUTE_SM90_BACKEND,)
+"""Backends whose plan kernel can quantize W4A4's bf16 activations in its own launch, with CTAs beside
+the plan's (their `moe` module's `plan_quantizing`), so that GEMM1 waits for one kernel instead of a
+quantizer that starts only once the plan kernel runs. Where a call's quantization takes longer than its
+plan, a kernel of its own, launched beside the plan kernel, ends no later."""
+PLAN_QUANTIZES_MAX_TOKENS = 64
+"""Calls of at most this many tokens (decode) quantize W4A4's activations in the plan kernel's launch
+(`activation_quantization`)."""
+
+
+def activation_quantization(quant_mode: str, backend: str, num_tokens: int) -> str | None:
+    """Where W4A4's bf16 activations are quantized: in the plan kernel's launch on
+    `PLAN_QUANTIZING_BACKENDS` up to `PLAN_QUANTIZES_MAX_TOKENS` tokens, else by the quantization kernel;
+    None for W4A16. Activations given quantized (`x_scales`) are decoded instead, wherever this says."""
+    if quant_mode != "w4a4":
+        return None
+    if backend in PLAN_QUANTIZING_BACKENDS and num_tokens <= PLAN_QUANTIZES_MAX_TOKENS:
+        return QUANTIZATION_IN_PLAN
+    return QUANTIZATION_KERNEL
 
 
 def intermediate_quantization(
@@ -194,6 +216,9 @@ class MoEDispatch(NamedTuple):
     intermediate_quantization: str | None
     """Per-token W4A4: `kernel` or `gemm2` (`fp4moe.dispatch.intermediate_quantization`); else None
     (per-tensor W4A4 quantizes the intermediate in GEMM1's epilogue)."""
+    activation_quantization: str | None
+    """W4A4 with bf16 activations: `plan` or `kernel` (`fp4moe.dispatch.activation_quantization`); None
+    for W4A16."""
 
 
 def expected_local_pairs(num_tokens: int, top_k: int, num_local_experts: int, global_num_experts: int | None) -> int:
@@ -285,4 +310,5 @@ def moe_choices(
         gemm2=backend,
         finalize=backend,
         intermediate_quantization=quantization,
+        activation_quantization=activation_quantization(quant_mode, backend, num_tokens),
     )

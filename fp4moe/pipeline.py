@@ -2,7 +2,8 @@
 
 plan -> activation quantization (W4A4) -> GEMM1 + epilogue -> intermediate quantization (per-token
 W4A4, on the host-chosen path) -> GEMM2 -> finalize (docs/semantics.md §3). Where `moe_dispatch` says
-so, GEMM2 quantizes the per-token intermediate itself (`quantize=`), with the same result. Every backend
+so, the plan kernel's launch quantizes the activations (`plan_quantizing`) and GEMM2 quantizes the
+per-token intermediate itself (`quantize=`), each with the same result. Every backend
 module (`fp4moe.dispatch.KERNEL_MODULES`) implements the stage functions with the same signatures, so this
 composition has no backend of its own: the plan of one backend feeds the GEMMs of another (a GEMM
 backend that multiplies bf16 takes NVFP4 activations as their decoded values, `decoded_activations`,
@@ -63,24 +64,38 @@ def fused_moe(
     stages = {name: dispatch.kernel_module("moe", getattr(choice, name)) for name in ("plan", "gemm1", "gemm2", "finalize")}
 
     # The plan kernel reads the routing in place: a copy made inside the plan stage would be freed while the
-    # kernel may still read it, and the activation quantizer launched next, which writes before it waits
-    # for the plan kernel (`fp4moe.kernels.sm90.pdl`), could be handed that memory.
+    # kernel may still read it, and an activation quantizer launched next (where the plan kernel does not
+    # quantize), which writes before it waits for the plan kernel (`fp4moe.kernels.sm90.pdl`), could be
+    # handed that memory.
     topk_ids = topk_ids.contiguous()
-    (permuted_to_pair, pair_to_permuted, tile_expert, _, totals), accumulator = stages["plan"].plan(
-        topk_ids, experts, local_expert_offset, choice.tile_m, None if deterministic else hidden
-    )
-
     w4a4 = quant_mode == "w4a4"
     quantizer = dispatch.kernel_module("quantize", choice.quantize) if w4a4 else None
     a, a_scales, a_per_token_scale = x, x_scales, None
-    if w4a4 and x_scales is None and decoded_activations(quantizer, stages["gemm1"]):
+    accumulator_hidden = None if deterministic else hidden
+    quantized_in_plan = (
+        w4a4 and x_scales is None and choice.activation_quantization == dispatch.QUANTIZATION_IN_PLAN
+        and decoded_activations(quantizer, stages["gemm1"])
+    )
+    if quantized_in_plan:
+        # The activation quantizer's work in the plan kernel's launch; the values are the same.
+        plan_outputs, accumulator, a, a_per_token_scale = stages["plan"].plan_quantizing(
+            topk_ids, experts, local_expert_offset, choice.tile_m, accumulator_hidden, x,
+            None if per_token_activation else fc1_input_scale,
+            nvfp4.DEFAULT_GLOBAL_SCALE_INV if per_token_activation else None,
+        )
+    else:
+        plan_outputs, accumulator = stages["plan"].plan(topk_ids, experts, local_expert_offset, choice.tile_m, accumulator_hidden)
+    permuted_to_pair, pair_to_permuted, tile_expert, _, totals = plan_outputs
+
+    quantizes_x = w4a4 and x_scales is None and not quantized_in_plan
+    if quantizes_x and decoded_activations(quantizer, stages["gemm1"]):
         if per_token_activation:
             a, a_per_token_scale = quantizer.quantize_per_token_decoded(
                 x, nvfp4.DEFAULT_GLOBAL_SCALE_INV, None, None, after_plan=True
             )
         else:
             a = quantizer.quantize_decoded(x, fc1_input_scale, after_plan=True)
-    elif w4a4 and x_scales is None:
+    elif quantizes_x:
         if per_token_activation:
             a, a_scales, a_per_token_scale = quantizer.quantize_per_token(
                 x, nvfp4.DEFAULT_GLOBAL_SCALE_INV, "linear", "off", None, None

@@ -301,6 +301,19 @@ def test_dispatch_pins_the_per_token_path_at_three_and_four_tokens():
     assert fp4moe.moe_dispatch(1, 8, 256, "w4a16", False).intermediate_quantization is None
 
 
+def test_dispatch_names_where_w4a4_activations_are_quantized():
+    # The reference backend quantizes them in a stage of their own; W4A16 quantizes none.
+    assert fp4moe.moe_dispatch(1, 8, 256, "w4a4", False).activation_quantization == dispatch.QUANTIZATION_KERNEL
+    assert fp4moe.moe_dispatch(1, 8, 256, "w4a4", True).activation_quantization == dispatch.QUANTIZATION_KERNEL
+    assert fp4moe.moe_dispatch(1, 8, 256, "w4a16", False).activation_quantization is None
+    # The sm90 plan kernel's launch quantizes them at decode token counts (a host-static choice).
+    bound = dispatch.PLAN_QUANTIZES_MAX_TOKENS
+    for tokens, where in ((1, dispatch.QUANTIZATION_IN_PLAN), (bound, dispatch.QUANTIZATION_IN_PLAN),
+                          (bound + 1, dispatch.QUANTIZATION_KERNEL)):
+        assert dispatch.activation_quantization("w4a4", dispatch.CUTE_SM90_BACKEND, tokens) == where
+    assert dispatch.activation_quantization("w4a16", dispatch.CUTE_SM90_BACKEND, 1) is None
+
+
 def test_dispatch_sizes_an_expert_parallel_rank_for_its_share_of_the_pairs():
     # 32 of 256 experts on this rank: told the global count, the plan tile holds the rows of one of the
     # 256 experts and the kernels expect an eighth of the pairs; without it, every pair is local.

@@ -241,7 +241,12 @@ def test_gemm2_quantizes_itself_where_its_fused_items_are_long(monkeypatch):
     assert quantization(1, per_token=False) is None
 
 
-PLAN_VARIANTS = [(256, 8, 7168), (32, 128, None)]
+PLAN_VARIANTS = [
+    (256, 8, 7168, None), (32, 128, None, None),
+    # Plans that quantize W4A4's activations in their launch (`moe_launch.plan_quantizing`): per-tensor
+    # beside the accumulator's zeroing, per-token (rows of 16 warps, which meet at a CTA barrier) alone.
+    (256, 8, 7168, ("bfloat16", 7168, "tensor")), (32, 8, None, ("bfloat16", 7168, "rescan")),
+]
 DECODE_VARIANTS = [(7168, "wait_first"), (2048, "wait_first"), (272, "before_wait")]
 ALIGNED_PLAN_VARIANTS = [(256, 8), (16, 64)]
 FINALIZE_VARIANTS = [("fused", 7168, 8, "bfloat16"), ("deterministic", 2048, 6, "float32"), ("additive", 6144, 8, "bfloat16")]
@@ -257,10 +262,13 @@ _COMPILE_SCRIPT = textwrap.dedent(
     def save(name, compiled):
         (out / f"{name}.ptx").write_text(compiled.__ptx__)
         (out / f"{name}.cubin").write_bytes(compiled.__cubin__)
+        compiled.export_to_c(str(out / f"{name}.o"), function_name="kernel")  # with the host side of the launch
     for i, (epilogue, key, act_k, out_features, top_k, activation, swiglu, *flags) in enumerate(spec["gemm"]):
         save(f"gemm_{i}", launch.compile_gemm(epilogue, tuple(key), act_k, out_features, top_k, activation, tuple(swiglu), *flags))
-    for i, (experts, tile_m, hidden) in enumerate(spec["plan"]):
-        save(f"plan_{i}", launch.compile_plan(experts, tile_m, hidden))
+    for i, (experts, tile_m, hidden, activations) in enumerate(spec["plan"]):
+        if activations is not None:
+            activations = (getattr(torch, activations[0]), *activations[1:])
+        save(f"plan_{i}", launch.compile_plan(experts, tile_m, hidden, activations))
     for i, (k, launch_order) in enumerate(spec["decode"]):
         save(f"decode_{i}", launch.compile_decode(k, launch_order))
     for i, (experts, block_m) in enumerate(spec["aligned_plan"]):
@@ -502,6 +510,29 @@ def test_gemm_mmas_stay_in_flight(compiled, index):
         pytest.skip("per-warp `mma.sync`, which ptxas orders by its registers")
     sass = _sass(compiled, f"gemm_{index}")
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") <= len(_variant_rows(key)), GEMM_VARIANTS[index]
+
+
+def test_quantizing_plans_wait_for_their_predecessor_before_reading_the_activations(compiled):
+    """The plan kernel waits first (`pdl.wait_for_predecessor_and_release_successor`), then releases GEMM1:
+    its quantizing CTAs read the activations, which the kernel before the MoE call writes, after the
+    wait, as every other global access of the plan kernel."""
+    for i, (*_, activations) in enumerate(PLAN_VARIANTS):
+        ptx = (compiled / f"plan_{i}.ptx").read_text()
+        (wait,) = [m.start() for m in re.finditer(r"griddepcontrol\.wait", ptx)]
+        (release,) = [m.start() for m in re.finditer(r"griddepcontrol\.launch_dependents", ptx)]
+        accesses = [m.start() for m in re.finditer(r"\b(ld|st)\.global\b", ptx)]
+        assert wait < release < min(accesses), i
+        # The quantizer's code: its exact division of the global scale and its bf16 values out.
+        assert ("div.rn.f32" in ptx) == (activations is not None), i
+
+
+def test_every_launch_gives_its_kernel_the_shared_memory_it_uses(compiled):
+    """Where a launch names its shared memory, the DSL compiles into the host side of the launch a check
+    that prints an error when the kernel's allocations (each `SmemAllocator`'s, placed one after another)
+    need more, and leaves it out where they provably fit: no kernel's object has it. (The quantizing plan
+    kernels allocate the quantizer's row exchange after the plan's tables; their launch names no size.)"""
+    for name in _names():
+        assert b"may exceed available memory" not in (compiled / f"{name}.o").read_bytes(), name
 
 
 LOCAL_MEMORY = re.compile(r"\b(LDL|STL)\b")

@@ -61,6 +61,10 @@ def test_dispatch_reports_the_kernels_of_every_stage():
     # The sm90 GEMM1 writes the aux-amax handoff over 8-column tiles.
     assert (w4a4.per_token_path, w4a4.aux_amax_tile_n) == (dispatch.AUX_AMAX_PATH, 8)
     assert fp4moe.moe_dispatch(3, 8, 256, "w4a4", True, device="cuda").per_token_path == dispatch.RESCAN_PATH
+    # W4A4's activations are quantized in the plan kernel's launch at decode, by a quantizer of their own above.
+    assert w4a4.activation_quantization == dispatch.QUANTIZATION_IN_PLAN
+    prefill = fp4moe.moe_dispatch(dispatch.PLAN_QUANTIZES_MAX_TOKENS + 1, 8, 256, "w4a4", False, device="cuda")
+    assert prefill.activation_quantization == dispatch.QUANTIZATION_KERNEL
 
 
 def test_dispatch_has_gemm2_quantize_the_rescan_paths_intermediate_where_its_items_are_long():
@@ -290,6 +294,44 @@ def test_quantizers_write_the_exact_values_of_their_codes(path, rows, k):
     assert_bitwise_equal(values[:written].float(), expected)
 
 
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize(("tokens", "hidden", "fused"), [(1, 7168, True), (3, 272, False), (17, 2048, True), (64, 6144, False)])
+def test_the_plan_kernel_quantizing_the_activations_equals_the_plan_and_the_quantizer_bitwise(
+    tokens, hidden, fused, per_token
+):
+    # `moe_launch.plan_quantizing` (`dispatch.QUANTIZATION_IN_PLAN`): the plan, the zeroed accumulator (its
+    # CTAs beside the quantizing ones where `fused`) and the quantizer's values and per-token scales, bitwise
+    # those of the plan kernel and the activation quantizer launched apart. Rows with a zero, a NaN, an inf
+    # and subnormal-scale values; the outputs' memory is poisoned first (freed NaNs the allocator hands back).
+    from fp4moe import nvfp4
+    from fp4moe.kernels.sm90 import moe_launch, quantize_launch
+
+    x = spread_rows(tokens, hidden, seed=tokens)
+    g = torch.Generator(device="cuda").manual_seed(hidden)
+    ids = torch.randint(0, 64, (tokens, 8), generator=g, device="cuda", dtype=torch.int32)
+    accumulator_hidden = hidden if fused else None
+    global_scale = None if per_token else nvfp4.global_scale_from_amax(x[:1].float().abs().amax().reshape(1))
+    global_scale_inv = nvfp4.DEFAULT_GLOBAL_SCALE_INV if per_token else None
+    for shape, dtype in (((tokens, hidden), torch.float32), ((tokens, hidden), torch.bfloat16), ((tokens,), torch.float32)):
+        torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    outputs, accumulator, values, per_token_scale = moe_launch.plan_quantizing(
+        ids, 48, 8, 8, accumulator_hidden, x, global_scale, global_scale_inv
+    )
+    expected_outputs, _ = moe_launch.plan(ids, 48, 8, 8, accumulator_hidden)
+    for got, want in zip(outputs, expected_outputs):
+        assert_bitwise_equal(got, want)
+    if fused:
+        assert accumulator.shape == (tokens, hidden) and not accumulator.any()
+    if per_token:
+        expected, expected_scale = quantize_launch.quantize_per_token_decoded(x, global_scale_inv, None, None)
+        assert_bitwise_equal(per_token_scale, expected_scale)
+    else:
+        assert per_token_scale is None
+        expected = quantize_launch.quantize_decoded(x, global_scale)
+    assert (expected[0] != 0).any()
+    assert_bitwise_equal(values, expected)
+
+
 def test_nvfp4_activations_decode_to_their_exact_values():
     from fp4moe import nvfp4
     from fp4moe.kernels.sm90 import moe_launch
@@ -404,8 +446,8 @@ def test_split_k_gemm2_matches_the_loop_reference(tokens):
 @pytest.mark.parametrize("mode", ["w4a4", "w4a4_per_token"])
 def test_w4a4_routing_and_rows_that_need_copies_equal_compact_ones(mode):
     # Non-contiguous topk_ids and activation rows whose stride is not a multiple of 16 bytes: the pipeline
-    # makes the routing contiguous before the plan kernel, and the activation quantizer, reading a copy of
-    # the rows, waits for its predecessor (the copy) before it reads them (`decoded_launch_order`).
+    # makes the routing contiguous before the plan kernel, whose quantizing CTAs (T = 5 is a decode call,
+    # `dispatch.QUANTIZATION_IN_PLAN`) read a copy of the rows made before it, after their wait.
     p = make_problem(tokens=5, hidden=256, intermediate=128, num_experts=8, top_k=2, mode=mode, device="cuda",
                      seed=95, deterministic=True)
     compact = run_prepared(p)

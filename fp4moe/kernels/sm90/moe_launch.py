@@ -8,7 +8,8 @@ TVM-FFI on the current torch stream of the tensors' device. Nothing here reads d
 Stage functions (the pipeline in `fp4moe.pipeline` composes them):
 
 - `plan(topk_ids, E, offset, tile_m, accumulator_shape)`: `moe_plan`'s five outputs and, for the fused
-  finalize, a zeroed FP32 accumulator `[T, H]`, in one launch;
+  finalize, a zeroed FP32 accumulator `[T, H]`, in one launch; `plan_quantizing` quantizes W4A4's
+  activations in that launch too;
 - `gemm1(...)`: GEMM1's bf16 intermediate (for per-tensor W4A4 its NVFP4 quantization, dequantized);
 - `gemm2(...)`: GEMM2 reduced into the accumulator (fused) or written per (token, slot);
 - `finalize(...)`: the bf16 output.
@@ -54,6 +55,7 @@ from fp4moe.kernels.sm90.moe_gemm import (
 )
 from fp4moe.kernels.sm90.moe_plan import MAX_EXPERTS, PLAN_THREADS, ZERO_VECTOR, MoEPlanSm90
 from fp4moe.kernels.sm90.nvfp4_decode import NVFP4DecodeSm90
+from fp4moe.kernels.sm90.quantize import QuantizeSm90
 from fp4moe.op_outputs import moe_plan_outputs
 from fp4moe.validation import AUX_AMAX_ROW_GROUP
 
@@ -122,22 +124,45 @@ def _dynamic():
 # Plan
 # ---------------------------------------------------------------------------------------------------
 @compile_function
-def compile_plan(num_experts: int, tile_m: int, hidden: int | None):
-    """The plan kernel; `hidden` set: it also zeroes an FP32 [T, hidden] accumulator."""
+def compile_plan(num_experts: int, tile_m: int, hidden: int | None, activations: tuple | None = None):
+    """The plan kernel; `hidden` set: it also zeroes an FP32 [T, hidden] accumulator; `activations` =
+    (dtype, K, scale source "tensor" or "rescan"): it also quantizes the [T, K] activations
+    (`plan_quantizing`)."""
     accumulator = None
     if hidden is not None:
         accumulator = make_fake_compact_tensor(
             cutlass.Float32, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16
         )
+    quantizer, x, global_scale, values, per_token_scale, numerator = None, None, None, None, None, None
+    if activations is not None:
+        dtype, k, scale_source = activations
+        element = quantize_launch.CUTE_DTYPES[dtype]
+        quantizer = QuantizeSm90(
+            element, k, "linear", "off", scale_source, False, decoded=True, cta_threads=PLAN_THREADS
+        )
+        rows = _dynamic()
+        x = make_fake_tensor(
+            element, (rows, k), stride=(cute.sym_int64(divisibility=VECTOR_BYTES * 8 // element.width), 1),
+            assumed_align=VECTOR_BYTES,
+        )
+        values = make_fake_compact_tensor(cutlass.BFloat16, (rows, k), stride_order=(1, 0), assumed_align=VECTOR_BYTES)
+        if scale_source == "tensor":
+            global_scale = make_fake_compact_tensor(cutlass.Float32, (1,))
+        else:
+            per_token_scale, numerator = make_fake_compact_tensor(cutlass.Float32, (rows,)), cutlass.Float32(1.0)
     return compile_kernel(
-        MoEPlanSm90(num_experts, tile_m, hidden is not None),
+        MoEPlanSm90(num_experts, tile_m, hidden is not None, quantizer),
         _i32(_dynamic()), cutlass.Int32(0), _i32(_dynamic()), _i32(_dynamic()), _i32(_dynamic()), _i32(_dynamic()),
-        _i32(3), accumulator, cutlass.Int32(1), cache_key=("moe_plan", num_experts, tile_m, hidden),
+        _i32(3), accumulator, cutlass.Int32(1), x, global_scale, values, per_token_scale, numerator,
+        cache_key=("moe_plan", num_experts, tile_m, hidden, activations),
     )
 
 
-def plan(topk_ids, num_local_experts, local_expert_offset, tile_m, accumulator_hidden=None):
-    """`moe_plan`'s outputs and, with `accumulator_hidden`, a zeroed FP32 `[T, accumulator_hidden]`."""
+def _launch_plan(
+    topk_ids, num_local_experts, local_expert_offset, tile_m, accumulator_hidden, activations=None,
+    quantizer_arguments=(None,) * 5,
+):
+    """`plan`, and with `activations` (`compile_plan`'s) the quantizer's tensors and numerator as well."""
     if num_local_experts > MAX_EXPERTS:
         raise NotImplementedError(f"the sm90 plan kernel holds at most {MAX_EXPERTS} local experts, got {num_local_experts}")
     outputs = moe_plan_outputs(topk_ids, num_local_experts, tile_m)
@@ -147,9 +172,43 @@ def plan(topk_ids, num_local_experts, local_expert_offset, tile_m, accumulator_h
         accumulator = topk_ids.new_empty((topk_ids.shape[0], accumulator_hidden), dtype=torch.float32)
         vectors = accumulator.numel() // ZERO_VECTOR
         zero_ctas = max(1, min(ZERO_CTAS_PER_SM * sm_count(topk_ids.device.index), -(-vectors // PLAN_THREADS)))
-    kernel = compile_plan(num_local_experts, tile_m, accumulator_hidden)
-    kernel(standard_strides(topk_ids.reshape(-1)), local_expert_offset, *outputs, accumulator, zero_ctas)
+    kernel = compile_plan(num_local_experts, tile_m, accumulator_hidden, activations)
+    kernel(
+        standard_strides(topk_ids.reshape(-1)), local_expert_offset, *outputs, accumulator, zero_ctas,
+        *quantizer_arguments,
+    )
     return outputs, accumulator
+
+
+def plan(topk_ids, num_local_experts, local_expert_offset, tile_m, accumulator_hidden=None):
+    """`moe_plan`'s outputs and, with `accumulator_hidden`, a zeroed FP32 `[T, accumulator_hidden]`."""
+    return _launch_plan(topk_ids, num_local_experts, local_expert_offset, tile_m, accumulator_hidden)
+
+
+def plan_quantizing(
+    topk_ids, num_local_experts, local_expert_offset, tile_m, accumulator_hidden, x, global_scale=None,
+    global_scale_inv=None,
+):
+    """`plan`'s outputs and W4A4's activations `x` [T, K] quantized in the same launch, as the activation
+    quantizer writes them for the GEMMs (`quantize_launch.quantize_decoded` with `global_scale`, or
+    `quantize_per_token_decoded` with `global_scale_inv`, whose per-token scales come along): one kernel
+    fewer before GEMM1 (`fp4moe.dispatch.activation_quantization`). Returns (outputs, accumulator,
+    values, per-token scales or None)."""
+    per_token = global_scale is None
+    values, per_token_scale = quantize_launch.decoded_outputs(x, per_token)
+    if x.shape[0] == 0:
+        outputs, accumulator = plan(topk_ids, num_local_experts, local_expert_offset, tile_m, accumulator_hidden)
+        return outputs, accumulator, values, per_token_scale
+    quantize_launch.check_size("x", x)
+    activations = (x.dtype, x.shape[1], "rescan" if per_token else "tensor")
+    quantizer_arguments = (
+        vector_rows(x), None if per_token else global_scale.reshape(1), values, per_token_scale,
+        quantize_launch.per_token_numerator(global_scale_inv) if per_token else None,
+    )
+    outputs, accumulator = _launch_plan(
+        topk_ids, num_local_experts, local_expert_offset, tile_m, accumulator_hidden, activations, quantizer_arguments
+    )
+    return outputs, accumulator, values, per_token_scale
 
 
 def moe_plan(topk_ids, num_local_experts, local_expert_offset, tile_m):

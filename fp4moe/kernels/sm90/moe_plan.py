@@ -1,15 +1,18 @@
 """The MoE permutation plan in one launch for Hopper (sm_90a): `moe_plan`'s outputs, bitwise equal to
-the reference (`fp4moe.reference.moe.moe_plan`), and optionally a zeroed FP32 output accumulator.
+the reference (`fp4moe.reference.moe.moe_plan`), optionally a zeroed FP32 output accumulator, and
+optionally W4A4's activations quantized.
 
-CTA 0 builds the plan; the other CTAs (if any) zero the accumulator that GEMM2's fused finalize adds
-into, so that the whole plan stage is one node of a CUDA graph.
+CTA 0 builds the plan; the next CTAs (if any) quantize the activation rows as the activation quantizer
+would (`quantize.QuantizeSm90.quantize_rows`, the same code), so that at decode GEMM1 waits for one
+kernel, not for a quantizer launched after the plan; the last CTAs (if any) zero the accumulator that
+GEMM2's fused finalize adds into, so that the whole plan stage is one node of a CUDA graph.
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Float32, Int32, const_expr
 
 from fp4moe.kernels.sm90.pdl import USE_PDL, wait_for_predecessor_and_release_successor
 
@@ -48,14 +51,21 @@ class MoEPlanSm90:
     pair per lane, with no CTA barrier and no per-expert table, so the plan's time does not grow with
     the expert count; the result is the same.
 
-    With `zero_rows`, CTAs 1.. zero an FP32 `[rows, cols]` accumulator (cols a multiple of 4).
+    With `quantizer` (a `quantize.QuantizeSm90` of `PLAN_THREADS`-thread CTAs writing decoded values),
+    CTAs 1.. quantize the activation rows, `quantizer.rows_per_cta` each: they come before the zeroing
+    CTAs, so that they start in the first wave where the grid is larger than the GPU. With
+    `zero_accumulator`, the last `zero_ctas` CTAs zero an FP32 `[rows, cols]` accumulator (cols a
+    multiple of 4). The launch takes the shared memory the DSL counts (the plan's tables, and a
+    quantizer's row exchange, which is allocated after them).
     """
 
-    def __init__(self, num_experts: int, tile_m: int, zero_accumulator: bool):
+    def __init__(self, num_experts: int, tile_m: int, zero_accumulator: bool, quantizer=None):
         assert num_experts <= MAX_EXPERTS
+        assert quantizer is None or (quantizer.cta_threads == PLAN_THREADS and quantizer.decoded)
         self.num_experts = num_experts
         self.tile_m = tile_m
         self.zero_accumulator = zero_accumulator
+        self.quantizer = quantizer
 
     @cute.jit
     def __call__(
@@ -68,7 +78,12 @@ class MoEPlanSm90:
         mTileValidRows: cute.Tensor,  # int32 [R / tile_m]
         mTotals: cute.Tensor,  # int32 [3]
         mAccumulator: cute.Tensor | None,  # fp32 [T, H], zeroed when given
-        zero_ctas: Int32,
+        zero_ctas: Int32,  # 0 without `zero_accumulator`
+        mX: cute.Tensor | None,  # [T, H] activations, with `quantizer`
+        mGlobalScale: cute.Tensor | None,  # fp32 [1], with a per-tensor `quantizer`
+        mValues: cute.Tensor | None,  # bf16 [T, H]: the codes' values `e2m1 * sf`, with `quantizer`
+        mPerTokenScale: cute.Tensor | None,  # fp32 [T], with a per-token `quantizer`
+        numerator: Float32 | None,  # RN(1 / global_scale_inv), with a per-token `quantizer`
         stream,
     ):
         @cute.struct
@@ -78,13 +93,15 @@ class MoEPlanSm90:
             warp_counts: cute.struct.MemRange[Int32, WARPS * self.num_experts]
 
         self.shared_storage = SharedStorage
+        quantize_ctas = Int32(0)
+        if const_expr(self.quantizer is not None):
+            quantize_ctas = cute.ceil_div(mX.shape[0], self.quantizer.rows_per_cta)
         self.kernel(
             mTopkIds, local_expert_offset, mPermutedToPair, mPairToPermuted, mTileExpert, mTileValidRows, mTotals,
-            mAccumulator,
+            mAccumulator, zero_ctas, quantize_ctas, mX, mGlobalScale, mValues, mPerTokenScale, numerator,
         ).launch(
-            grid=[1 + zero_ctas if const_expr(self.zero_accumulator) else 1, 1, 1],
+            grid=[1 + quantize_ctas + zero_ctas, 1, 1],
             block=[PLAN_THREADS, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
             stream=stream,
             use_pdl=USE_PDL,
         )
@@ -92,7 +109,7 @@ class MoEPlanSm90:
     @cute.kernel
     def kernel(
         self, mTopkIds, local_expert_offset, mPermutedToPair, mPairToPermuted, mTileExpert, mTileValidRows, mTotals,
-        mAccumulator,
+        mAccumulator, zero_ctas, quantize_ctas, mX, mGlobalScale, mValues, mPerTokenScale, numerator,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -109,18 +126,23 @@ class MoEPlanSm90:
                     mTopkIds, local_expert_offset, mPermutedToPair, mPairToPermuted, mTileExpert, mTileValidRows, mTotals,
                     tidx,
                 )
+        elif cta <= quantize_ctas:
+            if const_expr(self.quantizer is not None):
+                self.quantizer.quantize_rows(
+                    mX, mGlobalScale, mValues, None, mPerTokenScale, numerator, None, None, mX.shape[0], cta - 1, tidx
+                )
         elif const_expr(self.zero_accumulator):
-            self.zero(mAccumulator, cta - 1, tidx)
+            self.zero(mAccumulator, cta - 1 - quantize_ctas, tidx, zero_ctas)
 
     @cute.jit
-    def zero(self, mAccumulator, cta, tidx):
-        """CTAs 1.. zero the accumulator, `ZERO_VECTOR` elements per store, grid-stride."""
-        grid, _, _ = cute.arch.grid_dim()
+    def zero(self, mAccumulator, cta, tidx, zero_ctas):
+        """Zeroing CTA `cta` of `zero_ctas` zeroes its share of the accumulator, `ZERO_VECTOR` elements per
+        store, grid-stride."""
         vectors = cute.size(mAccumulator) // ZERO_VECTOR
         flat = cute.make_tensor(mAccumulator.iterator, cute.make_layout((ZERO_VECTOR, vectors)))
         zeros = cute.make_rmem_tensor((ZERO_VECTOR,), cutlass.Float32)
         zeros.fill(0.0)
-        for v in cutlass.range(cta * PLAN_THREADS + tidx, vectors, (grid - 1) * PLAN_THREADS, unroll=1):
+        for v in cutlass.range(cta * PLAN_THREADS + tidx, vectors, zero_ctas * PLAN_THREADS, unroll=1):
             cute.autovec_copy(zeros, flat[None, v])
 
     @cute.jit

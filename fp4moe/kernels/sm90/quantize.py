@@ -56,9 +56,13 @@ def _log2(power_of_two: int) -> int:
     return power_of_two.bit_length() - 1
 
 
-def row_tiling(k: int, many_rows: bool) -> tuple[int, int, int]:
+def row_tiling(k: int, many_rows: bool, cta_threads: int | None = None) -> tuple[int, int, int]:
     """(threads per row, blocks per thread, rows per CTA) for rows of `k` elements, in the many-rows
-    (`many_rows`: at least `MANY_ELEMENTS` elements) or the few-rows class.
+    (`many_rows`: at least `MANY_ELEMENTS` elements) or the few-rows class, or (`cta_threads`) in CTAs
+    of exactly that many threads (a power of two: the plan kernel's, whose quantizing CTAs serve a
+    decode call's few rows, `moe_plan.MoEPlanSm90`): there a row takes the smallest power of two of
+    threads that gives each at most one block, or the whole CTA, so that a thread's serial work (the
+    latency of a decode call's quantization, not its bandwidth) is one block where it can be.
 
     A row of `k / 16` blocks is spread over `threads_per_row` threads, each holding
     `blocks_per_thread` blocks in registers (block `c` belongs to lane `c % threads_per_row`, so a
@@ -71,6 +75,10 @@ def row_tiling(k: int, many_rows: bool) -> tuple[int, int, int]:
     if k % BLOCK_SIZE or not 0 < k <= MAX_K:
         raise NotImplementedError(f"the sm90 quantizers need K in [16, {MAX_K}] divisible by 16, got {k}")
     blocks = k // BLOCK_SIZE
+    if cta_threads is not None:
+        assert cta_threads & (cta_threads - 1) == 0 and blocks <= cta_threads * MAX_BLOCKS_PER_THREAD
+        threads_per_row = min(cta_threads, 1 << (blocks - 1).bit_length())
+        return threads_per_row, ceil_div(blocks, threads_per_row), cta_threads // threads_per_row
     cta_threads = CTA_THREADS[many_rows]
     if blocks <= WARP_SIZE:
         threads_per_row = 1 << (blocks - 1).bit_length()
@@ -147,8 +155,12 @@ class QuantizeSm90:
         amax_tiles: int = 0,
         decoded: bool = False,
         launch_order: str = "wait_first",
+        cta_threads: int | None = None,
     ):
+        """`cta_threads`: the rows' work runs in CTAs of that many threads (`row_tiling`), inside the plan
+        kernel (`quantize_rows`); the kernel of its own is then not launched."""
         assert scale_source in SCALE_SOURCES
+        assert cta_threads is None or scale_source != "aux", "the aux path's tile lanes follow the kernel's own tiling"
         assert launch_order in LAUNCH_ORDERS
         assert not decoded or (sf_layout == "linear" and four_over_six == "off")
         assert (amax_tiles > 0) == (scale_source == "aux"), "the aux path needs the tile count of input_amax"
@@ -163,7 +175,7 @@ class QuantizeSm90:
         self.blocks = k // BLOCK_SIZE
         self.padded_blocks = round_up(self.blocks, SWIZZLE_COLS)
         self.many_rows = many_rows
-        self.threads_per_row, self.blocks_per_thread, self.rows_per_cta = row_tiling(k, many_rows)
+        self.threads_per_row, self.blocks_per_thread, self.rows_per_cta = row_tiling(k, many_rows, cta_threads)
         self.cta_threads = self.threads_per_row * self.rows_per_cta
         self.warps_per_row = max(1, self.threads_per_row // WARP_SIZE)
         self.tile_lanes = aux_tile_lanes(k, many_rows)
@@ -208,6 +220,29 @@ class QuantizeSm90:
         release_successor_and_wait(self.launch_order)
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
+        self.quantize_rows(
+            mX, mGlobalScale, mCodes, mBlockScales, mPerTokenScale, numerator, mInputAmax, mValidRows, covered_rows,
+            cta, tidx,
+        )
+        wait_for_predecessor_last(self.launch_order)
+
+    @cute.jit
+    def quantize_rows(
+        self,
+        mX: cute.Tensor,
+        mGlobalScale: cute.Tensor | None,
+        mCodes: cute.Tensor,
+        mBlockScales: cute.Tensor | None,
+        mPerTokenScale: cute.Tensor | None,
+        numerator: Float32 | None,
+        mInputAmax: cute.Tensor | None,
+        mValidRows: cute.Tensor | None,
+        covered_rows: Int32,
+        cta: Int32,
+        tidx: Int32,
+    ):
+        """The work of CTA `cta` (its rows), thread `tidx` of `cta_threads`: the kernel's, and the plan
+        kernel's quantizing CTAs' (`moe_plan.MoEPlanSm90`), after their waits."""
         lane = tidx % self.threads_per_row
         row = cta * self.rows_per_cta + tidx // self.threads_per_row
         num_rows = mX.shape[0]
@@ -316,7 +351,6 @@ class QuantizeSm90:
                     scale_bytes[scale_row + self._scale_col_offset(col)] = Uint8(scale_bits)
             if const_expr(self.sf_layout == "swizzled"):
                 self._zero_swizzle_padding(scale_bytes, row, col, num_rows, covered_rows, is_data_row)
-        wait_for_predecessor_last(self.launch_order)
 
     # -----------------------------------------------------------------------------------------------
     @cute.jit

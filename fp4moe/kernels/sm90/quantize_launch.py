@@ -123,7 +123,7 @@ def compile_tile_amax(dtype: torch.dtype, n: int, tile_n: int, vector: int, arch
     )
 
 
-def _check_size(name: str, tensor: torch.Tensor) -> None:
+def check_size(name: str, tensor: torch.Tensor) -> None:
     if tensor.numel() > MAX_ELEMENTS:
         raise NotImplementedError(f"{name} has {tensor.numel()} elements; the sm90 kernels index at most 2^31 - 1")
 
@@ -151,7 +151,7 @@ def quantize_into(x, global_scale, sf_layout, four_over_six, codes, block_scales
     """`quantize` writing into preallocated outputs shaped by `quantize_outputs` (tests poison them)."""
     if x.shape[0] == 0:
         return
-    _check_size("x", x)
+    check_size("x", x)
     kernel = compile_quantize(x.dtype, x.shape[1], sf_layout, four_over_six, "tensor", False, _many_rows(x), ARCH)
     kernel(vector_rows(x), global_scale.reshape(1), codes, block_scales, None, None, None, None)
     host_launcher.register(kernel, "quantize", quantize_rules(x.shape[1], sf_layout))
@@ -179,7 +179,7 @@ def _per_token_source(input_amax):
     """(scale source, tile count of `input_amax`, `input_amax` as the kernel takes it) of a per-token call."""
     if input_amax is None:
         return "rescan", 0, None
-    _check_size("input_amax", input_amax)
+    check_size("input_amax", input_amax)
     return "aux", input_amax.shape[1], input_amax.contiguous()
 
 
@@ -189,7 +189,7 @@ def quantize_per_token_into(
     """`quantize_per_token` writing into preallocated outputs shaped by `quantize_per_token_outputs`."""
     if x.shape[0] == 0:
         return
-    _check_size("x", x)
+    check_size("x", x)
     scale_source, amax_tiles, input_amax = _per_token_source(input_amax)
     kernel = compile_quantize(
         x.dtype, x.shape[1], sf_layout, four_over_six, scale_source, input_amax_valid_rows is not None, _many_rows(x),
@@ -217,15 +217,22 @@ def decoded_launch_order(after_plan: bool, x: torch.Tensor, rows: torch.Tensor) 
     return "before_wait" if after_plan and rows is x else "release_first"
 
 
+def decoded_outputs(x: torch.Tensor, per_token: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The outputs of a quantization as the sm90 MoE GEMMs take it: the codes' exact values in bf16, shaped
+    as `x`, and the FP32 per-token scale per row (`per_token`; else None)."""
+    values = x.new_empty(x.shape, dtype=torch.bfloat16)
+    return values, x.new_empty((x.shape[0],), dtype=torch.float32) if per_token else None
+
+
 def quantize_decoded(x: torch.Tensor, global_scale: torch.Tensor, after_plan: bool = False) -> torch.Tensor:
     """`quantize` (linear scales, no 4-over-6) as the sm90 MoE GEMMs take it: the codes' exact values
     `e2m1 * sf` in bf16 [M, K], what decoding its codes and scales gives (`moe_launch.decoded`), in the
     same pass as the quantization. The global factor stays out of the values, as in the codes.
     `after_plan`: the kernel just before it on the stream is the plan kernel, which neither writes `x`
     or `global_scale` nor reads memory this call writes (`decoded_launch_order`)."""
-    values = x.new_empty(x.shape, dtype=torch.bfloat16)
+    values, _ = decoded_outputs(x, per_token=False)
     if x.shape[0]:
-        _check_size("x", x)
+        check_size("x", x)
         rows = vector_rows(x)
         kernel = compile_quantize(
             x.dtype, x.shape[1], "linear", "off", "tensor", False, _many_rows(x), ARCH, decoded=True,
@@ -242,11 +249,10 @@ def quantize_per_token_decoded(
     """`quantize_per_token` (linear scales, no 4-over-6) as the sm90 MoE GEMMs take it: (the codes'
     exact values `e2m1 * sf` in bf16 [M, K], the FP32 per-token scale [M]), in one pass. Rows at or past
     `input_amax_valid_rows` are not written. `after_plan`: as `quantize_decoded`'s."""
-    values = x.new_empty(x.shape, dtype=torch.bfloat16)
-    per_token_scale = x.new_empty((x.shape[0],), dtype=torch.float32)
+    values, per_token_scale = decoded_outputs(x, per_token=True)
     if x.shape[0] == 0:
         return values, per_token_scale
-    _check_size("x", x)
+    check_size("x", x)
     scale_source, amax_tiles, input_amax = _per_token_source(input_amax)
     rows = vector_rows(x)
     kernel = compile_quantize(
@@ -282,7 +288,7 @@ def tile_amax_into(x: torch.Tensor, tile_n: int, out: torch.Tensor) -> None:
     """`tile_amax` writing into a preallocated output shaped by `tile_amax_output`."""
     if x.shape[0] == 0:
         return
-    _check_size("x", x)
+    check_size("x", x)
     if x.stride(1) != 1:
         x = compact_copy(x)
     kernel = compile_tile_amax(x.dtype, x.shape[1], tile_n, _tile_vector(x, tile_n), ARCH)
