@@ -59,14 +59,7 @@ from benchmarks import precompile
 from benchmarks.gpu_state import hopper_gpu
 from benchmarks.moe_cases import SHAPES, MoEProblem
 from benchmarks.moe_implementations import REGISTRY
-from benchmarks.sm90_gemm_sweep import (
-    HIDDEN,
-    INTERMEDIATE,
-    TOP_K,
-    gemm_configurations,
-    hopper_weights,
-    routed_tokens,
-)
+from benchmarks.sm90_gemm_sweep import DEEPSEEK_V3, gemm_configurations, hopper_weights, routed_tokens
 from benchmarks.timing import L2_FLUSHES, PreparedCall, time_interleaved
 from fp4moe import weight_layout
 from fp4moe.kernels.sm90 import gemm_device as dev
@@ -319,19 +312,21 @@ def variant_kernels(name: str):
 def compile_variant(name: str, epilogue: str, key: tuple):
     """`moe_launch.compile_gemm`'s kernel for `key`, built from variant `name`."""
     gemm1 = epilogue == "gemm1"
-    act_k, out_features = (HIDDEN, INTERMEDIATE) if gemm1 else (INTERMEDIATE, HIDDEN)
+    hidden, intermediate = DEEPSEEK_V3.hidden_size, DEEPSEEK_V3.intermediate_size
+    act_k, out_features = (hidden, intermediate) if gemm1 else (intermediate, hidden)
     with variant_kernels(name):
         return moe_launch.compile_gemm(
-            epilogue, key, act_k, out_features, TOP_K, "swiglu" if gemm1 else "none", (None,) * 3, not gemm1
+            epilogue, key, act_k, out_features, DEEPSEEK_V3.top_k, "swiglu" if gemm1 else "none", (None,) * 3,
+            not gemm1,
         )
 
 
 def run(tokens: int, weights, flushes, replays: int, g, variants) -> None:
     w1_alpha, w2_alpha = weights.alphas()
     x, topk_ids, topk_weights, _, configs1, configs2, permuted_to_pair, tile_expert = routed_tokens(tokens, g)
-    inter = torch.empty(permuted_to_pair.shape[0], INTERMEDIATE, dtype=torch.bfloat16, device="cuda")
+    inter = torch.empty(permuted_to_pair.shape[0], DEEPSEEK_V3.intermediate_size, dtype=torch.bfloat16, device="cuda")
     intermediate = torch.randn(inter.shape, generator=g, device="cuda").to(torch.bfloat16)
-    accumulator = torch.zeros(tokens, HIDDEN, device="cuda")
+    accumulator = torch.zeros(tokens, DEEPSEEK_V3.hidden_size, device="cuda")
     touched = topk_ids.unique().numel()
     gemm1_bytes = touched * (weights.w1[0].numel() + weights.w1_scales[0].numel())
     yardstick = torch.rand(gemm1_bytes // 4, generator=g, device="cuda")

@@ -1,18 +1,22 @@
-"""When each CTA of the decode GEMMs starts, waits, and ends: GEMM1 then the fused GEMM2 at DeepSeek-V3 size,
+"""When each CTA of the decode GEMMs starts, waits, and ends: GEMM1 then the fused GEMM2 of a MoE shape,
 launched back to back with PDL in a CUDA graph, every CTA stamping `%globaltimer`.
 
-    python -m benchmarks.sm90_cta_timeline [--tokens 1,2] [--replays 30]
-    python -m benchmarks.sm90_cta_timeline --tokens 1,2 --compile-only      # no GPU needed
+    python -m benchmarks.sm90_cta_timeline [--shape glm] [--tokens 1,2] [--replays 30]
+    python -m benchmarks.sm90_cta_timeline [--shape glm] --tokens 1,2 --compile-only      # no GPU needed
 
-For diagnosis only. The kernels are `fused_moe`'s GEMM configurations (`benchmarks.sm90_gemm_sweep`'s
-first, the one `fused_moe` picks) with four timestamps per CTA written to a buffer passed where a
-per-token scale would be (the kernels are compiled with `row_scaled` and ignore it as a scale):
+For diagnosis only. `--shape` is one of the MoE harness's (`benchmarks.moe_cases.SHAPES`; DeepSeek-V3 by
+default): its sizes and local experts, with softmax routing (`benchmarks.sm90_gemm_sweep.routed_tokens`).
+The kernels are `fused_moe`'s GEMM configurations for that shape (`benchmarks.sm90_gemm_sweep`'s first,
+the one `fused_moe` picks; with per-warp `mma.sync` where `moe_launch.uses_warp_mma` says so, as in GLM's
+T = 1 GEMM1) with four timestamps per CTA written to a buffer passed where a per-token scale would be (the
+kernels are compiled with `row_scaled` and ignore it as a scale):
 
 - `entry`: the CTA's first instruction after its shared-memory set-up (and GEMM2's L2 prefetch), before
   its PDL wait: when the CTA became resident;
 - `waited`: its PDL wait returned (the predecessor, for GEMM2 all of GEMM1, has completed);
 - `produced`: its producer has issued its last copy;
-- `ended`: its first consumer warpgroup has finished its epilogue.
+- `ended`: its first consumer warp has finished its epilogue (with `wgmma` its warpgroup's other warps
+  finish with it; with per-warp `mma.sync` they never wait for one another, and may end a little apart).
 
 Times are us from the first GEMM1 CTA's entry, per replay, after a reading L2 flush; each statistic is the
 median over the replays. The run also times the same two GEMMs without stamps (CUDA events, same replays),
@@ -33,9 +37,11 @@ import torch
 from cutlass import Int32, Int64
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from benchmarks.moe_cases import SHAPES, MoEShape
 from benchmarks.sm90_consumer_probe import gemm_class_kernels
-from benchmarks.sm90_gemm_sweep import HIDDEN, INTERMEDIATE, TOP_K, gemm_configurations, hopper_weights, routed_tokens
+from benchmarks.sm90_gemm_sweep import compile_gemm1, compile_gemm2, gemm_configurations, hopper_weights, routed_tokens
 from benchmarks.timing import l2_flush_bytes
+from fp4moe.kernels.sm90 import compiler
 from fp4moe.kernels.sm90 import gemm_device as dev
 from fp4moe.kernels.sm90 import moe_gemm, moe_launch, pdl
 from fp4moe.kernels.sm90.moe_gemm import WARPGROUP_THREADS, MoEGemmSm90
@@ -74,7 +80,9 @@ def _stamped_wait():
 
 
 class CtaTimed(MoEGemmSm90):
-    """The GEMM with each CTA's stamps written to `mRowScales` (compiled with `row_scaled`, not applied)."""
+    """The GEMM with each CTA's stamps written to `mRowScales` (compiled with `row_scaled`, not applied).
+    The stamps wrap `produce` and `consume`, which every mainloop runs under (`wgmma` and per-warp
+    `mma.sync` alike, `MoEGemmSm90.mainloop`), so every configuration stamps the same four points."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -122,20 +130,13 @@ def timed_kernels():
         yield
 
 
-def compile_pair(tokens: int, sms: int, timed: bool):
-    """(GEMM1, fused GEMM2) as `fused_moe` configures them for `tokens` tokens; `timed`: the stamping kind."""
-    _, configs1, configs2 = gemm_configurations(tokens, sms)
-    (key1, _, rows1), (key2, k_splits, rows2) = configs1[0], configs2[0]
-    assert max(key1[-1], key2[-1]) <= MAX_CTAS, "more CTAs than the stamp buffers hold"
+def compile_pair(shape: MoEShape, tokens: int, sms: int, timed: bool):
+    """(GEMM1, fused GEMM2) as `fused_moe` configures them for `tokens` tokens of `shape` on a GPU of `sms`
+    multiprocessors; `timed`: the stamping kind."""
+    _, configs1, configs2 = gemm_configurations(tokens, sms, shape)
+    assert max(configs1[0][0][-1], configs2[0][0][-1]) <= MAX_CTAS, "more CTAs than the stamp buffers hold"
     with timed_kernels() if timed else contextlib.nullcontext():
-        gemm1 = moe_launch.compile_gemm(
-            "gemm1", key1, HIDDEN, INTERMEDIATE, TOP_K, "swiglu", (None,) * 3, False, timed, epilogue_rows=rows1
-        )
-        gemm2 = moe_launch.compile_gemm(
-            "gemm2_fused", key2, INTERMEDIATE, HIDDEN, TOP_K, "none", (None,) * 3, True, timed, k_splits=k_splits,
-            epilogue_rows=rows2,
-        )
-    return gemm1, gemm2
+        return compile_gemm1(configs1[0], shape, row_scaled=timed), compile_gemm2(configs2[0], shape, row_scaled=timed)
 
 
 def order_statistic(ordered, q: float) -> float:
@@ -148,11 +149,12 @@ def quantiles(values) -> str:
     return " ".join(f"{order_statistic(v, q):6.1f}" for q in (0.0, 0.1, 0.5, 0.9, 1.0))
 
 
-def run(tokens: int, weights, replays: int, g) -> None:
+def run(shape: MoEShape, tokens: int, weights, replays: int, g) -> None:
     w1_alpha, w2_alpha = weights.alphas()
-    x, _, topk_weights, _, _, _, permuted_to_pair, tile_expert = routed_tokens(tokens, g)
-    inter = torch.randn(permuted_to_pair.shape[0], INTERMEDIATE, generator=g, device="cuda").to(torch.bfloat16)
-    accumulator = torch.zeros(tokens, HIDDEN, device="cuda")
+    x, _, topk_weights, _, _, _, permuted_to_pair, tile_expert = routed_tokens(tokens, g, shape)
+    inter = torch.randn(permuted_to_pair.shape[0], shape.intermediate_size, generator=g, device="cuda")
+    inter = inter.to(torch.bfloat16)
+    accumulator = torch.zeros(tokens, shape.hidden_size, device="cuda")
     stamps = [torch.zeros(MAX_CTAS * SLOTS * 2, dtype=torch.float32, device="cuda") for _ in range(2)]
     sms = moe_launch.sm_count(torch.cuda.current_device())
 
@@ -169,7 +171,7 @@ def run(tokens: int, weights, replays: int, g) -> None:
 
     graphs = {}
     for timed in (False, True):
-        kernels = compile_pair(tokens, sms, timed)
+        kernels = compile_pair(shape, tokens, sms, timed)
         chain(kernels, timed)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -202,8 +204,9 @@ def run(tokens: int, weights, replays: int, g) -> None:
     grids = [int((history[0, k].view(MAX_CTAS, SLOTS)[:, 1] != 0).sum()) for k in range(2)]
     cpu = history.cpu()
     replays_stamps = [[cpu[r, k].view(MAX_CTAS, SLOTS)[: grids[k]] for k in range(2)] for r in range(replays)]
-    print(f"T={tokens}: GEMM1 {grids[0]} CTAs, GEMM2 {grids[1]} CTAs; us from the first GEMM1 entry, medians over "
-          f"{replays} replays of each order statistic", flush=True)
+    local_pairs = int((permuted_to_pair >= 0).sum())
+    print(f"T={tokens}: {local_pairs} pairs on local experts; GEMM1 {grids[0]} CTAs, GEMM2 {grids[1]} CTAs; us from "
+          f"the first GEMM1 entry, medians over {replays} replays of each order statistic", flush=True)
     print(f"{'kernel':6} {'stamp':34} {'min':>6} {'p10':>6} {'median':>6} {'p90':>6} {'max':>6}")
     for (name, stamp), stats in summary(replays_stamps).items():
         print(f"{name:6} {stamp:34} {quantiles(stats)}", flush=True)
@@ -269,24 +272,29 @@ def sm_persistence(replays_stamps) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", default="1,2", help="token counts (DeepSeek-V3 shape, softmax routing)")
+    parser.add_argument("--shape", choices=list(SHAPES), default="deepseek_v3", help="the MoE harness's shape")
+    parser.add_argument("--tokens", default="1,2", help="token counts (softmax routing)")
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--compile-only", action="store_true", help="compile the stamping GEMMs; no GPU needed")
     parser.add_argument("--sms", type=int, default=132, help="with --compile-only: the GPU's multiprocessors")
     args = parser.parse_args()
+    shape = SHAPES[args.shape]
     token_counts = [int(t) for t in args.tokens.split(",")]
     if args.compile_only:
         for tokens in token_counts:
+            before = compiler.compilations
             for timed in (False, True):
-                compile_pair(tokens, args.sms, timed)
-            print(f"T={tokens}: compiled", flush=True)
+                compile_pair(shape, tokens, args.sms, timed)
+            # Kernels found in the disk cache (`FP4MOE_KERNEL_CACHE`) are loaded, not compiled.
+            print(f"{shape.name} T={tokens}: {compiler.compilations - before} compiled", flush=True)
         return 0
-    problem = hopper_weights("sm90_cta_timeline")
+    problem = hopper_weights("sm90_cta_timeline", shape)
     if problem is None:
         return 2
     weights, g = problem
+    print(f"shape {shape.name}, softmax routing", flush=True)
     for tokens in token_counts:
-        run(tokens, weights, args.replays, g)
+        run(shape, tokens, weights, args.replays, g)
     return 0
 
 

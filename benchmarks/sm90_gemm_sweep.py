@@ -15,6 +15,10 @@ Needs a Hopper GPU.
 `--compile-only` compiles the same configurations into the disk kernel cache (`FP4MOE_KERNEL_CACHE`)
 without a GPU, for a GPU with `--sms` multiprocessors: a GPU run on the same sources then loads them
 instead of compiling.
+
+The helpers that configure, compile and feed the GEMMs (`gemm_configurations`, `compile_gemm1`,
+`compile_gemm2`, `hopper_weights`, `routed_tokens`) take any of the MoE harness's shapes
+(`benchmarks.moe_cases.SHAPES`; DeepSeek-V3 by default), for `benchmarks.sm90_cta_timeline`.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import sys
 import torch
 
 from benchmarks.gpu_state import hopper_gpu
-from benchmarks.moe_cases import random_moe_weights
+from benchmarks.moe_cases import SHAPES, MoEShape, random_moe_weights
 from benchmarks.timing import PreparedCall, time_interleaved
 from fp4moe import dispatch, weight_layout
 from fp4moe.kernels.sm90 import moe_launch
@@ -41,7 +45,8 @@ from fp4moe.kernels.sm90.moe_gemm import (
     pipeline_stages,
 )
 
-HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 7168, 2048, 256, 8
+DEEPSEEK_V3 = SHAPES["deepseek_v3"]
+"""The shape the sweep times (and `benchmarks.sm90_consumer_probe` probes GEMM by GEMM)."""
 
 
 def ctas_per_sm_choices(tile_rows: int) -> tuple[int, ...]:
@@ -137,30 +142,43 @@ def sweep_gemm(name, compile_for, launch, configs: list[tuple], check, flops, re
     return ok
 
 
-def gemm_configurations(tokens: int, sms: int) -> tuple[int, list[tuple], list[tuple]]:
-    """The plan tile and the GEMM1 and fused-GEMM2 configurations to sweep for `tokens` tokens, each
-    list led by the configuration `fused_moe` picks."""
-    tile_m = dispatch.moe_tile_m(tokens, TOP_K, EXPERTS)
-    expected = moe_launch.expected_tiles(tokens * TOP_K, EXPERTS, tile_m)
-    w1_shape, _ = weight_layout.prepared_shapes(EXPERTS, 2 * INTERMEDIATE, HIDDEN, gated=True)
-    w2_shape, _ = weight_layout.prepared_shapes(EXPERTS, HIDDEN, INTERMEDIATE, gated=False)
-    shape1 = moe_launch.GemmShape(w1_shape, tile_m, expected, sms)
-    shape2, k_splits = moe_launch.fused_gemm2_tiling(moe_launch.GemmShape(w2_shape, tile_m, expected, sms))
-    return tile_m, configurations(shape1), configurations(shape2, k_splits)
+def gemm_configurations(
+    tokens: int, sms: int, shape: MoEShape = DEEPSEEK_V3
+) -> tuple[int, list[tuple], list[tuple]]:
+    """The plan tile and the GEMM1 and fused-GEMM2 configurations to sweep for `tokens` tokens of `shape`,
+    each list led by the configuration `fused_moe` picks: the plan tile and the local pairs the tiles are
+    sized for are `moe_dispatch`'s (told the router's experts, so that an expert-parallel shard expects
+    its share of the pairs), the GEMM shapes `moe_launch`'s from them, on a GPU of `sms` multiprocessors."""
+    # The plan tile and the expected pairs are the same in every quantization mode: W4A16's are asked for.
+    choice = dispatch.moe_dispatch(
+        tokens, shape.top_k, shape.local_experts, "w4a16", False, global_num_experts=shape.num_experts,
+        hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+    )
+    hidden, intermediate = shape.hidden_size, shape.intermediate_size
+    w1_shape, _ = weight_layout.prepared_shapes(shape.local_experts, 2 * intermediate, hidden, gated=True)
+    w2_shape, _ = weight_layout.prepared_shapes(shape.local_experts, hidden, intermediate, gated=False)
+    shape1 = moe_launch.gemm_shape(w1_shape, choice.tile_m, choice.expected_local_pairs, sms)
+    shape2, k_splits = moe_launch.fused_gemm2_tiling(
+        moe_launch.gemm_shape(w2_shape, choice.tile_m, choice.expected_local_pairs, sms)
+    )
+    return choice.tile_m, configurations(shape1), configurations(shape2, k_splits)
 
 
-def compile_gemm1(config):
+def compile_gemm1(config, shape: MoEShape = DEEPSEEK_V3, row_scaled: bool = False):
+    """GEMM1 of `config` (`configurations`) for `shape`'s sizes; `row_scaled`: it takes per-token scales."""
     key, _, epilogue_rows = config
     return moe_launch.compile_gemm(
-        "gemm1", key, HIDDEN, INTERMEDIATE, TOP_K, "swiglu", (None,) * 3, False, epilogue_rows=epilogue_rows
+        "gemm1", key, shape.hidden_size, shape.intermediate_size, shape.top_k, "swiglu", (None,) * 3, False,
+        row_scaled=row_scaled, epilogue_rows=epilogue_rows,
     )
 
 
-def compile_gemm2(config):
+def compile_gemm2(config, shape: MoEShape = DEEPSEEK_V3, row_scaled: bool = False):
+    """The fused GEMM2 of `config` for `shape`'s sizes; `row_scaled`: it takes per-row scales."""
     key, k_splits, epilogue_rows = config
     return moe_launch.compile_gemm(
-        "gemm2_fused", key, INTERMEDIATE, HIDDEN, TOP_K, "none", (None,) * 3, True, k_splits=k_splits,
-        epilogue_rows=epilogue_rows,
+        "gemm2_fused", key, shape.intermediate_size, shape.hidden_size, shape.top_k, "none", (None,) * 3, True,
+        row_scaled=row_scaled, k_splits=k_splits, epilogue_rows=epilogue_rows,
     )
 
 
@@ -180,24 +198,30 @@ def compile_only(token_counts, sms: int) -> bool:
     return ok
 
 
-def hopper_weights(tool: str):
-    """(random DeepSeek-V3 experts prepared for the sm90 GEMMs, the seeded generator that made them) on
-    this GPU, or None after saying that `benchmarks.<tool>` needs a Hopper GPU."""
+def hopper_weights(tool: str, shape: MoEShape = DEEPSEEK_V3):
+    """(random experts of `shape`, its local ones, prepared for the sm90 GEMMs; the seeded generator that
+    made them) on this GPU, or None after saying that `benchmarks.<tool>` needs a Hopper GPU."""
     if not hopper_gpu(tool):
         return None
     print(torch.cuda.get_device_name(), flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)
-    return random_moe_weights(EXPERTS, HIDDEN, INTERMEDIATE, g, "cuda").prepared(), g
+    return random_moe_weights(shape.local_experts, shape.hidden_size, shape.intermediate_size, g, "cuda").prepared(), g
 
 
-def routed_tokens(tokens: int, g):
-    """Random bf16 tokens, their softmax routing and its plan: (x, topk_ids, topk_weights, plan tile,
-    GEMM1 and GEMM2 configurations, permuted_to_pair, tile_expert), on the current GPU."""
-    x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
-    logits = torch.randn(tokens, EXPERTS, generator=g, device="cuda")
-    topk_ids, topk_weights = torch.ops.fp4moe.route_softmax_topk(logits, TOP_K, True)
-    tile_m, configs1, configs2 = gemm_configurations(tokens, moe_launch.sm_count(torch.cuda.current_device()))
-    (permuted_to_pair, _, tile_expert, _, _), _ = moe_launch.plan(topk_ids, EXPERTS, 0, tile_m)
+def routed_tokens(tokens: int, g, shape: MoEShape = DEEPSEEK_V3):
+    """Random bf16 tokens of `shape`, their softmax routing over its `num_experts` and the plan of the pairs
+    routed to its local experts: (x, topk_ids, topk_weights, plan tile, GEMM1 and GEMM2 configurations,
+    permuted_to_pair, tile_expert), on the current GPU. Softmax top-k of random logits whatever the shape's
+    own routing (`MoEShape.routing`): the GEMMs see only how many pairs each local expert gets, and these
+    spread them evenly over the experts, as `moe_dispatch`'s expected pairs assume."""
+    x = torch.randn(tokens, shape.hidden_size, generator=g, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(tokens, shape.num_experts, generator=g, device="cuda")
+    topk_ids, topk_weights = torch.ops.fp4moe.route_softmax_topk(logits, shape.top_k, True)
+    sms = moe_launch.sm_count(torch.cuda.current_device())
+    tile_m, configs1, configs2 = gemm_configurations(tokens, sms, shape)
+    (permuted_to_pair, _, tile_expert, _, _), _ = moe_launch.plan(
+        topk_ids, shape.local_experts, shape.local_expert_offset, tile_m
+    )
     return x, topk_ids, topk_weights, tile_m, configs1, configs2, permuted_to_pair, tile_expert
 
 
@@ -217,12 +241,12 @@ def run(tokens: int, weights, replays: int, g) -> bool:
     def gemm1_check(out, reference):
         return None if torch.equal(out[used], reference[used]) else "not bitwise equal to the default"
 
-    ok = sweep_gemm(
-        "gemm1", compile_gemm1, gemm1_launch, configs1, gemm1_check, 2 * tokens * TOP_K * 2 * INTERMEDIATE * HIDDEN, replays,
-    )
+    # GEMM2 maps each pair's I features to H; GEMM1 its H to 2I (gate and up), twice the work.
+    gemm2_flops = 2 * tokens * DEEPSEEK_V3.top_k * DEEPSEEK_V3.hidden_size * DEEPSEEK_V3.intermediate_size
+    ok = sweep_gemm("gemm1", compile_gemm1, gemm1_launch, configs1, gemm1_check, 2 * gemm2_flops, replays)
 
     intermediate = torch.randn(inter.shape, generator=g, device="cuda").to(torch.bfloat16)
-    accumulator = torch.zeros(tokens, HIDDEN, device="cuda")
+    accumulator = torch.zeros(tokens, DEEPSEEK_V3.hidden_size, device="cuda")
 
     def gemm2_launch(kernel):
         accumulator.zero_()
@@ -236,9 +260,7 @@ def run(tokens: int, weights, replays: int, g) -> bool:
         error = float(torch.linalg.norm(out - reference) / torch.linalg.norm(reference).clamp(min=1e-30))
         return None if error < 1e-5 else f"relative error {error:.1e} against the default"
 
-    return ok & sweep_gemm(
-        "gemm2", compile_gemm2, gemm2_launch, configs2, gemm2_check, 2 * tokens * TOP_K * HIDDEN * INTERMEDIATE, replays,
-    )
+    return ok & sweep_gemm("gemm2", compile_gemm2, gemm2_launch, configs2, gemm2_check, gemm2_flops, replays)
 
 
 def main() -> int:

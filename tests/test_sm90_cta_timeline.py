@@ -1,42 +1,91 @@
-"""`benchmarks.sm90_cta_timeline` (needs a GPU to run): its stamping GEMMs read the timer where they say and
-compute what the default GEMMs compute (SASS, no GPU needed), and its summaries of the stamps (synthetic)."""
+"""`benchmarks.sm90_cta_timeline` (needs a GPU to run): each harness shape's GEMMs are the configurations
+`fused_moe` picks (host only, no GPU needed); its stamping GEMMs read the timer where they say and compute
+what the default GEMMs compute, with `wgmma` (DeepSeek-V3) and with per-warp `mma.sync` (GLM's GEMM1 at
+T = 1) (SASS, no GPU needed); and its summaries of the stamps (synthetic)."""
 
+import inspect
 import random
 import textwrap
 
 import pytest
 import torch
 
-from benchmarks.sm90_cta_timeline import SLOTS, STAMPS, sm_persistence, summary
+from benchmarks import precompile
+from benchmarks.moe_cases import SHAPES
+from benchmarks.sm90_cta_timeline import SLOTS, STAMPS, compile_pair, sm_persistence, summary
+from fp4moe.kernels.sm90 import moe_launch
 from tests.sm90_compile import compile_in_subprocess, sass
+
+_COMPUTED_BY = ("epilogue", "shape_key", "act_k", "out_features", "top_k", "activation", "swiglu", "router_weighted",
+                "k_splits", "per_token_numerator", "tiling_invariant")
+"""The arguments of `moe_launch.compile_gemm` that decide what a GEMM computes and how it is tiled: the
+timeline's GEMMs differ from `fused_moe`'s only in the others (the stamps' buffer as `row_scaled`, no
+routed-weight prefetch, the epilogue's row chunk stated as the tile's rows)."""
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_each_shape_compiles_the_gemms_fused_moe_picks(monkeypatch, shape):
+    asked = []
+    signature = inspect.signature(moe_launch.compile_gemm)
+
+    def recording(*args, **kwargs):  # no kernel compiled (nor cached under a stub)
+        arguments = signature.bind(*args, **kwargs)
+        arguments.apply_defaults()
+        asked.append(arguments.arguments)
+        return lambda *_args, **_kwargs: None
+
+    recording.cache_clear = lambda: None  # `timed_kernels` clears the process cache of its kernels
+    monkeypatch.setattr(moe_launch, "compile_gemm", recording)
+    for tokens in (1, 2, 16):
+        asked.clear()
+        with precompile.compile_without_launching(132, compile_kernels=False):
+            precompile.compile_cell(SHAPES[shape], tokens, "fused_moe_w4a16")
+        picked = [tuple(a[name] for name in _COMPUTED_BY) for a in asked]
+        assert [p[0] for p in picked] == ["gemm1", "gemm2_fused"], picked
+        for timed in (False, True):
+            asked.clear()
+            compile_pair(SHAPES[shape], tokens, 132, timed)
+            assert [tuple(a[name] for name in _COMPUTED_BY) for a in asked] == picked, (tokens, timed)
+            assert {a["row_scaled"] for a in asked} == {timed}
+    if shape == "glm":  # its T = 1 GEMM1 is the per-warp `mma.sync` one that `kernels` compiles
+        asked.clear()
+        compile_pair(SHAPES[shape], 1, 132, False)
+        assert [moe_launch.uses_warp_mma(a["shape_key"]) for a in asked] == [True, False]
+
 
 _SCRIPT = textwrap.dedent(
     """
-    import sys
+    import json, sys
     from pathlib import Path
     from benchmarks import sm90_cta_timeline as timeline
+    from benchmarks.moe_cases import SHAPES
     out = Path(sys.argv[1])
+    shape = SHAPES[json.loads(sys.argv[2])["shape"]]
     for timed in (False, True):
-        for name, compiled in zip(("gemm1", "gemm2"), timeline.compile_pair(1, 132, timed)):
+        for name, compiled in zip(("gemm1", "gemm2"), timeline.compile_pair(shape, 1, 132, timed)):
             (out / f"{name}_{'timed' if timed else 'default'}.cubin").write_bytes(compiled.__cubin__)
     """
 )
 
 
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
-    out = compile_in_subprocess(_SCRIPT, {}, tmp_path_factory.mktemp("cta_timeline"))
-    return {f.stem: sass(f) for f in out.glob("*.cubin")}
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm"])
+def kernels(request, tmp_path_factory):
+    """The T = 1 GEMMs of DeepSeek-V3 (`wgmma`) and of GLM (GEMM1 with per-warp `mma.sync`)."""
+    out = compile_in_subprocess(_SCRIPT, {"shape": request.param}, tmp_path_factory.mktemp("cta_timeline"))
+    return request.param, {f.stem: sass(f) for f in out.glob("*.cubin")}
 
 
 @pytest.mark.parametrize("gemm", ["gemm1", "gemm2"])
 def test_the_stamping_gemms_read_the_timer_around_the_pdl_wait_and_keep_the_default_compute(kernels, gemm):
-    default, timed = kernels[f"{gemm}_default"], kernels[f"{gemm}_timed"]
+    shape, code = kernels
+    default, timed = code[f"{gemm}_default"], code[f"{gemm}_timed"]
     assert "SR_GLOBALTIMER" not in default
     assert timed.count("SR_GLOBALTIMERLO") == len(STAMPS) and "SR_VIRTUALSMID" in timed
     lines = [line for line in timed.splitlines() if "SR_GLOBALTIMERLO" in line or "ACQBULK" in line]
     assert [("ACQBULK" in line) for line in lines[:3]] == [False, True, False]  # entry, the wait, waited
-    for instruction in ("HGMMA", "HMUL2.BF16_V2", "UBLKCP.S.G"):
+    warp_mma = (shape, gemm) == ("glm", "gemm1")
+    assert (default.count("HMMA") > 0, default.count("HGMMA") > 0) == (warp_mma, not warp_mma)
+    for instruction in ("HGMMA", "HMMA", "HMUL2.BF16_V2", "UBLKCP.S.G"):
         assert timed.count(instruction) == default.count(instruction), instruction
 
 

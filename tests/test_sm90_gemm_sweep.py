@@ -11,7 +11,7 @@ from fp4moe.kernels.sm90.moe_gemm import EPILOGUE_ROWS
 def test_the_sweep_lists_each_configuration_once_with_k_slices_and_epilogue_chunks():
     for tokens in (1, 64, 512, 4096):
         tile_m, gemm1, gemm2 = sweep.gemm_configurations(tokens, 132)
-        assert tile_m == dispatch.moe_tile_m(tokens, sweep.TOP_K, sweep.EXPERTS)
+        assert tile_m == dispatch.moe_tile_m(tokens, sweep.DEEPSEEK_V3.top_k, sweep.DEEPSEEK_V3.num_experts)
         default_rows = min(tile_m, EPILOGUE_ROWS)
         for configs in (gemm1, gemm2):
             assert len(set(configs)) == len(configs)
