@@ -19,6 +19,7 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
 - `no_weight_copies` (chosen with `--variants`) issues no weight copies: the consumers' k steps run on
   whatever the stages hold, with no wait for weight bytes: the consumers' own time. (GEMM2 still
   prefetches its first items' weights into L2 before its wait, `prefetch_first_items`.)
+  `no_activation_copies` issues no activation copies instead: what the gather costs the pipeline.
 - `no_epilogue`, `no_gemm1_epilogue`, `no_gemm2_epilogue` (chosen with `--variants`) keep the GEMMs'
   code but skip the epilogue of both GEMMs, of GEMM1 or of GEMM2 at run time (`NoEpilogue`): what the
   consumers' epilogues, which no `wgmma` overlaps, cost. `no_gemm1_stores` skips GEMM1's stores only
@@ -236,6 +237,17 @@ class NoWeightCopies(MoEGemmSm90):
         cute.arch.mbarrier_arrive_and_expect_tx(full + stage, 0)
 
 
+class NoActivationCopies(MoEGemmSm90):
+    """The producer issues no activation copies (`cp.async`): each stage's `full` barrier still takes every
+    producer thread's `cp.async` arrival, which then completes at once, and the weights' bytes. The
+    consumers multiply whatever B tile the stage holds. Its time against the default's is what the
+    activation gather costs the pipeline (its L2 round trips and its share of each stage's arrivals)."""
+
+    @cute.jit
+    def copy_k_tile(self, k, stage, k_first, mAct, copies):
+        pass
+
+
 class PanelNoScan(MoEGemmSm90):
     """A GEMM that quantizes its rows (per-token W4A4, `quantizes_rows`) takes every row's maximum as 1
     instead of scanning the rows: the panel without its first pass over the rows."""
@@ -274,6 +286,7 @@ VARIANTS = {
     "no_gemm1_stores": NoGemm1Stores, "gemm2_vector_reduce": Gemm2VectorReduce,
     "half_gemm2_epilogue": HalfGemm2Epilogue, "gemm2_plain_stores": Gemm2PlainStores,
     "gemm2_math_only": Gemm2MathOnly, "no_alpha_loads": NoAlphaLoads, "no_weight_copies": NoWeightCopies,
+    "no_activation_copies": NoActivationCopies,
 }
 CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]
 """The variants of the consumers' k step, timed by default. The `panel_*` variants change only GEMMs

@@ -1,6 +1,7 @@
 """The consumer probe's variants (`benchmarks.sm90_consumer_probe`, no GPU needed) remove what they say
 they remove: the consumer variants from the default GEMM1 of DeepSeek-V3 decode, and nothing of the
-producer (`no_weight_copies` the weight copies only, and nothing of the consumers); the epilogue
+producer (`no_weight_copies` the weight copies only, `no_activation_copies` the activation gather only,
+and nothing of the consumers); the epilogue
 variants nothing of the code (they skip it at run time); the panel variants from the GEMM2 that
 quantizes its rows (per-token W4A4, T = 1), and nothing of its consumers or its weight stream."""
 
@@ -18,7 +19,7 @@ _SCRIPT = textwrap.dedent(
     from benchmarks import sm90_consumer_probe as probe
     out = Path(sys.argv[1])
     _, configs1, _ = probe.gemm_configurations(1, 132)
-    for name in (*probe.CONSUMER_VARIANTS, "no_epilogue", "no_gemm1_stores", "no_weight_copies"):
+    for name in (*probe.CONSUMER_VARIANTS, "no_epilogue", "no_gemm1_stores", "no_weight_copies", "no_activation_copies"):
         compiled = probe.compile_variant(name, "gemm1", configs1[0][0])
         (out / f"{name}.cubin").write_bytes(compiled.__cubin__)
     """
@@ -28,7 +29,10 @@ _SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def variants(tmp_path_factory):
     out = compile_in_subprocess(_SCRIPT, {}, tmp_path_factory.mktemp("consumer_probe"))
-    names = ("default", "no_decode", "no_mma", "barriers_only", "no_epilogue", "no_gemm1_stores", "no_weight_copies")
+    names = (
+        "default", "no_decode", "no_mma", "barriers_only", "no_epilogue", "no_gemm1_stores", "no_weight_copies",
+        "no_activation_copies",
+    )
     return {name: sass(out / f"{name}.cubin") for name in names}
 
 
@@ -41,12 +45,15 @@ def test_each_variant_drops_its_part_of_the_consumer_k_step(variants):
     assert count("no_mma", "HGMMA") == 0 and count("no_mma", "HMUL2.BF16_V2") == count("default", "HMUL2.BF16_V2")
     assert count("barriers_only", "HGMMA") == 0 and count("barriers_only", "HMUL2.BF16_V2") == 0
     for name in variants:  # the producer's bulk copies and gathers are every variant's but the one without them
-        assert ("UBLKCP.S.G" in variants[name]) == (name != "no_weight_copies") and "LDGSTS" in variants[name], name
+        assert ("UBLKCP.S.G" in variants[name]) == (name != "no_weight_copies"), name
+        assert ("LDGSTS.E" in variants[name]) == (name != "no_activation_copies"), name
+        assert "LDGSTSBAR" in variants[name], name  # every producer thread's arrival on `full` stays
 
 
-def test_no_weight_copies_keeps_the_whole_consumer(variants):
+@pytest.mark.parametrize("name", ["no_weight_copies", "no_activation_copies"])
+def test_the_producer_variants_keep_the_whole_consumer(variants, name):
     for instruction in ("HGMMA", "HMUL2.BF16_V2", "SHFL.IDX", "LDS.128"):
-        assert variants["no_weight_copies"].count(instruction) == variants["default"].count(instruction) > 0, instruction
+        assert variants[name].count(instruction) == variants["default"].count(instruction) > 0, instruction
 
 
 def test_the_epilogue_variants_keep_the_epilogue_code_behind_a_run_time_test(variants):
