@@ -20,6 +20,9 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
   whatever the stages hold, with no wait for weight bytes: the consumers' own time. (GEMM2 still
   prefetches its first items' weights into L2 before its wait, `prefetch_first_items`.)
   `no_activation_copies` issues no activation copies instead: what the gather costs the pipeline.
+- `gemm1_k_splits_2`, `gemm1_k_splits_4` (chosen with `--variants`) run GEMM1 in that many slices of K,
+  each slice's items their own CTAs, with no reduction of the slices (garbage results): how much faster
+  GEMM1's k loops run where its items would leave SMs or CTA slots idle.
 - `no_epilogue`, `no_gemm1_epilogue`, `no_gemm2_epilogue` (chosen with `--variants`) keep the GEMMs'
   code but skip the epilogue of both GEMMs, of GEMM1 or of GEMM2 at run time (`NoEpilogue`): what the
   consumers' epilogues, which no `wgmma` overlaps, cost. `no_gemm1_stores` skips GEMM1's stores only
@@ -248,6 +251,25 @@ class NoActivationCopies(MoEGemmSm90):
         pass
 
 
+class Gemm1KSplits(MoEGemmSm90):
+    """GEMM1 in `splits` slices of K, as the fused GEMM2 takes them (`item_place`: more, shorter items, so
+    more CTAs), each slice running the whole epilogue on its partial sums, with no reduction between
+    the slices: the results are garbage. Its time against the default's bounds what a split of K with a
+    reduction could gain where GEMM1's items leave CTA slots idle (GLM and the EP shard at T = 1)."""
+
+    splits = 2
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        if self.epilogue == "gemm1":
+            self.k_splits = self.splits
+            self.k_iterations = options["prepared_k"] // options["tile_k"] // self.splits
+
+
+class Gemm1KSplits4(Gemm1KSplits):
+    splits = 4
+
+
 class PanelNoScan(MoEGemmSm90):
     """A GEMM that quantizes its rows (per-token W4A4, `quantizes_rows`) takes every row's maximum as 1
     instead of scanning the rows: the panel without its first pass over the rows."""
@@ -286,7 +308,7 @@ VARIANTS = {
     "no_gemm1_stores": NoGemm1Stores, "gemm2_vector_reduce": Gemm2VectorReduce,
     "half_gemm2_epilogue": HalfGemm2Epilogue, "gemm2_plain_stores": Gemm2PlainStores,
     "gemm2_math_only": Gemm2MathOnly, "no_alpha_loads": NoAlphaLoads, "no_weight_copies": NoWeightCopies,
-    "no_activation_copies": NoActivationCopies,
+    "no_activation_copies": NoActivationCopies, "gemm1_k_splits_2": Gemm1KSplits, "gemm1_k_splits_4": Gemm1KSplits4,
 }
 CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]
 """The variants of the consumers' k step, timed by default. The `panel_*` variants change only GEMMs

@@ -138,3 +138,19 @@ def test_each_panel_variant_drops_its_part_of_the_panel(tmp_path):
     assert len(code["panel_no_quantize"]) < len(code["default"]) / 2  # the quantization is most of the code
     for name, text in code.items():  # the consumers' MMAs and the weight stream are every variant's
         assert text.count("HGMMA") == code["default"].count("HGMMA") > 0 and "UBLKCP.S.G" in text, name
+
+
+@pytest.mark.parametrize("name, splits", [("gemm1_k_splits_2", 2), ("gemm1_k_splits_4", 4)])
+def test_the_gemm1_split_variants_slice_gemm1_only(name, splits):
+    from benchmarks import sm90_consumer_probe as probe
+
+    options = dict(
+        num_experts=256, prepared_rows=1024, prepared_k=6144, act_k=6144, tile_features=64, tile_rows=8,
+        row_granule=8, tile_k=128, stages=16, ctas_per_sm=2, max_ctas=264, top_k=8,
+    )
+    gemm1 = probe.VARIANTS[name](epilogue="gemm1", out_features=512, **options)
+    # GLM's GEMM1 at T = 1: 48 k tiles of 128 K per 64-feature item, now `splits` items of fewer.
+    assert (gemm1.k_splits, gemm1.k_iterations) == (splits, 48 // splits)
+    assert [gemm1.item_place(item)[2] for item in range(splits)] == [s * 48 // splits for s in range(splits)]
+    gemm2 = probe.VARIANTS[name](epilogue="gemm2_fused", out_features=6144, activation="none", **options)
+    assert (gemm2.k_splits, gemm2.k_iterations) == (1, 48)
