@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from unittest import mock
 
@@ -66,6 +67,7 @@ from benchmarks.moe_implementations import REGISTRY
 from benchmarks.sm90_gemm_sweep import DEEPSEEK_V3, gemm_configurations, hopper_weights, routed_tokens
 from benchmarks.timing import L2_FLUSHES, PreparedCall, time_interleaved
 from fp4moe import weight_layout
+from fp4moe.kernels import host_launcher
 from fp4moe.kernels.sm90 import gemm_device as dev
 from fp4moe.kernels.sm90 import moe_launch
 from fp4moe.kernels.sm90.moe_gemm import PANEL_BARRIER, PANEL_WARPS, WARP_SIZE, MoEGemmSm90
@@ -453,6 +455,10 @@ def main() -> int:
             compile_only(token_counts, args.sms, args.variants)
         return 0
     if args.whole_call:
+        # The C++ host launcher replays the launches it recorded on a call's first run for every later
+        # call of the same shapes, which would time the first variant's kernels under every name:
+        # each variant's graph must be captured from the Python launch path that builds its kernels.
+        os.environ[host_launcher.MODE_VARIABLE] = "python"
         if not hopper_gpu("sm90_consumer_probe"):
             return 2
         print(torch.cuda.get_device_name(), flush=True)
