@@ -20,6 +20,8 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
   whatever the stages hold, with no wait for weight bytes: the consumers' own time. (GEMM2 still
   prefetches its first items' weights into L2 before its wait, `prefetch_first_items`.)
   `no_activation_copies` issues no activation copies instead: what the gather costs the pipeline.
+  `skeleton` issues neither and does no consumer work (`barriers_only` without the copies): what a call
+  costs with nothing to stream or multiply (plan, launches, PDL waits, barriers, epilogues).
 - `gemm1_k_splits_2`, `gemm1_k_splits_4` (chosen with `--variants`) run GEMM1 in that many slices of K,
   each slice's items their own CTAs, with no reduction of the slices (garbage results): how much faster
   GEMM1's k loops run where its items would leave SMs or CTA slots idle.
@@ -253,6 +255,11 @@ class NoActivationCopies(MoEGemmSm90):
         pass
 
 
+class Skeleton(BarriersOnly, NoWeightCopies, NoActivationCopies):
+    """No copies and no consumer work: every stage's barriers, the epilogues, the plan, the launches and
+    their PDL waits. Its time is what a call costs with no bytes to stream and nothing to multiply."""
+
+
 class Gemm1KSplits(MoEGemmSm90):
     """GEMM1 in `splits` slices of K, as the fused GEMM2 takes them (`item_place`: more, shorter items, so
     more CTAs), each slice running the whole epilogue on its partial sums, with no reduction between
@@ -310,7 +317,8 @@ VARIANTS = {
     "no_gemm1_stores": NoGemm1Stores, "gemm2_vector_reduce": Gemm2VectorReduce,
     "half_gemm2_epilogue": HalfGemm2Epilogue, "gemm2_plain_stores": Gemm2PlainStores,
     "gemm2_math_only": Gemm2MathOnly, "no_alpha_loads": NoAlphaLoads, "no_weight_copies": NoWeightCopies,
-    "no_activation_copies": NoActivationCopies, "gemm1_k_splits_2": Gemm1KSplits, "gemm1_k_splits_4": Gemm1KSplits4,
+    "no_activation_copies": NoActivationCopies, "skeleton": Skeleton, "gemm1_k_splits_2": Gemm1KSplits,
+    "gemm1_k_splits_4": Gemm1KSplits4,
 }
 CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]
 """The variants of the consumers' k step, timed by default. The `panel_*` variants change only GEMMs

@@ -1,7 +1,7 @@
 """The consumer probe's variants (`benchmarks.sm90_consumer_probe`, no GPU needed) remove what they say
 they remove: the consumer variants from the default GEMM1 of DeepSeek-V3 decode, and nothing of the
 producer (`no_weight_copies` the weight copies only, `no_activation_copies` the activation gather only,
-and nothing of the consumers); the epilogue
+and nothing of the consumers; `skeleton` both and the consumers' work); the epilogue
 variants nothing of the code (they skip it at run time); the panel variants from the GEMM2 that
 quantizes its rows (per-token W4A4, T = 1), and nothing of its consumers or its weight stream."""
 
@@ -19,7 +19,9 @@ _SCRIPT = textwrap.dedent(
     from benchmarks import sm90_consumer_probe as probe
     out = Path(sys.argv[1])
     _, configs1, _ = probe.gemm_configurations(1, 132)
-    for name in (*probe.CONSUMER_VARIANTS, "no_epilogue", "no_gemm1_stores", "no_weight_copies", "no_activation_copies"):
+    for name in (
+        *probe.CONSUMER_VARIANTS, "no_epilogue", "no_gemm1_stores", "no_weight_copies", "no_activation_copies", "skeleton"
+    ):
         compiled = probe.compile_variant(name, "gemm1", configs1[0][0])
         (out / f"{name}.cubin").write_bytes(compiled.__cubin__)
     """
@@ -31,7 +33,7 @@ def variants(tmp_path_factory):
     out = compile_in_subprocess(_SCRIPT, {}, tmp_path_factory.mktemp("consumer_probe"))
     names = (
         "default", "no_decode", "no_mma", "barriers_only", "no_epilogue", "no_gemm1_stores", "no_weight_copies",
-        "no_activation_copies",
+        "no_activation_copies", "skeleton",
     )
     return {name: sass(out / f"{name}.cubin") for name in names}
 
@@ -43,10 +45,11 @@ def test_each_variant_drops_its_part_of_the_consumer_k_step(variants):
     assert count("default", "HGMMA") > 0 and count("default", "HMUL2.BF16_V2") > 0
     assert count("no_decode", "HGMMA") == count("default", "HGMMA") and count("no_decode", "HMUL2.BF16_V2") == 0
     assert count("no_mma", "HGMMA") == 0 and count("no_mma", "HMUL2.BF16_V2") == count("default", "HMUL2.BF16_V2")
-    assert count("barriers_only", "HGMMA") == 0 and count("barriers_only", "HMUL2.BF16_V2") == 0
-    for name in variants:  # the producer's bulk copies and gathers are every variant's but the one without them
-        assert ("UBLKCP.S.G" in variants[name]) == (name != "no_weight_copies"), name
-        assert ("LDGSTS.E" in variants[name]) == (name != "no_activation_copies"), name
+    for name in ("barriers_only", "skeleton"):
+        assert count(name, "HGMMA") == 0 and count(name, "HMUL2.BF16_V2") == 0, name
+    for name in variants:  # the producer's bulk copies and gathers are every variant's but those without them
+        assert ("UBLKCP.S.G" in variants[name]) == (name not in ("no_weight_copies", "skeleton")), name
+        assert ("LDGSTS.E" in variants[name]) == (name not in ("no_activation_copies", "skeleton")), name
         assert "LDGSTSBAR" in variants[name], name  # every producer thread's arrival on `full` stays
 
 
