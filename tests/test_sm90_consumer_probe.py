@@ -17,25 +17,25 @@ _SCRIPT = textwrap.dedent(
     import json, sys
     from pathlib import Path
     from benchmarks import sm90_consumer_probe as probe
-    out = Path(sys.argv[1])
+    out, names = Path(sys.argv[1]), json.loads(sys.argv[2])["names"]
     _, configs1, _ = probe.gemm_configurations(1, 132)
-    for name in (
-        *probe.CONSUMER_VARIANTS, "no_epilogue", "no_gemm1_stores", "no_weight_copies", "no_activation_copies", "skeleton"
-    ):
+    for name in names:
         compiled = probe.compile_variant(name, "gemm1", configs1[0][0])
         (out / f"{name}.cubin").write_bytes(compiled.__cubin__)
     """
 )
 
 
+GEMM1_VARIANTS = (
+    "default", "no_decode", "no_mma", "barriers_only", "no_epilogue", "no_gemm1_stores", "no_weight_copies",
+    "no_activation_copies", "skeleton",
+)
+
+
 @pytest.fixture(scope="module")
 def variants(tmp_path_factory):
-    out = compile_in_subprocess(_SCRIPT, {}, tmp_path_factory.mktemp("consumer_probe"))
-    names = (
-        "default", "no_decode", "no_mma", "barriers_only", "no_epilogue", "no_gemm1_stores", "no_weight_copies",
-        "no_activation_copies", "skeleton",
-    )
-    return {name: sass(out / f"{name}.cubin") for name in names}
+    out = compile_in_subprocess(_SCRIPT, {"names": GEMM1_VARIANTS}, tmp_path_factory.mktemp("consumer_probe"))
+    return {name: sass(out / f"{name}.cubin") for name in GEMM1_VARIANTS}
 
 
 def test_each_variant_drops_its_part_of_the_consumer_k_step(variants):
