@@ -52,7 +52,7 @@ def stage_calls(problem: MoEProblem, tokens: int) -> dict:
         (permuted_to_pair, _, tile_expert, _, _), _ = plan_outputs
         return moe_launch.gemm1(
             x, None, None, permuted_to_pair, tile_expert, w.w1, w.w1_scales, w1_alpha, w.layout, top_k, "swiglu",
-            None, None, None, None, None, 0, expected_pairs=expected,
+            None, None, None, None, None, 0, expected_pairs=expected, routing=(topk_ids, shape.local_expert_offset),
         )[0]
 
     def gemm2(plan_outputs, intermediate):
