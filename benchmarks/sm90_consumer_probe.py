@@ -53,8 +53,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import inspect
 import os
 import sys
+from pathlib import Path
 from unittest import mock
 
 import cutlass
@@ -331,8 +334,11 @@ variants (`NoEpilogue`) skip the epilogues of both GEMMs or of one."""
 def gemm_class_kernels(gemm_class, *key_tags):
     """Inside: the MoE launch layer builds its GEMMs from `gemm_class` (a `MoEGemmSm90` subclass), compiled
     once (the process cache is cleared on the way in and out) and kept in the disk kernel cache under
-    keys that end with `key_tags`."""
+    keys that end with `key_tags` and a digest of the file defining `gemm_class`: the cache's own
+    fingerprint covers fp4moe's sources only, so an edited variant must not find its old kernels."""
     compile_kernel = moe_launch.compile_kernel
+    source = Path(inspect.getsourcefile(gemm_class)).read_bytes()
+    key_tags = (*key_tags, hashlib.sha256(source).hexdigest()[:16])
 
     def keyed(*args, cache_key=None, **kwargs):
         if cache_key is not None and cache_key[0] == "moe_gemm":

@@ -8,8 +8,8 @@ For diagnosis only. `--shape` is one of the MoE harness's (`benchmarks.moe_cases
 default): its sizes and local experts, with softmax routing (`benchmarks.sm90_gemm_sweep.routed_tokens`).
 The kernels are `fused_moe`'s GEMM configurations for that shape (`benchmarks.sm90_gemm_sweep`'s first,
 the one `fused_moe` picks; with per-warp `mma.sync` where `moe_launch.uses_warp_mma` says so, as in GLM's
-T = 1 GEMM1) with four timestamps per CTA written to a buffer passed where a per-token scale would be (the
-kernels are compiled with `row_scaled` and ignore it as a scale):
+T = 1 GEMM1) with four timestamps and two wait sums per CTA written to a buffer passed where a per-token
+scale would be (the kernels are compiled with `row_scaled` and ignore it as a scale):
 
 - `entry`: the CTA's first instruction after its shared-memory set-up (and GEMM2's L2 prefetch), before
   its PDL wait: when the CTA became resident;
@@ -17,6 +17,13 @@ kernels are compiled with `row_scaled` and ignore it as a scale):
 - `produced`: its producer has issued its last copy;
 - `ended`: its first consumer warp has finished its epilogue (with `wgmma` its warpgroup's other warps
   finish with it; with per-warp `mma.sync` they never wait for one another, and may end a little apart).
+
+and two sums over the CTA's pipeline waits (`WAIT_SUMS`), each wait timed on both sides: how long its
+producer's thread 0 waited for the consumers to free a stage (`empty`), and how long its first consumer
+thread waited for a stage's bytes (`full`; in a GEMM quantizing its rows also for its panels). Between its
+PDL wait and its last copy, a producer that seldom waits on `empty` is held by its own issue or by nothing
+the ring shows; a consumer that waits long on `full` is fed too slowly. Each wait is measured in the timer's
+ticks (below), so a sum of many short waits is coarse, not biased by much.
 
 Times are us from the first GEMM1 CTA's entry, per replay, after a reading L2 flush; each statistic is the
 median over the replays. The run also times the same two GEMMs without stamps (CUDA events, same replays),
@@ -32,6 +39,7 @@ import statistics
 import sys
 from unittest import mock
 
+import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64
@@ -47,8 +55,11 @@ from fp4moe.kernels.sm90 import moe_gemm, moe_launch, pdl
 from fp4moe.kernels.sm90.moe_gemm import WARPGROUP_THREADS, MoEGemmSm90
 
 STAMPS = ("entry", "waited", "produced", "ended")
-SLOTS = 1 + len(STAMPS)
-"""Per CTA: its SM, then the stamps, as 64-bit words."""
+WAIT_SUMS = ("producer waited on empty", "consumer waited on full")
+SLOTS = 1 + len(STAMPS) + len(WAIT_SUMS)
+"""Per CTA: its SM, the stamps, then the wait sums, as 64-bit words."""
+WAITING_THREADS = (0, WARPGROUP_THREADS)
+"""The threads whose waits `WAIT_SUMS` add up: the producer's first and the first consumer's."""
 MAX_CTAS = 512
 """Room in each stamp buffer: CTAs per GEMM (a grid holds at most `max_ctas` of its configuration)."""
 
@@ -68,9 +79,32 @@ def store_u64(gmem_address, value, *, loc=None, ip=None) -> None:
     dev._asm(None, "st.global.u64 [$0], $1;", "l,l", (Int64(gmem_address), Int64(value)), True, loc, ip)
 
 
+@dsl_user_op
+def add_u64_where(gmem_address, value, predicate, *, loc=None, ip=None) -> None:
+    """`red.global.add.u64` of `value` at `gmem_address` on the threads where `predicate` is nonzero."""
+    ptx = "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p red.global.add.u64 [$0], $1; }"
+    dev._asm(None, ptx, "l,l,r", (Int64(gmem_address), Int64(value), Int32(predicate)), True, loc, ip)
+
+
 _traced = {}
 """The entry and wait stamps of the kernel being traced: values of its top level, read by the producer's and
-the consumers' branches (`CtaTimed`)."""
+the consumers' branches (`CtaTimed`); and the stamp buffer's address there, which `_summed_wait` adds to."""
+_mbarrier_wait = cute.arch.mbarrier_wait
+
+
+def _summed_wait(mbar_ptr, phase, *, loc=None, ip=None):
+    """`cute.arch.mbarrier_wait`, and inside `CtaTimed.produce` and `consume` timed: the threads of
+    `WAITING_THREADS` add the wait's duration (ns) to their CTA's slot of `WAIT_SUMS`."""
+    if "stamps" not in _traced:
+        return _mbarrier_wait(mbar_ptr, phase, loc=loc, ip=ip)
+    start = global_timer()
+    _mbarrier_wait(mbar_ptr, phase, loc=loc, ip=ip)
+    waited = global_timer() - start
+    thread = cute.arch.thread_idx()[0]
+    consumer = cutlass.select_(thread == WAITING_THREADS[1], Int32(1), Int32(0))
+    adds = cutlass.select_((thread == WAITING_THREADS[0]) | (thread == WAITING_THREADS[1]), Int32(1), Int32(0))
+    slot = Int64(1 + len(STAMPS)) + Int64(consumer)
+    add_u64_where(_traced["stamps"] + (Int64(cute.arch.block_idx()[0]) * SLOTS + slot) * 8, waited, adds)
 
 
 def _stamped_wait():
@@ -97,10 +131,12 @@ class CtaTimed(MoEGemmSm90):
         self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
         row_factors, mLiveTiles,
     ):
+        _traced["stamps"] = row_factors[1].iterator.toint()
         MoEGemmSm90.produce(
             self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
             row_factors, mLiveTiles,
         )
+        del _traced["stamps"]
         if cute.arch.thread_idx()[0] == 0:
             mStamps = row_factors[1]
             self.stamp(mStamps, 0, Int64(sm_id()))
@@ -113,10 +149,12 @@ class CtaTimed(MoEGemmSm90):
         self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs, num_pairs,
         full, empty, group, mLiveTiles,
     ):
+        _traced["stamps"] = row_factors[1].iterator.toint()
         MoEGemmSm90.consume(
             self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs,
             num_pairs, full, empty, group, mLiveTiles,
         )
+        del _traced["stamps"]
         if cute.arch.thread_idx()[0] == WARPGROUP_THREADS:
             self.stamp(row_factors[1], 4, global_timer())
 
@@ -126,7 +164,7 @@ def timed_kernels():
     """Inside: `moe_launch.compile_gemm` builds `CtaTimed` GEMMs, kept in the disk cache under their own keys."""
     with gemm_class_kernels(CtaTimed, "cta_timeline"), mock.patch.object(
         moe_gemm, "wait_for_predecessor_and_release_successor", _stamped_wait
-    ):
+    ), mock.patch.object(cute.arch, "mbarrier_wait", _summed_wait):
         yield
 
 
@@ -160,6 +198,9 @@ def run(shape: MoEShape, tokens: int, weights, replays: int, g) -> None:
 
     def chain(kernels, timed):
         gemm1, gemm2 = kernels
+        if timed:  # the wait sums add up from zero in every replay
+            for buffer in stamps:
+                buffer.zero_()
         moe_launch.launch_gemm(
             gemm1, weights.w1, weights.w1_scales, x, permuted_to_pair, tile_expert, w1_alpha, None, inter,
             stamps[0] if timed else None,
@@ -220,8 +261,9 @@ def run(shape: MoEShape, tokens: int, weights, replays: int, g) -> None:
 
 def summary(replays_stamps) -> dict:
     """Per (kernel, stamp): the median over replays of each order statistic of the CTAs' times, in us from
-    the replay's first GEMM1 entry. `replays_stamps`: per replay, GEMM1's and GEMM2's [CTAs, SLOTS] int64
-    stamps (ns). Also GEMM2's CTAs resident before GEMM1's last CTA ended, and the SMs GEMM2 ran on."""
+    the replay's first GEMM1 entry, and of their wait sums (`WAIT_SUMS`), in us. `replays_stamps`: per
+    replay, GEMM1's and GEMM2's [CTAs, SLOTS] int64 stamps (ns). Also GEMM2's CTAs resident before GEMM1's
+    last CTA ended, and the SMs GEMM2 ran on."""
     rows = {}
     for gemm1, gemm2 in replays_stamps:
         origin = int(gemm1[:, 1].min())
@@ -229,6 +271,9 @@ def summary(replays_stamps) -> dict:
         for k, name in enumerate(("GEMM1", "GEMM2")):
             for s, stamp in enumerate(STAMPS):
                 rows.setdefault((name, stamp), []).append(sorted(us[k][:, s].tolist()))
+            for s, wait in enumerate(WAIT_SUMS, start=1 + len(STAMPS)):
+                waits = (gemm1, gemm2)[k][:, s].double() / 1e3
+                rows.setdefault((name, wait), []).append(sorted(waits.tolist()))
         gemm1_last_end = float(us[0][:, STAMPS.index("ended")].max())
         rows.setdefault(("GEMM2", "resident before GEMM1's last end"), []).append(
             [float((us[1][:, STAMPS.index("entry")] < gemm1_last_end).sum())]

@@ -12,7 +12,7 @@ import torch
 
 from benchmarks import precompile
 from benchmarks.moe_cases import SHAPES
-from benchmarks.sm90_cta_timeline import SLOTS, STAMPS, compile_pair, sm_persistence, summary
+from benchmarks.sm90_cta_timeline import SLOTS, STAMPS, WAIT_SUMS, compile_pair, sm_persistence, summary
 from fp4moe.kernels.sm90 import moe_launch
 from tests.sm90_compile import compile_in_subprocess, sass
 
@@ -79,8 +79,11 @@ def kernels(request, tmp_path_factory):
 def test_the_stamping_gemms_read_the_timer_around_the_pdl_wait_and_keep_the_default_compute(kernels, gemm):
     shape, code = kernels
     default, timed = code[f"{gemm}_default"], code[f"{gemm}_timed"]
-    assert "SR_GLOBALTIMER" not in default
-    assert timed.count("SR_GLOBALTIMERLO") == len(STAMPS) and "SR_VIRTUALSMID" in timed
+    assert "SR_GLOBALTIMER" not in default and "REDG.E.ADD.64" not in default
+    # The stamps, then two reads around every pipeline wait of the producer's and the consumers' loops, whose
+    # durations two threads add up (`WAIT_SUMS`).
+    waits = timed.count("REDG.E.ADD.64")
+    assert waits >= 2 and timed.count("SR_GLOBALTIMERLO") == len(STAMPS) + 2 * waits and "SR_VIRTUALSMID" in timed
     lines = [line for line in timed.splitlines() if "SR_GLOBALTIMERLO" in line or "ACQBULK" in line]
     assert [("ACQBULK" in line) for line in lines[:3]] == [False, True, False]  # entry, the wait, waited
     warp_mma = (shape, gemm) == ("glm", "gemm1")
@@ -89,15 +92,19 @@ def test_the_stamping_gemms_read_the_timer_around_the_pdl_wait_and_keep_the_defa
         assert timed.count(instruction) == default.count(instruction), instruction
 
 
-def _stamps(sm, *times_ns):
-    return torch.tensor([[sm, *t] for sm, t in zip(sm, zip(*times_ns))], dtype=torch.int64).reshape(-1, SLOTS)
+def _stamps(sm, *times_ns, waits_ns=None):
+    """Rows of `SLOTS`: each CTA's SM, its `STAMPS` times, its `WAIT_SUMS` (`waits_ns`, one list per sum; zeros
+    by default)."""
+    waits_ns = waits_ns or [[0] * len(sm)] * len(WAIT_SUMS)
+    rows = [[sm, *t, *w] for sm, t, w in zip(sm, zip(*times_ns), zip(*waits_ns))]
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, SLOTS)
 
 
 def test_the_summary_takes_times_from_the_first_gemm1_entry_and_medians_over_replays():
     replays = []
     for offset in (1_000_000, 5_000_000, 9_000_000):  # the same CTAs' times in three replays
         gemm1 = _stamps([0, 1], [offset, offset + 500], [offset, offset + 500], [offset + 20_000] * 2,
-                        [offset + 30_000, offset + 34_000])
+                        [offset + 30_000, offset + 34_000], waits_ns=[[3_000, 1_000], [9_000, 12_000]])
         gemm2 = _stamps([2, 0, 1], [offset + 2_000, offset + 31_000, offset + 35_000], [offset + 35_500] * 3,
                         [offset + 50_000] * 3, [offset + 52_000, offset + 55_000, offset + 56_000])
         replays.append((gemm1, gemm2))
@@ -107,6 +114,9 @@ def test_the_summary_takes_times_from_the_first_gemm1_entry_and_medians_over_rep
     assert rows[("GEMM2", "ended")] == [52.0, 55.0, 56.0]
     assert rows[("GEMM2", "resident before GEMM1's last end")] == [2.0]
     assert rows[("GEMM2", "distinct SMs")] == [3.0]
+    assert rows[("GEMM1", "producer waited on empty")] == [1.0, 3.0]  # sums in us, not times since the entry
+    assert rows[("GEMM1", "consumer waited on full")] == [9.0, 12.0]
+    assert rows[("GEMM2", "consumer waited on full")] == [0.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("persistent", [True, False])
