@@ -22,6 +22,10 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
   `no_activation_copies` issues no activation copies instead: what the gather costs the pipeline.
   `skeleton` issues neither and does no consumer work (`barriers_only` without the copies): what a call
   costs with nothing to stream or multiply (plan, launches, PDL waits, barriers, epilogues).
+- `spinning_waits` (chosen with `--variants`) is no removal: every pipeline wait of the producer and the
+  consumers polls with `mbarrier.test_wait` instead of `mbarrier_wait`'s `try_wait`, after which ptxas
+  suspends the thread until the phase completes (`NANOSLEEP.SYNCS`): what waking from that suspension costs
+  each stage's hand-off.
 - `gemm1_k_splits_2`, `gemm1_k_splits_4` (chosen with `--variants`) run GEMM1 in that many slices of K,
   each slice's items their own CTAs, with no reduction of the slices (garbage results): how much faster
   GEMM1's k loops run where its items would leave SMs or CTA slots idle.
@@ -64,6 +68,7 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass.cutlass_dsl import dsl_user_op
 
 from benchmarks import precompile
 from benchmarks.gpu_state import hopper_gpu
@@ -263,6 +268,57 @@ class Skeleton(BarriersOnly, NoWeightCopies, NoActivationCopies):
     their PDL waits. Its time is what a call costs with no bytes to stream and nothing to multiply."""
 
 
+@dsl_user_op
+def spinning_wait(mbar_ptr, phase, *, loc=None, ip=None) -> None:
+    """Wait for phase parity `phase` of the mbarrier at `mbar_ptr` by polling `mbarrier.test_wait`, which
+    never suspends the thread."""
+    ptx = (
+        "{ .reg .pred done; spin_wait: mbarrier.test_wait.parity.shared::cta.b64 done, [$0], $1; "
+        "@!done bra spin_wait; }"
+    )
+    dev._asm(None, ptx, "r,r", (Int32(mbar_ptr.toint()), Int32(phase)), True, loc, ip)
+
+
+_spinning = {"on": False}
+"""Set while `SpinningWaits.produce` and `consume` are traced: `_pipeline_wait` then polls."""
+_mbarrier_wait = cute.arch.mbarrier_wait
+
+
+def _pipeline_wait(mbar_ptr, phase, *, loc=None, ip=None):
+    """`cute.arch.mbarrier_wait` while `variant_kernels` compiles: `spinning_wait` inside `SpinningWaits`'
+    producer and consumers, the library's wait everywhere else."""
+    wait = spinning_wait if _spinning["on"] else _mbarrier_wait
+    return wait(mbar_ptr, phase, loc=loc, ip=ip)
+
+
+class SpinningWaits(MoEGemmSm90):
+    """The producer's and the consumers' pipeline waits poll (`spinning_wait`); the rest is the default."""
+
+    @cute.jit
+    def produce(
+        self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
+        row_factors, mLiveTiles,
+    ):
+        _spinning["on"] = True
+        MoEGemmSm90.produce(
+            self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
+            row_factors, mLiveTiles,
+        )
+        _spinning["on"] = False
+
+    @cute.jit
+    def consume(
+        self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs, num_pairs,
+        full, empty, group, mLiveTiles,
+    ):
+        _spinning["on"] = True
+        MoEGemmSm90.consume(
+            self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs,
+            num_pairs, full, empty, group, mLiveTiles,
+        )
+        _spinning["on"] = False
+
+
 class Gemm1KSplits(MoEGemmSm90):
     """GEMM1 in `splits` slices of K, as the fused GEMM2 takes them (`item_place`: more, shorter items, so
     more CTAs), each slice running the whole epilogue on its partial sums, with no reduction between
@@ -321,7 +377,7 @@ VARIANTS = {
     "half_gemm2_epilogue": HalfGemm2Epilogue, "gemm2_plain_stores": Gemm2PlainStores,
     "gemm2_math_only": Gemm2MathOnly, "no_alpha_loads": NoAlphaLoads, "no_weight_copies": NoWeightCopies,
     "no_activation_copies": NoActivationCopies, "skeleton": Skeleton, "gemm1_k_splits_2": Gemm1KSplits,
-    "gemm1_k_splits_4": Gemm1KSplits4,
+    "gemm1_k_splits_4": Gemm1KSplits4, "spinning_waits": SpinningWaits,
 }
 CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]
 """The variants of the consumers' k step, timed by default. The `panel_*` variants change only GEMMs
@@ -355,9 +411,14 @@ def gemm_class_kernels(gemm_class, *key_tags):
         moe_launch.compile_gemm.cache_clear()
 
 
+@contextlib.contextmanager
 def variant_kernels(name: str):
-    """`gemm_class_kernels` of variant `name`'s class, under keys that name the variant."""
-    return gemm_class_kernels(VARIANTS[name], "consumer_probe", name)
+    """`gemm_class_kernels` of variant `name`'s class, under keys that name the variant (with its pipeline
+    waits routed through `_pipeline_wait`, which only `SpinningWaits` changes)."""
+    with gemm_class_kernels(VARIANTS[name], "consumer_probe", name), mock.patch.object(
+        cute.arch, "mbarrier_wait", _pipeline_wait
+    ):
+        yield
 
 
 def compile_variant(name: str, epilogue: str, key: tuple):

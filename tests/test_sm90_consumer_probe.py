@@ -1,7 +1,8 @@
 """The consumer probe's variants (`benchmarks.sm90_consumer_probe`, no GPU needed) remove what they say
 they remove: the consumer variants from the default GEMM1 of DeepSeek-V3 decode, and nothing of the
 producer (`no_weight_copies` the weight copies only, `no_activation_copies` the activation gather only,
-and nothing of the consumers; `skeleton` both and the consumers' work); the epilogue
+and nothing of the consumers; `skeleton` both and the consumers' work; `spinning_waits` only how the
+pipeline waits); the epilogue
 variants nothing of the code (they skip it at run time); the panel variants from the GEMM2 that
 quantizes its rows (per-token W4A4, T = 1), and nothing of its consumers or its weight stream."""
 
@@ -28,7 +29,7 @@ _SCRIPT = textwrap.dedent(
 
 GEMM1_VARIANTS = (
     "default", "no_decode", "no_mma", "barriers_only", "no_epilogue", "no_gemm1_stores", "no_weight_copies",
-    "no_activation_copies", "skeleton",
+    "no_activation_copies", "skeleton", "spinning_waits",
 )
 
 
@@ -57,6 +58,16 @@ def test_each_variant_drops_its_part_of_the_consumer_k_step(variants):
 def test_the_producer_variants_keep_the_whole_consumer(variants, name):
     for instruction in ("HGMMA", "HMUL2.BF16_V2", "SHFL.IDX", "LDS.128"):
         assert variants[name].count(instruction) == variants["default"].count(instruction) > 0, instruction
+
+
+def test_spinning_waits_poll_instead_of_suspending_and_keep_the_rest(variants):
+    """`spinning_waits`: the pipeline waits of the producer and the consumers poll (`SYNCS.PHASECHK`
+    without `TRYWAIT`, no `NANOSLEEP` after it), and the GEMM's copies and math are the default's."""
+    default, spinning = variants["default"], variants["spinning_waits"]
+    assert default.count("NANOSLEEP.SYNCS") > spinning.count("NANOSLEEP.SYNCS")
+    assert spinning.count("PHASECHK.TRANS64.TRYWAIT") < default.count("PHASECHK.TRANS64.TRYWAIT")
+    for instruction in ("HGMMA", "HMUL2.BF16_V2", "UBLKCP.S.G", "LDGSTS.E", "SHFL.IDX", "LDS.128"):
+        assert spinning.count(instruction) == default.count(instruction) > 0, instruction
 
 
 def test_the_epilogue_variants_keep_the_epilogue_code_behind_a_run_time_test(variants):
