@@ -23,9 +23,10 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
   `skeleton` issues neither and does no consumer work (`barriers_only` without the copies): what a call
   costs with nothing to stream or multiply (plan, launches, PDL waits, barriers, epilogues).
 - `spinning_waits` (chosen with `--variants`) is no removal: every pipeline wait of the producer and the
-  consumers polls with `mbarrier.test_wait` instead of `mbarrier_wait`'s `try_wait`, after which ptxas
-  suspends the thread until the phase completes (`NANOSLEEP.SYNCS`): what waking from that suspension costs
-  each stage's hand-off.
+  consumers polls with `mbarrier.test_wait` instead of `mbarrier_wait`'s `try_wait`, whose suspend hint lets
+  the hardware suspend the thread until the phase completes or a time limit (`NANOSLEEP.SYNCS` in SASS):
+  what waking from that suspension costs each stage's hand-off (polling threads also compete for the
+  barrier's shared memory).
 - `gemm1_k_splits_2`, `gemm1_k_splits_4` (chosen with `--variants`) run GEMM1 in that many slices of K,
   each slice's items their own CTAs, with no reduction of the slices (garbage results): how much faster
   GEMM1's k loops run where its items would leave SMs or CTA slots idle.
@@ -76,7 +77,7 @@ from benchmarks.moe_cases import SHAPES, MoEProblem
 from benchmarks.moe_implementations import REGISTRY
 from benchmarks.sm90_gemm_sweep import DEEPSEEK_V3, gemm_configurations, hopper_weights, routed_tokens
 from benchmarks.timing import L2_FLUSHES, PreparedCall, time_interleaved
-from fp4moe import weight_layout
+from fp4moe import provenance, weight_layout
 from fp4moe.kernels import host_launcher
 from fp4moe.kernels.sm90 import gemm_device as dev
 from fp4moe.kernels.sm90 import moe_launch
@@ -291,32 +292,39 @@ def _pipeline_wait(mbar_ptr, phase, *, loc=None, ip=None):
     return wait(mbar_ptr, phase, loc=loc, ip=ip)
 
 
-class SpinningWaits(MoEGemmSm90):
-    """The producer's and the consumers' pipeline waits poll (`spinning_wait`); the rest is the default."""
+@contextlib.contextmanager
+def _spinning_waits():
+    _spinning["on"] = True
+    try:
+        yield
+    finally:
+        _spinning["on"] = False
 
-    @cute.jit
+
+class SpinningWaits(MoEGemmSm90):
+    """The producer's and the consumers' pipeline waits poll (`spinning_wait`); the rest is the default.
+    `produce` and `consume` are plain methods, run while the kernel is traced, so that the polling ends with
+    them even where a trace fails."""
+
     def produce(
         self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
         row_factors, mLiveTiles,
     ):
-        _spinning["on"] = True
-        MoEGemmSm90.produce(
-            self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
-            row_factors, mLiveTiles,
-        )
-        _spinning["on"] = False
+        with _spinning_waits():
+            MoEGemmSm90.produce(
+                self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
+                row_factors, mLiveTiles,
+            )
 
-    @cute.jit
     def consume(
         self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs, num_pairs,
         full, empty, group, mLiveTiles,
     ):
-        _spinning["on"] = True
-        MoEGemmSm90.consume(
-            self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs,
-            num_pairs, full, empty, group, mLiveTiles,
-        )
-        _spinning["on"] = False
+        with _spinning_waits():
+            MoEGemmSm90.consume(
+                self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs,
+                num_pairs, full, empty, group, mLiveTiles,
+            )
 
 
 class Gemm1KSplits(MoEGemmSm90):
@@ -390,11 +398,13 @@ variants (`NoEpilogue`) skip the epilogues of both GEMMs or of one."""
 def gemm_class_kernels(gemm_class, *key_tags):
     """Inside: the MoE launch layer builds its GEMMs from `gemm_class` (a `MoEGemmSm90` subclass), compiled
     once (the process cache is cleared on the way in and out) and kept in the disk kernel cache under
-    keys that end with `key_tags` and a digest of the file defining `gemm_class`: the cache's own
-    fingerprint covers fp4moe's sources only, so an edited variant must not find its old kernels."""
+    keys that end with `key_tags` and a digest of the code of the file defining `gemm_class`
+    (`provenance.python_code`: docstrings and comments aside): the cache's own fingerprint covers fp4moe's
+    sources only, so a variant whose file's code changed must not find its old kernels. (Code the variant
+    uses from other benchmark files is not covered.)"""
     compile_kernel = moe_launch.compile_kernel
-    source = Path(inspect.getsourcefile(gemm_class)).read_bytes()
-    key_tags = (*key_tags, hashlib.sha256(source).hexdigest()[:16])
+    code = provenance.python_code(Path(inspect.getsourcefile(gemm_class)).read_text())
+    key_tags = (*key_tags, hashlib.sha256(code.encode()).hexdigest()[:16])
 
     def keyed(*args, cache_key=None, **kwargs):
         if cache_key is not None and cache_key[0] == "moe_gemm":

@@ -18,12 +18,12 @@ scale would be (the kernels are compiled with `row_scaled` and ignore it as a sc
 - `ended`: its first consumer warp has finished its epilogue (with `wgmma` its warpgroup's other warps
   finish with it; with per-warp `mma.sync` they never wait for one another, and may end a little apart).
 
-and two sums over the CTA's pipeline waits (`WAIT_SUMS`), each wait timed on both sides: how long its
-producer's thread 0 waited for the consumers to free a stage (`empty`), and how long its first consumer
-thread waited for a stage's bytes (`full`; in a GEMM quantizing its rows also for its panels). Between its
-PDL wait and its last copy, a producer that seldom waits on `empty` is held by its own issue or by nothing
-the ring shows; a consumer that waits long on `full` is fed too slowly. Each wait is measured in the timer's
-ticks (below), so a sum of many short waits is coarse, not biased by much.
+and two sums over the CTA's pipeline waits (`WAIT_SUMS`): how long its producer's thread 0 was blocked
+waiting for the consumers to free a stage (`empty`; with staged rows also for the rows' buffers), and how
+long its first consumer thread was blocked waiting for a stage's bytes (`full`; also for staged rows or a
+quantizing GEMM's panels). A wait counts only where its phase had not yet completed (`blocked_wait_ns`).
+Between its PDL wait and its last copy, a producer that is seldom blocked on `empty` is held by its own
+issue or by nothing the ring shows; a consumer blocked long on `full` is fed too slowly.
 
 Times are us from the first GEMM1 CTA's entry, per replay, after a reading L2 flush; each statistic is the
 median over the replays. The run also times the same two GEMMs without stamps (CUDA events, same replays),
@@ -82,29 +82,51 @@ def store_u64(gmem_address, value, *, loc=None, ip=None) -> None:
 @dsl_user_op
 def add_u64_where(gmem_address, value, predicate, *, loc=None, ip=None) -> None:
     """`red.global.add.u64` of `value` at `gmem_address` on the threads where `predicate` is nonzero."""
-    ptx = "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p red.global.add.u64 [$0], $1; }"
-    dev._asm(None, ptx, "l,l,r", (Int64(gmem_address), Int64(value), Int32(predicate)), True, loc, ip)
+    dev._predicated("red.global.add.u64 [$0], $1;", "l,l", (Int64(gmem_address), Int64(value)), predicate, loc, ip)
+
+
+@dsl_user_op
+def store_u64_where(gmem_address, value, predicate, *, loc=None, ip=None) -> None:
+    """`st.global.u64` of `value` at `gmem_address` on the threads where `predicate` is nonzero."""
+    dev._predicated("st.global.u64 [$0], $1;", "l,l", (Int64(gmem_address), Int64(value)), predicate, loc, ip)
+
+
+SUSPEND_HINT_NS = 10_000_000
+"""The suspend-time hint of `cute.arch.mbarrier_wait`'s `try_wait`, which `blocked_wait_ns` passes too."""
+
+
+@dsl_user_op
+def blocked_wait_ns(mbar_ptr, phase, *, loc=None, ip=None) -> Int64:
+    """Wait for phase parity `phase` of the mbarrier at `mbar_ptr` as `cute.arch.mbarrier_wait` does (`try_wait`
+    with its suspend hint, until the phase completes), and return how long the wait blocked, in ns: 0 where
+    one `test_wait` finds the phase complete, else the timer's difference around the `try_wait` loop. So a
+    wait that does not block adds nothing to a sum of them, not a timer read's worth."""
+    ptx = (
+        "{ .reg .pred done; .reg .u64 start, end; mov.u64 $0, 0; "
+        "mbarrier.test_wait.parity.shared::cta.b64 done, [$1], $2; @done bra timed_wait_end; "
+        "mov.u64 start, %globaltimer; "
+        f"timed_wait_loop: mbarrier.try_wait.parity.shared::cta.b64 done, [$1], $2, {SUSPEND_HINT_NS}; "
+        "@!done bra timed_wait_loop; "
+        "mov.u64 end, %globaltimer; sub.u64 $0, end, start; timed_wait_end: }"
+    )
+    return Int64(dev._asm(T.i64(), ptx, "=l,r,r", (Int32(mbar_ptr.toint()), Int32(phase)), True, loc, ip))
 
 
 _traced = {}
 """The entry and wait stamps of the kernel being traced: values of its top level, read by the producer's and
-the consumers' branches (`CtaTimed`); and the stamp buffer's address there, which `_summed_wait` adds to."""
+the consumers' branches (`CtaTimed`); and, while their loops are traced, where `_summed_wait` adds."""
 _mbarrier_wait = cute.arch.mbarrier_wait
 
 
 def _summed_wait(mbar_ptr, phase, *, loc=None, ip=None):
-    """`cute.arch.mbarrier_wait`, and inside `CtaTimed.produce` and `consume` timed: the threads of
-    `WAITING_THREADS` add the wait's duration (ns) to their CTA's slot of `WAIT_SUMS`."""
-    if "stamps" not in _traced:
+    """`cute.arch.mbarrier_wait`; inside `CtaTimed.produce` and `consume` the wait's blocked time
+    (`blocked_wait_ns`), added by the role's thread of `WAITING_THREADS` to its CTA's slot of `WAIT_SUMS`."""
+    if "sum" not in _traced:
         return _mbarrier_wait(mbar_ptr, phase, loc=loc, ip=ip)
-    start = global_timer()
-    _mbarrier_wait(mbar_ptr, phase, loc=loc, ip=ip)
-    waited = global_timer() - start
-    thread = cute.arch.thread_idx()[0]
-    consumer = cutlass.select_(thread == WAITING_THREADS[1], Int32(1), Int32(0))
-    adds = cutlass.select_((thread == WAITING_THREADS[0]) | (thread == WAITING_THREADS[1]), Int32(1), Int32(0))
-    slot = Int64(1 + len(STAMPS)) + Int64(consumer)
-    add_u64_where(_traced["stamps"] + (Int64(cute.arch.block_idx()[0]) * SLOTS + slot) * 8, waited, adds)
+    address, thread = _traced["sum"]
+    waited = blocked_wait_ns(mbar_ptr, phase, loc=loc, ip=ip)
+    adds = cutlass.select_((cute.arch.thread_idx()[0] == thread) & (waited != 0), Int32(1), Int32(0))
+    add_u64_where(address, waited, adds, loc=loc, ip=ip)
 
 
 def _stamped_wait():
@@ -113,10 +135,28 @@ def _stamped_wait():
     _traced["waited"] = global_timer()
 
 
+@contextlib.contextmanager
+def _summing_waits(mStamps, role: int):
+    """While the producer's (`role` 0) or the consumers' (1) loops are traced: their waits add up in the CTA's
+    slot `role` of `WAIT_SUMS`, which that role's thread of `WAITING_THREADS` first sets to 0 (its own
+    later additions follow that store in program order)."""
+    thread = WAITING_THREADS[role]
+    slot = 1 + len(STAMPS) + role
+    address = mStamps.iterator.toint() + (Int64(cute.arch.block_idx()[0]) * SLOTS + slot) * 8
+    store_u64_where(address, Int64(0), cutlass.select_(cute.arch.thread_idx()[0] == thread, Int32(1), Int32(0)))
+    _traced["sum"] = (address, thread)
+    try:
+        yield
+    finally:
+        del _traced["sum"]
+
+
 class CtaTimed(MoEGemmSm90):
     """The GEMM with each CTA's stamps written to `mRowScales` (compiled with `row_scaled`, not applied).
     The stamps wrap `produce` and `consume`, which every mainloop runs under (`wgmma` and per-warp
-    `mma.sync` alike, `MoEGemmSm90.mainloop`), so every configuration stamps the same four points."""
+    `mma.sync` alike, `MoEGemmSm90.mainloop`), so every configuration stamps the same four points and sums
+    the same waits. `produce` and `consume` are plain methods, run while the kernel is traced, so that
+    `_summing_waits` ends even where a trace fails."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -126,37 +166,40 @@ class CtaTimed(MoEGemmSm90):
     def stamp(self, mStamps, slot, value):
         store_u64(mStamps.iterator.toint() + (cute.arch.block_idx()[0] * SLOTS + slot) * 8, value)
 
-    @cute.jit
     def produce(
         self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
         row_factors, mLiveTiles,
     ):
-        _traced["stamps"] = row_factors[1].iterator.toint()
-        MoEGemmSm90.produce(
-            self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
-            row_factors, mLiveTiles,
-        )
-        del _traced["stamps"]
+        with _summing_waits(row_factors[1], 0):
+            MoEGemmSm90.produce(
+                self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
+                row_factors, mLiveTiles,
+            )
+        self.stamp_produced(row_factors[1])
+
+    @cute.jit
+    def stamp_produced(self, mStamps):
         if cute.arch.thread_idx()[0] == 0:
-            mStamps = row_factors[1]
             self.stamp(mStamps, 0, Int64(sm_id()))
             self.stamp(mStamps, 1, _traced["entry"])
             self.stamp(mStamps, 2, _traced["waited"])
             self.stamp(mStamps, 3, global_timer())
 
-    @cute.jit
     def consume(
         self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs, num_pairs,
         full, empty, group, mLiveTiles,
     ):
-        _traced["stamps"] = row_factors[1].iterator.toint()
-        MoEGemmSm90.consume(
-            self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs,
-            num_pairs, full, empty, group, mLiveTiles,
-        )
-        del _traced["stamps"]
+        with _summing_waits(row_factors[1], 1):
+            MoEGemmSm90.consume(
+                self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs,
+                num_pairs, full, empty, group, mLiveTiles,
+            )
+        self.stamp_ended(row_factors[1])
+
+    @cute.jit
+    def stamp_ended(self, mStamps):
         if cute.arch.thread_idx()[0] == WARPGROUP_THREADS:
-            self.stamp(row_factors[1], 4, global_timer())
+            self.stamp(mStamps, 4, global_timer())
 
 
 @contextlib.contextmanager
@@ -198,9 +241,6 @@ def run(shape: MoEShape, tokens: int, weights, replays: int, g) -> None:
 
     def chain(kernels, timed):
         gemm1, gemm2 = kernels
-        if timed:  # the wait sums add up from zero in every replay
-            for buffer in stamps:
-                buffer.zero_()
         moe_launch.launch_gemm(
             gemm1, weights.w1, weights.w1_scales, x, permuted_to_pair, tile_expert, w1_alpha, None, inter,
             stamps[0] if timed else None,
@@ -247,7 +287,8 @@ def run(shape: MoEShape, tokens: int, weights, replays: int, g) -> None:
     replays_stamps = [[cpu[r, k].view(MAX_CTAS, SLOTS)[: grids[k]] for k in range(2)] for r in range(replays)]
     local_pairs = int((permuted_to_pair >= 0).sum())
     print(f"T={tokens}: {local_pairs} pairs on local experts; GEMM1 {grids[0]} CTAs, GEMM2 {grids[1]} CTAs; us from "
-          f"the first GEMM1 entry, medians over {replays} replays of each order statistic", flush=True)
+          f"the first GEMM1 entry (the wait sums: us blocked), medians over {replays} replays of each order "
+          "statistic", flush=True)
     print(f"{'kernel':6} {'stamp':34} {'min':>6} {'p10':>6} {'median':>6} {'p90':>6} {'max':>6}")
     for (name, stamp), stats in summary(replays_stamps).items():
         print(f"{name:6} {stamp:34} {quantiles(stats)}", flush=True)
