@@ -1,10 +1,11 @@
 """Tuning the sm90 W4A16 grouped GEMMs: every launch configuration near the default one, timed alone.
 
-    python -m benchmarks.sm90_gemm_sweep [--tokens 1,64,512,4096] [--replays 30]
-    python -m benchmarks.sm90_gemm_sweep --compile-only [--sms 132]   # no GPU needed
+    python -m benchmarks.sm90_gemm_sweep [--shape glm] [--tokens 1,64,512,4096] [--replays 30]
+    python -m benchmarks.sm90_gemm_sweep [--shape glm] --compile-only [--sms 132]   # no GPU needed
 
-For development (the benchmark of record is `python -m benchmarks.moe`). DeepSeek-V3 shape, softmax
-routing; per token count the plan tile is `moe_dispatch`'s. For GEMM1 and the fused GEMM2 it compiles
+For development (the benchmark of record is `python -m benchmarks.moe`). One of the MoE harness's shapes
+(`--shape`, DeepSeek-V3 by default: its sizes and local experts), softmax routing; per token count the plan
+tile is `moe_dispatch`'s. For GEMM1 and the fused GEMM2 it compiles
 the configuration `moe_launch.GemmShape` picks and its neighbours (features per CTA, CTAs per SM for
 small tiles, K per k tile, row granule, the epilogue's row chunk; for the fused GEMM2 also its slices
 of K), checks each one's output against the default's (GEMM1 bitwise, GEMM2's atomics to 1e-5), and
@@ -46,7 +47,7 @@ from fp4moe.kernels.sm90.moe_gemm import (
 )
 
 DEEPSEEK_V3 = SHAPES["deepseek_v3"]
-"""The shape the sweep times (and `benchmarks.sm90_consumer_probe` probes GEMM by GEMM)."""
+"""The shape the sweep times by default (and `benchmarks.sm90_consumer_probe` probes GEMM by GEMM)."""
 
 
 def ctas_per_sm_choices(tile_rows: int) -> tuple[int, ...]:
@@ -182,16 +183,16 @@ def compile_gemm2(config, shape: MoEShape = DEEPSEEK_V3, row_scaled: bool = Fals
     )
 
 
-def compile_only(token_counts, sms: int) -> bool:
-    """Compile every configuration the sweep times into the disk cache. Whether all compiled."""
+def compile_only(token_counts, sms: int, shape: MoEShape = DEEPSEEK_V3) -> bool:
+    """Compile every configuration the sweep times for `shape` into the disk cache. Whether all compiled."""
     ok = True
     for tokens in token_counts:
-        _, configs1, configs2 = gemm_configurations(tokens, sms)
+        _, configs1, configs2 = gemm_configurations(tokens, sms, shape)
         for name, compile_for, configs in (("gemm1", compile_gemm1, configs1), ("gemm2", compile_gemm2, configs2)):
             for number, config in enumerate(configs, 1):
                 print(f"T={tokens} {name} [{number}/{len(configs)}] {describe(config)}", flush=True)
                 try:
-                    compile_for(config)
+                    compile_for(config, shape)
                 except Exception as error:
                     print(f"  does not compile ({type(error).__name__}: {error})", flush=True)
                     ok = False
@@ -225,11 +226,11 @@ def routed_tokens(tokens: int, g, shape: MoEShape = DEEPSEEK_V3):
     return x, topk_ids, topk_weights, tile_m, configs1, configs2, permuted_to_pair, tile_expert
 
 
-def run(tokens: int, weights, replays: int, g) -> bool:
+def run(tokens: int, weights, replays: int, g, shape: MoEShape = DEEPSEEK_V3) -> bool:
     w1_alpha, w2_alpha = weights.alphas()
-    x, _, topk_weights, tile_m, configs1, configs2, permuted_to_pair, tile_expert = routed_tokens(tokens, g)
+    x, _, topk_weights, tile_m, configs1, configs2, permuted_to_pair, tile_expert = routed_tokens(tokens, g, shape)
     used = permuted_to_pair >= 0
-    print(f"T={tokens} tile_m={tile_m}", flush=True)
+    print(f"{shape.name} T={tokens} tile_m={tile_m}", flush=True)
 
     inter = torch.empty(permuted_to_pair.shape[0], weights.w1.shape[1] * weight_layout.ROW_BLOCK // 2,
                         dtype=torch.bfloat16, device="cuda")
@@ -242,11 +243,14 @@ def run(tokens: int, weights, replays: int, g) -> bool:
         return None if torch.equal(out[used], reference[used]) else "not bitwise equal to the default"
 
     # GEMM2 maps each pair's I features to H; GEMM1 its H to 2I (gate and up), twice the work.
-    gemm2_flops = 2 * tokens * DEEPSEEK_V3.top_k * DEEPSEEK_V3.hidden_size * DEEPSEEK_V3.intermediate_size
-    ok = sweep_gemm("gemm1", compile_gemm1, gemm1_launch, configs1, gemm1_check, 2 * gemm2_flops, replays)
+    gemm2_flops = 2 * tokens * shape.top_k * shape.hidden_size * shape.intermediate_size
+    ok = sweep_gemm(
+        "gemm1", lambda config: compile_gemm1(config, shape), gemm1_launch, configs1, gemm1_check, 2 * gemm2_flops,
+        replays,
+    )
 
     intermediate = torch.randn(inter.shape, generator=g, device="cuda").to(torch.bfloat16)
-    accumulator = torch.zeros(tokens, DEEPSEEK_V3.hidden_size, device="cuda")
+    accumulator = torch.zeros(tokens, shape.hidden_size, device="cuda")
 
     def gemm2_launch(kernel):
         accumulator.zero_()
@@ -260,26 +264,30 @@ def run(tokens: int, weights, replays: int, g) -> bool:
         error = float(torch.linalg.norm(out - reference) / torch.linalg.norm(reference).clamp(min=1e-30))
         return None if error < 1e-5 else f"relative error {error:.1e} against the default"
 
-    return ok & sweep_gemm("gemm2", compile_gemm2, gemm2_launch, configs2, gemm2_check, gemm2_flops, replays)
+    return ok & sweep_gemm(
+        "gemm2", lambda config: compile_gemm2(config, shape), gemm2_launch, configs2, gemm2_check, gemm2_flops, replays
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=list(SHAPES), default=DEEPSEEK_V3.name, help="the MoE harness's shape")
     parser.add_argument("--tokens", default="1,64,512,4096")
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--compile-only", action="store_true", help="fill the disk kernel cache; no GPU needed")
     parser.add_argument("--sms", type=int, default=132, help="with --compile-only: the GPU's multiprocessors")
     args = parser.parse_args()
     token_counts = [int(t) for t in args.tokens.split(",")]
+    shape = SHAPES[args.shape]
     if args.compile_only:
-        return 0 if compile_only(token_counts, args.sms) else 1
-    problem = hopper_weights("sm90_gemm_sweep")
+        return 0 if compile_only(token_counts, args.sms, shape) else 1
+    problem = hopper_weights("sm90_gemm_sweep", shape)
     if problem is None:
         return 2
     weights, g = problem
     ok = True
     for tokens in token_counts:
-        ok &= run(tokens, weights, args.replays, g)
+        ok &= run(tokens, weights, args.replays, g, shape)
     return 0 if ok else 1
 
 

@@ -24,3 +24,22 @@ def test_the_sweep_lists_each_configuration_once_with_k_slices_and_epilogue_chun
         key = gemm2[0][0]
         k_tiles = key[2] // key[6]
         assert {s for _, s, _ in gemm2} == {s for s in range(1, moe_launch.MAX_K_SPLITS + 1) if k_tiles % s == 0}
+
+
+def test_compile_only_compiles_the_configurations_of_the_shape_asked_for(monkeypatch):
+    """`--shape`: every configuration the sweep would time for GLM at T = 1 is compiled with GLM's sizes (no
+    kernel is compiled here: `moe_launch.compile_gemm` is replaced by a recorder)."""
+    from benchmarks.moe_cases import SHAPES
+
+    asked = []
+
+    def recording(epilogue, key, act_k, out_features, *args, **kwargs):
+        asked.append((epilogue, key, act_k, out_features))
+
+    monkeypatch.setattr(moe_launch, "compile_gemm", recording)
+    glm = SHAPES["glm"]
+    assert sweep.compile_only([1], 132, glm)
+    _, gemm1, gemm2 = sweep.gemm_configurations(1, 132, glm)
+    assert asked == [("gemm1", key, glm.hidden_size, glm.intermediate_size) for key, _, _ in gemm1] + [
+        ("gemm2_fused", key, glm.intermediate_size, glm.hidden_size) for key, _, _ in gemm2
+    ]
