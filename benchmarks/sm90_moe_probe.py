@@ -89,13 +89,14 @@ def time_stages(weights, tokens: int, hidden: int, experts: int, top_k: int, g) 
     tile_m = fp4moe.moe_dispatch(tokens, top_k, experts, "w4a16", False).tile_m
     (ptp, p2p, te, _, _), _ = moe_launch.plan(topk_ids, experts, 0, tile_m)
     args1 = (x, None, None, ptp, te, weights.w1, weights.w1_scales, w1_alpha, "sm90", top_k, "swiglu", None, None, None, None, None, 0)
-    inter = moe_launch.gemm1(*args1)[0]
+    routing = dict(routing=(topk_ids, 0))  # as fused_moe passes it: decode calls prefetch their routed weights
+    inter = moe_launch.gemm1(*args1, **routing)[0]
     accumulator = torch.zeros(tokens, hidden, device="cuda")
     expanded = moe_launch.gemm2(inter, None, None, ptp, te, weights.w2, weights.w2_scales, w2_alpha, "sm90", topk_weights, tokens, top_k, hidden, None)
     timings = {
         "plan": lambda: moe_launch.plan(topk_ids, experts, 0, tile_m),
         "plan+zero": lambda: moe_launch.plan(topk_ids, experts, 0, tile_m, hidden),
-        "gemm1": lambda: moe_launch.gemm1(*args1),
+        "gemm1": lambda: moe_launch.gemm1(*args1, **routing),
         "gemm2 atomics": lambda: moe_launch.gemm2(inter, None, None, ptp, te, weights.w2, weights.w2_scales, w2_alpha, "sm90", topk_weights, tokens, top_k, hidden, accumulator),
         "gemm2 expanded": lambda: moe_launch.gemm2(inter, None, None, ptp, te, weights.w2, weights.w2_scales, w2_alpha, "sm90", topk_weights, tokens, top_k, hidden, None),
         "finalize fused": lambda: moe_launch.finalize(accumulator, None, tokens, top_k),
