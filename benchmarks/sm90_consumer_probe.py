@@ -77,7 +77,7 @@ from benchmarks.moe_cases import SHAPES, MoEProblem
 from benchmarks.moe_implementations import REGISTRY
 from benchmarks.sm90_gemm_sweep import DEEPSEEK_V3, gemm_configurations, hopper_weights, routed_tokens
 from benchmarks.timing import L2_FLUSHES, PreparedCall, time_interleaved
-from fp4moe import provenance, weight_layout
+from fp4moe import provenance
 from fp4moe.kernels import host_launcher
 from fp4moe.kernels.sm90 import gemm_device as dev
 from fp4moe.kernels.sm90 import moe_launch
@@ -280,37 +280,16 @@ def spinning_wait(mbar_ptr, phase, *, loc=None, ip=None) -> None:
     dev._asm(None, ptx, "r,r", (Int32(mbar_ptr.toint()), Int32(phase)), True, loc, ip)
 
 
-_spinning = {"on": False}
-"""Set while `SpinningWaits.produce` and `consume` are traced: `_pipeline_wait` then polls."""
-_mbarrier_wait = cute.arch.mbarrier_wait
-
-
-def _pipeline_wait(mbar_ptr, phase, *, loc=None, ip=None):
-    """`cute.arch.mbarrier_wait` while `variant_kernels` compiles: `spinning_wait` inside `SpinningWaits`'
-    producer and consumers, the library's wait everywhere else."""
-    wait = spinning_wait if _spinning["on"] else _mbarrier_wait
-    return wait(mbar_ptr, phase, loc=loc, ip=ip)
-
-
-@contextlib.contextmanager
-def _spinning_waits():
-    _spinning["on"] = True
-    try:
-        yield
-    finally:
-        _spinning["on"] = False
-
-
 class SpinningWaits(MoEGemmSm90):
     """The producer's and the consumers' pipeline waits poll (`spinning_wait`); the rest is the default.
-    `produce` and `consume` are plain methods, run while the kernel is traced, so that the polling ends with
-    them even where a trace fails."""
+    `produce` and `consume` are plain methods, run while the kernel is traced: while they trace the default's
+    loops, `cute.arch.mbarrier_wait` is `spinning_wait`."""
 
     def produce(
         self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
         row_factors, mLiveTiles,
     ):
-        with _spinning_waits():
+        with mock.patch.object(cute.arch, "mbarrier_wait", spinning_wait):
             MoEGemmSm90.produce(
                 self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
                 row_factors, mLiveTiles,
@@ -320,7 +299,7 @@ class SpinningWaits(MoEGemmSm90):
         self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs, num_pairs,
         full, empty, group, mLiveTiles,
     ):
-        with _spinning_waits():
+        with mock.patch.object(cute.arch, "mbarrier_wait", spinning_wait):
             MoEGemmSm90.consume(
                 self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs,
                 num_pairs, full, empty, group, mLiveTiles,
@@ -421,14 +400,9 @@ def gemm_class_kernels(gemm_class, *key_tags):
         moe_launch.compile_gemm.cache_clear()
 
 
-@contextlib.contextmanager
 def variant_kernels(name: str):
-    """`gemm_class_kernels` of variant `name`'s class, under keys that name the variant (with its pipeline
-    waits routed through `_pipeline_wait`, which only `SpinningWaits` changes)."""
-    with gemm_class_kernels(VARIANTS[name], "consumer_probe", name), mock.patch.object(
-        cute.arch, "mbarrier_wait", _pipeline_wait
-    ):
-        yield
+    """`gemm_class_kernels` of variant `name`'s class, under keys that name the variant."""
+    return gemm_class_kernels(VARIANTS[name], "consumer_probe", name)
 
 
 def compile_variant(name: str, epilogue: str, key: tuple):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import sys
 from unittest import mock
@@ -75,20 +76,15 @@ def sm_id(*, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def store_u64(gmem_address, value, *, loc=None, ip=None) -> None:
-    dev._asm(None, "st.global.u64 [$0], $1;", "l,l", (Int64(gmem_address), Int64(value)), True, loc, ip)
+def store_u64(gmem_address, value, predicate=None, *, loc=None, ip=None) -> None:
+    """`st.global.u64` of `value` at `gmem_address`; with `predicate`, only where it is nonzero."""
+    dev._predicated("st.global.u64 [$0], $1;", "l,l", (Int64(gmem_address), Int64(value)), predicate, loc, ip)
 
 
 @dsl_user_op
 def add_u64_where(gmem_address, value, predicate, *, loc=None, ip=None) -> None:
     """`red.global.add.u64` of `value` at `gmem_address` on the threads where `predicate` is nonzero."""
     dev._predicated("red.global.add.u64 [$0], $1;", "l,l", (Int64(gmem_address), Int64(value)), predicate, loc, ip)
-
-
-@dsl_user_op
-def store_u64_where(gmem_address, value, predicate, *, loc=None, ip=None) -> None:
-    """`st.global.u64` of `value` at `gmem_address` on the threads where `predicate` is nonzero."""
-    dev._predicated("st.global.u64 [$0], $1;", "l,l", (Int64(gmem_address), Int64(value)), predicate, loc, ip)
 
 
 SUSPEND_HINT_NS = 10_000_000
@@ -114,16 +110,12 @@ def blocked_wait_ns(mbar_ptr, phase, *, loc=None, ip=None) -> Int64:
 
 _traced = {}
 """The entry and wait stamps of the kernel being traced: values of its top level, read by the producer's and
-the consumers' branches (`CtaTimed`); and, while their loops are traced, where `_summed_wait` adds."""
-_mbarrier_wait = cute.arch.mbarrier_wait
+the consumers' branches (`CtaTimed`)."""
 
 
-def _summed_wait(mbar_ptr, phase, *, loc=None, ip=None):
-    """`cute.arch.mbarrier_wait`; inside `CtaTimed.produce` and `consume` the wait's blocked time
-    (`blocked_wait_ns`), added by the role's thread of `WAITING_THREADS` to its CTA's slot of `WAIT_SUMS`."""
-    if "sum" not in _traced:
-        return _mbarrier_wait(mbar_ptr, phase, loc=loc, ip=ip)
-    address, thread = _traced["sum"]
+def _summed_wait(address, thread, mbar_ptr, phase, *, loc=None, ip=None):
+    """`cute.arch.mbarrier_wait` whose blocked time (`blocked_wait_ns`) thread `thread` adds at `address`
+    (its CTA's slot of `WAIT_SUMS`)."""
     waited = blocked_wait_ns(mbar_ptr, phase, loc=loc, ip=ip)
     adds = cutlass.select_((cute.arch.thread_idx()[0] == thread) & (waited != 0), Int32(1), Int32(0))
     add_u64_where(address, waited, adds, loc=loc, ip=ip)
@@ -137,26 +129,23 @@ def _stamped_wait():
 
 @contextlib.contextmanager
 def _summing_waits(mStamps, role: int):
-    """While the producer's (`role` 0) or the consumers' (1) loops are traced: their waits add up in the CTA's
-    slot `role` of `WAIT_SUMS`, which that role's thread of `WAITING_THREADS` first sets to 0 (its own
-    later additions follow that store in program order)."""
+    """While the producer's (`role` 0) or the consumers' (1) loops are traced: `cute.arch.mbarrier_wait` is
+    `_summed_wait`, whose waits add up in the CTA's slot `role` of `WAIT_SUMS`, which that role's thread of
+    `WAITING_THREADS` first sets to 0 (its own later additions follow that store in program order)."""
     thread = WAITING_THREADS[role]
     slot = 1 + len(STAMPS) + role
     address = mStamps.iterator.toint() + (Int64(cute.arch.block_idx()[0]) * SLOTS + slot) * 8
-    store_u64_where(address, Int64(0), cutlass.select_(cute.arch.thread_idx()[0] == thread, Int32(1), Int32(0)))
-    _traced["sum"] = (address, thread)
-    try:
+    store_u64(address, Int64(0), cutlass.select_(cute.arch.thread_idx()[0] == thread, Int32(1), Int32(0)))
+    with mock.patch.object(cute.arch, "mbarrier_wait", functools.partial(_summed_wait, address, thread)):
         yield
-    finally:
-        del _traced["sum"]
 
 
 class CtaTimed(MoEGemmSm90):
     """The GEMM with each CTA's stamps written to `mRowScales` (compiled with `row_scaled`, not applied).
     The stamps wrap `produce` and `consume`, which every mainloop runs under (`wgmma` and per-warp
     `mma.sync` alike, `MoEGemmSm90.mainloop`), so every configuration stamps the same four points and sums
-    the same waits. `produce` and `consume` are plain methods, run while the kernel is traced, so that
-    `_summing_waits` ends even where a trace fails."""
+    the same waits. `produce` and `consume` are plain methods, run while the kernel is traced, within
+    `_summing_waits`."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -207,7 +196,7 @@ def timed_kernels():
     """Inside: `moe_launch.compile_gemm` builds `CtaTimed` GEMMs, kept in the disk cache under their own keys."""
     with gemm_class_kernels(CtaTimed, "cta_timeline"), mock.patch.object(
         moe_gemm, "wait_for_predecessor_and_release_successor", _stamped_wait
-    ), mock.patch.object(cute.arch, "mbarrier_wait", _summed_wait):
+    ):
         yield
 
 
