@@ -178,7 +178,8 @@ def test_fused_gemm2_splits_k_to_balance_its_waves():
     """`fused_gemm2_k_splits`: GLM's GEMM2 at T = 1 (192 items of 256 features on 132 SMs: two waves, the
     second 45% full) and DeepSeek-V3's at T = 2 take two slices of K; DeepSeek-V3's at T = 1 would need
     four (more than `MAX_BALANCE_FACTOR` times one) and takes one; items that fill the SMs whole take
-    one; every choice divides the k tiles."""
+    one; items that need more slices to fill every CTA slot take fewer where those keep the waves as
+    busy (`fewer_k_splits`); every choice divides the k tiles."""
     def splits(prepared, tokens, top_k=8, experts=256, sms=132):
         tile = dispatch.moe_tile_m(tokens, top_k, experts)
         shape = moe_launch.GemmShape(prepared, tile, moe_launch.expected_tiles(tokens * top_k, experts, tile), sms)
@@ -189,8 +190,15 @@ def test_fused_gemm2_splits_k_to_balance_its_waves():
     assert [splits((256, 112, 32, 2048), t) for t in (1, 2, 4, 8, 64, 4096)] == [1, 2, 1, 1, 1, 1]
     assert moe_launch.wave_efficiency(448 * 2, 132) >= moe_launch.WAVE_BALANCE > moe_launch.wave_efficiency(448, 132)
     assert splits((256, 96, 8, 2048), 1) == 2
-    # Items that do not fill the slots: the fewest slices that do (one pair on an expert-parallel shard of 32 experts).
-    assert splits((32, 112, 32, 2048), 1, top_k=1, experts=32) == 4
+    # One pair on an expert-parallel shard of 32 experts: 112 items of 64 features, two CTAs per SM. Four
+    # slices are the fewest that fill the 264 CTA slots (two waves, 85% busy); two give every SM an item
+    # in one wave as busy, and `fewer_k_splits` takes those.
+    shard = (32, 112, 32, 2048)
+    assert splits(shard, 1, top_k=1, experts=32) == 2
+    assert moe_launch.wave_efficiency(112 * 2, 264) == moe_launch.wave_efficiency(112 * 4, 264) < moe_launch.WAVE_BALANCE
+    # Two pairs: two slices fill the slots; one (K whole) would leave the waves as busy, but K stays split.
+    assert moe_launch.wave_efficiency(224, 264) == moe_launch.wave_efficiency(224 * 2, 264)
+    assert splits(shard, 2, top_k=1, experts=32) == 2
 
 
 def test_fused_gemm2_takes_seven_groups_where_they_remove_a_partial_wave():
@@ -214,7 +222,7 @@ def test_fused_gemm2_takes_seven_groups_where_they_remove_a_partial_wave():
 def test_gemm2_quantizes_itself_where_its_fused_items_are_long(monkeypatch):
     """`moe_launch.gemm2_quantizes_itself` on an H200's 132 SMs: the decode items of the fused GEMM2 run at
     least `MIN_QUANTIZING_K_TILES` k tiles for DeepSeek-V3 at T = 1-3 (16, 8 and 8) and for its 32-expert
-    shard at T = 2-3, not for the shard at T = 1 (split into four slices), the harness's GLM or Qwen3-30B-A3B
+    shard at T = 1-3 (two slices of K at T = 1, `fewer_k_splits`), not for the harness's GLM or Qwen3-30B-A3B
     shapes, or tiles of more than 8 rows; `moe_dispatch` asks it on the rescan path only."""
     monkeypatch.setattr(moe_launch, "sm_count", lambda device_index: 132)
 
@@ -224,7 +232,7 @@ def test_gemm2_quantizes_itself_where_its_fused_items_are_long(monkeypatch):
         return moe_launch.gemm2_quantizes_itself(local, hidden, intermediate, tile, pairs, "cuda:0")
 
     assert [quantizes(t) for t in (1, 2, 3)] == [True, True, True]
-    assert [quantizes(t, local=32) for t in (1, 2, 3)] == [False, True, True]
+    assert [quantizes(t, local=32) for t in (1, 2, 3)] == [True, True, True]
     assert not any(quantizes(t, 6144, 512) or quantizes(t, 2048, 768, 128, 128) for t in (1, 2, 3))
     assert not moe_launch.gemm2_quantizes_itself(256, 7168, 2048, 16, 16, "cuda:0")
     monkeypatch.setattr(dispatch, "device_backend", lambda device: dispatch.CUTE_SM90_BACKEND)

@@ -393,7 +393,10 @@ def fused_gemm2_k_splits(shape: GemmShape) -> int:
     """Slices of K for the fused GEMM2 (split-K): the fewest (a divisor of the k tiles, at most
     `MAX_K_SPLITS`) whose expected items fill the CTA slots; more, up to `MAX_BALANCE_FACTOR` times
     those, where that balances the waves (`WAVE_BALANCE`); the most when none fills them. Each slice
-    adds its partial sums into the FP32 accumulator, as whole items do."""
+    adds its partial sums into the FP32 accumulator, as whole items do.
+
+    Then fewer slices (`fewer_k_splits`) where those still give every SM an item and keep the waves as
+    busy, without taking K whole."""
     items = shape.items()
     k_tiles = shape.prepared_k // shape.tile_k
     divisors = [s for s in range(1, MAX_K_SPLITS + 1) if k_tiles % s == 0]
@@ -401,7 +404,23 @@ def fused_gemm2_k_splits(shape: GemmShape) -> int:
     if not filling:
         return divisors[-1]
     balanced = [s for s in filling if s <= MAX_BALANCE_FACTOR * filling[0] and balances_waves(shape, s)]
-    return (balanced or filling)[0]
+    return fewer_k_splits(shape, (balanced or filling)[0], divisors)
+
+
+def fewer_k_splits(shape: GemmShape, k_splits: int, divisors: list[int]) -> int:
+    """The fewest of `divisors` (at least two) below `k_splits` whose expected items still give every SM
+    one and leave the CTA slots as busy over their waves as `k_splits` does (`wave_efficiency`), else
+    `k_splits`. Filling every CTA slot is not worth more slices where the waves stay as full: the EP
+    shard's GEMM2 at T = 1 (112 items of 64 features, two CTAs per SM) runs one wave 85% full in two
+    slices instead of two such waves in four, with half the partial sums to add, and runs faster. K stays
+    split: one slice (K whole) where two were chosen ran slower (the shard at T = 2; runs log)."""
+    items, sms = shape.items(), shape.max_ctas // shape.ctas_per_sm
+    busy = wave_efficiency(items * k_splits, shape.max_ctas)
+    fewer = [
+        s for s in divisors
+        if 2 <= s < k_splits and items * s >= sms and wave_efficiency(items * s, shape.max_ctas) >= busy
+    ]
+    return (fewer or [k_splits])[0]
 
 
 def wave_balanced_tiling(shape: GemmShape, k_splits_of) -> tuple[GemmShape, int]:
