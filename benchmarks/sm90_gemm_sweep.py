@@ -8,7 +8,8 @@ For development (the benchmark of record is `python -m benchmarks.moe`). One of 
 tile is `moe_dispatch`'s. For GEMM1 and the fused GEMM2 it compiles
 the configuration `moe_launch.GemmShape` picks and its neighbours (features per CTA, CTAs per SM for
 small tiles, K per k tile, row granule, the epilogue's row chunk; for the fused GEMM2 also its slices
-of K), checks each one's output against the default's (GEMM1 bitwise, GEMM2's atomics to 1e-5), and
+of K), checks each one's output against the default's (GEMM1 bitwise, or to 1e-2 where the default multiplies
+with the other MMA instruction; GEMM2's atomics to 1e-5), and
 times each in a CUDA graph with a cold L2 (interleaved rounds, median). Prints one line per
 configuration, fastest first, and the default's rank; exits 1 if a configuration gave another result.
 Needs a Hopper GPU.
@@ -105,6 +106,27 @@ def configurations(default: moe_launch.GemmShape, default_k_splits: int | None =
     return [first] + list(dict.fromkeys(c for c in configs if c != first))
 
 
+GEMM1_OTHER_MMA_TOLERANCE = 1e-2
+"""GEMM1 against a default of the other MMA instruction: even if every bf16 output were one ulp (at most
+2^-7 of it) away, the relative error would stay below 2^-7; a wrong tile gives one near 1."""
+
+
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    """|out - reference| / |reference| (Frobenius norms, in FP32)."""
+    out, reference = out.float(), reference.float()
+    return float(torch.linalg.norm(out - reference) / torch.linalg.norm(reference).clamp(min=1e-30))
+
+
+def gemm1_mismatch(out: torch.Tensor, reference: torch.Tensor, default_config: tuple, config: tuple) -> str | None:
+    """How GEMM1's output of `config` differs from the default's, None where it agrees: bitwise where both
+    multiply with the same MMA instruction (the same order of FP32 additions), else within
+    `GEMM1_OTHER_MMA_TOLERANCE`: per-warp `mma.sync` and `wgmma` round their FP32 sums differently."""
+    if moe_launch.uses_warp_mma(config[0]) == moe_launch.uses_warp_mma(default_config[0]):
+        return None if torch.equal(out, reference) else "not bitwise equal to the default"
+    error = relative_error(out, reference)
+    return None if error < GEMM1_OTHER_MMA_TOLERANCE else f"relative error {error:.1e} against the default"
+
+
 def describe(config: tuple) -> str:
     (_, _, _, features, rows, granule, tile_k, stages, ctas, _), k_splits, epilogue_rows = config
     return (
@@ -127,7 +149,7 @@ def sweep_gemm(name, compile_for, launch, configs: list[tuple], check, flops, re
             except Exception as error:  # a configuration the kernel does not accept: reported, not timed
                 print(f"  {name} {describe(config)}: does not compile ({type(error).__name__})", flush=True)
                 continue
-            mismatch = check(launch(kernel), reference)
+            mismatch = check(launch(kernel), reference, config)
             if mismatch:
                 print(f"  {name} {describe(config)}: WRONG ({mismatch})", flush=True)
                 ok = False
@@ -239,8 +261,8 @@ def run(tokens: int, weights, replays: int, g, shape: MoEShape = DEEPSEEK_V3) ->
         moe_launch.launch_gemm(kernel, weights.w1, weights.w1_scales, x, permuted_to_pair, tile_expert, w1_alpha, None, inter)
         return inter
 
-    def gemm1_check(out, reference):
-        return None if torch.equal(out[used], reference[used]) else "not bitwise equal to the default"
+    def gemm1_check(out, reference, config):
+        return gemm1_mismatch(out[used], reference[used], configs1[0], config)
 
     # GEMM2 maps each pair's I features to H; GEMM1 its H to 2I (gate and up), twice the work.
     gemm2_flops = 2 * tokens * shape.top_k * shape.hidden_size * shape.intermediate_size
@@ -260,8 +282,8 @@ def run(tokens: int, weights, replays: int, g, shape: MoEShape = DEEPSEEK_V3) ->
         )
         return accumulator
 
-    def gemm2_check(out, reference):
-        error = float(torch.linalg.norm(out - reference) / torch.linalg.norm(reference).clamp(min=1e-30))
+    def gemm2_check(out, reference, _config):
+        error = relative_error(out, reference)
         return None if error < 1e-5 else f"relative error {error:.1e} against the default"
 
     return ok & sweep_gemm(

@@ -43,3 +43,23 @@ def test_compile_only_compiles_the_configurations_of_the_shape_asked_for(monkeyp
     assert asked == [("gemm1", key, glm.hidden_size, glm.intermediate_size) for key, _, _ in gemm1] + [
         ("gemm2_fused", key, glm.intermediate_size, glm.hidden_size) for key, _, _ in gemm2
     ]
+
+
+def test_gemm1_is_compared_bitwise_only_with_a_default_of_the_same_mma_instruction():
+    """GLM's decode GEMM1 multiplies with per-warp `mma.sync` (64 features); its 128-feature neighbours with
+    `wgmma`, whose FP32 sums round differently: those are held to a tolerance, not to bitwise equality."""
+    import torch
+
+    _, gemm1, _ = sweep.gemm_configurations(1, 132, sweep.SHAPES["glm"])
+    default = gemm1[0]
+    other_mma = next(c for c in gemm1 if not moe_launch.uses_warp_mma(c[0]))
+    same_mma = next(c for c in gemm1[1:] if moe_launch.uses_warp_mma(c[0]))
+    assert moe_launch.uses_warp_mma(default[0])
+    reference = torch.randn(8, 1024, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    one_ulp_off = reference.clone()
+    one_ulp_off.view(torch.int16)[:, ::7] += 1
+    assert sweep.gemm1_mismatch(reference, reference, default, same_mma) is None
+    assert sweep.gemm1_mismatch(one_ulp_off, reference, default, same_mma) == "not bitwise equal to the default"
+    assert sweep.gemm1_mismatch(one_ulp_off, reference, default, other_mma) is None
+    wrong = torch.roll(reference, 1, dims=1)
+    assert "relative error" in sweep.gemm1_mismatch(wrong, reference, default, other_mma)
