@@ -27,6 +27,9 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
   the hardware suspend the thread until the phase completes or a time limit (`NANOSLEEP.SYNCS` in SASS):
   what waking from that suspension costs each stage's hand-off (polling threads also compete for the
   barrier's shared memory).
+- `grouped_copies_2`, `grouped_copies_4` (chosen with `--variants`) are no removal either: CTAs of 64
+  features copy the weights of two or four k tiles in one bulk copy each of codes and scales
+  (`GroupedWeightCopies`): whether the number of copies limits such a CTA's weight stream.
 - `gemm1_k_splits_2`, `gemm1_k_splits_4` (chosen with `--variants`) run GEMM1 in that many slices of K,
   each slice's items their own CTAs, with no reduction of the slices (garbage results): how much faster
   GEMM1's k loops run where its items would leave SMs or CTA slots idle.
@@ -77,7 +80,7 @@ from benchmarks.moe_cases import SHAPES, MoEProblem
 from benchmarks.moe_implementations import REGISTRY
 from benchmarks.sm90_gemm_sweep import DEEPSEEK_V3, gemm_configurations, hopper_weights, routed_tokens
 from benchmarks.timing import L2_FLUSHES, PreparedCall, time_interleaved
-from fp4moe import provenance
+from fp4moe import provenance, weight_layout
 from fp4moe.kernels import host_launcher
 from fp4moe.kernels.sm90 import gemm_device as dev
 from fp4moe.kernels.sm90 import moe_launch
@@ -325,6 +328,67 @@ class Gemm1KSplits4(Gemm1KSplits):
     splits = 4
 
 
+class GroupedWeightCopies(MoEGemmSm90):
+    """No removal: a CTA of one 64-row weight block (64 features, the small shapes' decode CTAs) copies
+    the weights of `tiles_per_copy` consecutive k tiles in one bulk copy of codes and one of scales, into
+    as many consecutive stages (both lie contiguous: a block's k tiles along K in memory, its stages in
+    shared memory). Whether fewer, larger copies speed up a CTA whose producer never
+    waits for a free stage (GLM's GEMM1 at T = 1, each CTA's timeline): what limits its stream.
+
+    The producer waits for the group's last stage to be free (consumers release stages in order, so the
+    others are free too), and the group's weight bytes complete on its first stage's `full`; each later
+    stage's `full` takes thread 0's plain arrival and the stage's activation copies. The consumers read
+    the stages in order, so they wait for the first stage's `full`, which covers the whole group's
+    weights, before any later one's. CTAs of more blocks, or whose stages or item k tiles do not divide
+    into groups, copy as the default does. It means to compute the default's results (the probe does not
+    check them)."""
+
+    tiles_per_copy = 2
+
+    def grouped(self) -> bool:
+        """Whether this GEMM copies in groups (plain Python, run while the kernel is traced)."""
+        g = self.tiles_per_copy
+        return self.cta_row_blocks == 1 and self.stages % g == 0 and self.k_iterations % g == 0
+
+    @cute.jit
+    def load_item_k_tiles(self, stage, phase, full, empty, weights, mAct, copies):
+        if const_expr(not self.grouped()):
+            MoEGemmSm90.load_item_k_tiles(self, stage, phase, full, empty, weights, mAct, copies)
+        else:
+            group = self.tiles_per_copy
+            mCodes, mScales, storage, first_block, k_first = weights
+            for g in cutlass.range(self.k_iterations // group, unroll=1):
+                k = g * group
+                cute.arch.mbarrier_wait(empty + stage + (group - 1), phase ^ 1)
+                if cute.arch.thread_idx()[0] == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(full + stage, group * (self.code_bytes + self.scale_bytes))
+                    tile_index = self.weight_tile(first_block, k_first + k)
+                    barrier = (full + stage).toint()
+                    dev.bulk_copy_to_shared(
+                        storage.codes.data_ptr().toint() + stage * self.code_bytes,
+                        mCodes.iterator.toint() + tile_index * weight_layout.CODE_BYTES, group * self.code_bytes,
+                        barrier,
+                    )
+                    dev.bulk_copy_to_shared(
+                        storage.scales.data_ptr().toint() + stage * self.scale_bytes,
+                        mScales.iterator.toint() + tile_index * weight_layout.SCALE_BYTES, group * self.scale_bytes,
+                        barrier,
+                    )
+                for j in cutlass.range_constexpr(group):
+                    if const_expr(j > 0):
+                        if cute.arch.thread_idx()[0] == 0:
+                            cute.arch.mbarrier_arrive(full + stage + j)
+                    self.copy_k_tile(k + j, stage + j, k_first, mAct, copies)
+                    cute.arch.cp_async_mbarrier_arrive_noinc(full + stage + j)
+                wrap = stage + group == self.stages
+                stage = cutlass.select_(wrap, Int32(0), stage + group)
+                phase = phase ^ cutlass.select_(wrap, Int32(1), Int32(0))
+
+
+class GroupedWeightCopies4(GroupedWeightCopies):
+    tiles_per_copy = 4
+
+
 class PanelNoScan(MoEGemmSm90):
     """A GEMM that quantizes its rows (per-token W4A4, `quantizes_rows`) takes every row's maximum as 1
     instead of scanning the rows: the panel without its first pass over the rows."""
@@ -364,7 +428,8 @@ VARIANTS = {
     "half_gemm2_epilogue": HalfGemm2Epilogue, "gemm2_plain_stores": Gemm2PlainStores,
     "gemm2_math_only": Gemm2MathOnly, "no_alpha_loads": NoAlphaLoads, "no_weight_copies": NoWeightCopies,
     "no_activation_copies": NoActivationCopies, "skeleton": Skeleton, "gemm1_k_splits_2": Gemm1KSplits,
-    "gemm1_k_splits_4": Gemm1KSplits4, "spinning_waits": SpinningWaits,
+    "gemm1_k_splits_4": Gemm1KSplits4, "spinning_waits": SpinningWaits, "grouped_copies_2": GroupedWeightCopies,
+    "grouped_copies_4": GroupedWeightCopies4,
 }
 CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]
 """The variants of the consumers' k step, timed by default. The `panel_*` variants change only GEMMs

@@ -2,7 +2,7 @@
 they remove: the consumer variants from the default GEMM1 of DeepSeek-V3 decode, and nothing of the
 producer (`no_weight_copies` the weight copies only, `no_activation_copies` the activation gather only,
 and nothing of the consumers; `skeleton` both and the consumers' work; `spinning_waits` only how the
-pipeline waits); the epilogue
+pipeline waits; `grouped_copies_*` only how many k tiles a weight copy takes); the epilogue
 variants nothing of the code (they skip it at run time); the panel variants from the GEMM2 that
 quantizes its rows (per-token W4A4, T = 1), and nothing of its consumers or its weight stream."""
 
@@ -168,3 +168,41 @@ def test_the_gemm1_split_variants_slice_gemm1_only(name, splits):
     assert [gemm1.item_place(item)[2] for item in range(splits)] == [s * 48 // splits for s in range(splits)]
     gemm2 = probe.VARIANTS[name](epilogue="gemm2_fused", out_features=6144, activation="none", **options)
     assert (gemm2.k_splits, gemm2.k_iterations) == (1, 48)
+
+
+_GLM_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    from benchmarks import sm90_consumer_probe as probe, sm90_gemm_sweep as sweep
+    from benchmarks.moe_cases import SHAPES
+    out, names = Path(sys.argv[1]), json.loads(sys.argv[2])["names"]
+    glm = SHAPES["glm"]
+    _, configs1, _ = sweep.gemm_configurations(1, 132, glm)
+    for name in names:
+        with probe.variant_kernels(name):
+            (out / f"{name}.cubin").write_bytes(sweep.compile_gemm1(configs1[0], glm).__cubin__)
+    """
+)
+
+
+def test_grouped_copies_expect_a_group_of_k_tiles_on_one_barrier_and_keep_the_rest(tmp_path):
+    """`grouped_copies_2` / `_4` on GLM's decode GEMM1 (CTAs of one 64-row block): thread 0 expects two or
+    four k tiles' weight bytes (4,608 each: 4 KB of codes, 512 B of scales) on the group's first `full`,
+    still in one bulk copy of codes and one of scales, and arrives plainly on each later stage's `full`;
+    the activation copies and their arrivals come once per k tile of the group; the consumers' code is the
+    default's."""
+    names = ("default", "grouped_copies_2", "grouped_copies_4")
+    out = compile_in_subprocess(_GLM_SCRIPT, {"names": names}, tmp_path)
+    kernels = {name: sass(out / f"{name}.cubin") for name in names}
+    default = kernels["default"]
+    for name, group in zip(names, (1, 2, 4)):
+        kernel = kernels[name]
+        for other in (1, 2, 4):
+            assert (f"0x{other * 4608:x} " in kernel) == (other == group), (name, other)
+        plain = kernel.count("SYNCS.ARRIVE.TRANS64.A1T0") - default.count("SYNCS.ARRIVE.TRANS64.A1T0")
+        assert plain == group - 1, name
+        for instruction in ("LDGSTS.E", "LDGSTSBAR"):
+            assert kernel.count(instruction) == group * default.count(instruction) > 0, (name, instruction)
+        for instruction in ("HMMA", "HMUL2.BF16_V2", "UBLKCP.S.G"):
+            assert kernel.count(instruction) == default.count(instruction) > 0, (name, instruction)

@@ -816,6 +816,12 @@ class MoEGemmSm90:
         stage, phase = self.stage_and_phase(iteration)
         copies = (act_smem, row_step_bytes, stage_act_bytes, column_chunk, first_row, row_chunks, row_used)
         weights = (mCodes, mScales, storage, self.weight_block(expert, feature_block), k_first)
+        self.load_item_k_tiles(stage, phase, full, empty, weights, mAct, copies)
+
+    @cute.jit
+    def load_item_k_tiles(self, stage, phase, full, empty, weights, mAct, copies):
+        """The item's k tiles into the stages from (`stage`, `phase`) on (`load_k_tile`), each thread's
+        activation copies arriving on their stage's `full`."""
         for k in cutlass.range(self.k_iterations, unroll=1):
             self.load_k_tile(k, stage, phase, full, empty, weights, mAct, copies)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
