@@ -1045,6 +1045,25 @@ class MoEGemmSm90:
         self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs, num_pairs, full,
         empty, group, mLiveTiles,
     ):
+        operands = self.consumer_operands(storage, tiled_mma, b_layout, group)
+        iteration = Int32(0)  # k tiles this CTA has consumed so far (the producer's count)
+        first, end, step = self.item_bounds(mTileExpert, mLiveTiles)
+        upcoming = self.upcoming_expert(mTileExpert, first - step, end, step)
+        for item in cutlass.range(first, end, step, unroll=1):
+            tile, feature_block, _ = self.item_place(item)
+            expert = self.item_expert(mTileExpert, item, upcoming)
+            upcoming = self.upcoming_expert(mTileExpert, item, end, step)
+            if expert >= 0:
+                iteration = self.consume_item(
+                    operands, storage, b_layout, mAlpha, row_factors, mPermutedToPair, outputs, num_pairs, full, empty,
+                    group, tile, feature_block, expert, iteration,
+                )
+
+    def consumer_operands(self, storage, tiled_mma, b_layout, group):
+        """What a consumer group's k loops and epilogues use across its items (`consume_item`): its B
+        operand, A fragments, accumulators and their row variants, the accumulator's coordinates, its first
+        weight block, its code and scale addresses in shared memory, and the thread's index in the group.
+        Plain Python, run while the kernel is traced."""
         tidx, _, _ = cute.arch.thread_idx()
         thread = tidx % WARPGROUP_THREADS
         thr_mma = tiled_mma.get_slice(thread)
@@ -1086,61 +1105,61 @@ class MoEGemmSm90:
         scales_smem = storage.scales.data_ptr().toint() + first_block * self.scale_bytes + (thread // 4) * 8
         if const_expr(self.shares_scales):
             scales_smem += (thread % 4) * 2
+        return b_operand, fragments, accs, variants, coordinates, first_block, codes_smem, scales_smem, thread
 
-        iteration = Int32(0)  # k tiles this CTA has consumed so far (the producer's count)
-        first, end, step = self.item_bounds(mTileExpert, mLiveTiles)
-        upcoming = self.upcoming_expert(mTileExpert, first - step, end, step)
-        for item in cutlass.range(first, end, step, unroll=1):
-            tile, feature_block, _ = self.item_place(item)
-            expert = self.item_expert(mTileExpert, item, upcoming)
-            upcoming = self.upcoming_expert(mTileExpert, item, end, step)
-            if expert >= 0:
-                early_rows = None
-                # Decode tiles load their epilogue's alpha (and rows) before the k loop, which hides the
-                # loads' latency; larger tiles load it after, to free the registers for their accumulators.
-                alpha = None if const_expr(self.staged_rows) else self.item_alpha(mAlpha, expert)
-                item_factors = row_factors
-                item_number = iteration // self.k_iterations
-                if const_expr(self.staged_rows or self.quantizes_rows):
-                    item_factors = (*row_factors, self.staged_view(storage, item_number))
-                    cute.arch.mbarrier_wait(storage.rows_full.data_ptr() + item_number % 2, (item_number // 2) & 1)
-                if const_expr(not self.staged_rows):
-                    early_rows = self.chunk_rows(
-                        coordinates, tile * self.tile_rows, 0, item_factors, mPermutedToPair, num_pairs
-                    )
-                for acc in accs:
-                    acc.fill(0.0)
-                if const_expr(len(self.variant_rows) == 1):
-                    item_b_operand = b_operand
-                    if const_expr(self.quantizes_rows):  # the item's panel, rebuilt per item (one register fewer)
-                        item_b_operand = self.b_descriptors(storage, b_layout, (item_number % 2) * self.k_iterations)
+    @cute.jit
+    def consume_item(
+        self, operands, storage, b_layout, mAlpha, row_factors, mPermutedToPair, outputs, num_pairs, full, empty,
+        group, tile, feature_block, expert, iteration,
+    ):
+        """One item of the consumer group (of plan tile `tile`, `feature_block`, `expert`): its k loop from the
+        CTA's `iteration`-th k tile, its epilogue. Returns the k tiles consumed after it."""
+        b_operand, fragments, accs, variants, coordinates, first_block, codes_smem, scales_smem, thread = operands
+        early_rows = None
+        # Decode tiles load their epilogue's alpha (and rows) before the k loop, which hides the
+        # loads' latency; larger tiles load it after, to free the registers for their accumulators.
+        alpha = None if const_expr(self.staged_rows) else self.item_alpha(mAlpha, expert)
+        item_factors = row_factors
+        item_number = iteration // self.k_iterations
+        if const_expr(self.staged_rows or self.quantizes_rows):
+            item_factors = (*row_factors, self.staged_view(storage, item_number))
+            cute.arch.mbarrier_wait(storage.rows_full.data_ptr() + item_number % 2, (item_number // 2) & 1)
+        if const_expr(not self.staged_rows):
+            early_rows = self.chunk_rows(coordinates, tile * self.tile_rows, 0, item_factors, mPermutedToPair, num_pairs)
+        for acc in accs:
+            acc.fill(0.0)
+        if const_expr(len(self.variant_rows) == 1):
+            item_b_operand = b_operand
+            if const_expr(self.quantizes_rows):  # the item's panel, rebuilt per item (one register fewer)
+                item_b_operand = self.b_descriptors(storage, b_layout, (item_number % 2) * self.k_iterations)
+            self.mainloop(
+                variants[self.tile_rows], iteration, fragments, item_b_operand, full, empty, codes_smem,
+                scales_smem, self.quantizes_rows,
+            )
+        else:
+            granules = self.used_row_granules(item_factors, mPermutedToPair, num_pairs, tile, thread, group)
+            for rows in self.variant_rows:
+                if granules == rows // self.row_granule:
                     self.mainloop(
-                        variants[self.tile_rows], iteration, fragments, item_b_operand, full, empty, codes_smem,
-                        scales_smem, self.quantizes_rows,
+                        variants[rows], iteration, fragments, b_operand, full, empty, codes_smem, scales_smem
                     )
-                else:
-                    granules = self.used_row_granules(item_factors, mPermutedToPair, num_pairs, tile, thread, group)
-                    for rows in self.variant_rows:
-                        if granules == rows // self.row_granule:
-                            self.mainloop(
-                                variants[rows], iteration, fragments, b_operand, full, empty, codes_smem, scales_smem
-                            )
-                iteration += self.k_iterations
-                if const_expr(not self.warp_mma):  # its k loop releases every stage it reads
-                    cute.arch.mbarrier_arrive(empty + (iteration - 1) % self.stages)
-                if const_expr(self.quantizes_rows):
-                    # The item's number again from the count (one register fewer across the k loop).
-                    item_number = iteration // self.k_iterations - 1
-                    early_rows = self.with_producer_scales(early_rows, coordinates, storage, item_number)
-                if const_expr(self.staged_rows):
-                    alpha = self.item_alpha(mAlpha, expert)
-                for j in cutlass.range_constexpr(self.blocks_per_consumer):
-                    self.finish(
-                        accs[j], coordinates, alpha, item_factors, mPermutedToPair, num_pairs, outputs, tile,
-                        feature_block, expert, group, first_block + j, early_rows,
-                    )
-                if const_expr(self.staged_rows or self.quantizes_rows):
-                    cute.arch.mbarrier_arrive(storage.rows_empty.data_ptr() + item_number % 2)
+        iteration += self.k_iterations
+        if const_expr(not self.warp_mma):  # its k loop releases every stage it reads
+            cute.arch.mbarrier_arrive(empty + (iteration - 1) % self.stages)
+        if const_expr(self.quantizes_rows):
+            # The item's number again from the count (one register fewer across the k loop).
+            item_number = iteration // self.k_iterations - 1
+            early_rows = self.with_producer_scales(early_rows, coordinates, storage, item_number)
+        if const_expr(self.staged_rows):
+            alpha = self.item_alpha(mAlpha, expert)
+        for j in cutlass.range_constexpr(self.blocks_per_consumer):
+            self.finish(
+                accs[j], coordinates, alpha, item_factors, mPermutedToPair, num_pairs, outputs, tile,
+                feature_block, expert, group, first_block + j, early_rows,
+            )
+        if const_expr(self.staged_rows or self.quantizes_rows):
+            cute.arch.mbarrier_arrive(storage.rows_empty.data_ptr() + item_number % 2)
+        return iteration
 
     @cute.jit
     def used_row_granules(self, row_factors, mPermutedToPair, num_pairs, tile, thread, group):
