@@ -30,9 +30,12 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
 - `grouped_copies_2`, `grouped_copies_4` (chosen with `--variants`) are no removal either: CTAs of 64
   features copy the weights of two or four k tiles in one bulk copy each of codes and scales
   (`GroupedWeightCopies`): whether the number of copies limits such a CTA's weight stream.
-- `gemm1_k_splits_2`, `gemm1_k_splits_4` (chosen with `--variants`) run GEMM1 in that many slices of K,
-  each slice's items their own CTAs, with no reduction of the slices (garbage results): how much faster
-  GEMM1's k loops run where its items would leave SMs or CTA slots idle.
+- `gemm1_k_splits_2`, `gemm1_k_splits_4`, `gemm1_k_splits_7` (chosen with `--variants`) run GEMM1 in that
+  many slices of K, each slice's items their own CTAs, with no reduction of the slices (garbage results):
+  how much faster GEMM1's k loops run where its items would leave SMs or CTA slots idle.
+  `dynamic_k_chunks` runs decode GEMM1s in slices of 8 k tiles that the CTAs claim from a counter as they
+  go (`DynamicKChunks`, garbage results too; compiled on the GPU): against `gemm1_k_splits_7` (DeepSeek-V3's
+  same slices as a fixed share), what moving work to the SMs that stream faster could gain.
 - `no_epilogue`, `no_gemm1_epilogue`, `no_gemm2_epilogue` (chosen with `--variants`) keep the GEMMs'
   code but skip the epilogue of both GEMMs, of GEMM1 or of GEMM2 at run time (`NoEpilogue`): what the
   consumers' epilogues, which no `wgmma` overlaps, cost. `no_gemm1_stores` skips GEMM1's stores only
@@ -71,8 +74,8 @@ from unittest import mock
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int32, Uint32, const_expr
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass import Float32, Int32, Int64, Uint32, const_expr
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from benchmarks import precompile
 from benchmarks.gpu_state import hopper_gpu
@@ -84,7 +87,7 @@ from fp4moe import provenance, weight_layout
 from fp4moe.kernels import host_launcher
 from fp4moe.kernels.sm90 import gemm_device as dev
 from fp4moe.kernels.sm90 import moe_launch
-from fp4moe.kernels.sm90.moe_gemm import PANEL_BARRIER, PANEL_WARPS, WARP_SIZE, MoEGemmSm90
+from fp4moe.kernels.sm90.moe_gemm import PANEL_BARRIER, PANEL_WARPS, WARP_SIZE, WARPGROUP_THREADS, MoEGemmSm90
 
 
 class NoDecode(MoEGemmSm90):
@@ -328,6 +331,12 @@ class Gemm1KSplits4(Gemm1KSplits):
     splits = 4
 
 
+class Gemm1KSplits7(Gemm1KSplits):
+    """Seven slices: DeepSeek-V3's 56 k tiles in `DynamicKChunks`' units, walked as a fixed share."""
+
+    splits = 7
+
+
 class GroupedWeightCopies(MoEGemmSm90):
     """No removal: a CTA of one 64-row weight block (64 features, the small shapes' decode CTAs) copies
     the weights of `tiles_per_copy` consecutive k tiles in one bulk copy of codes and one of scales, into
@@ -389,6 +398,158 @@ class GroupedWeightCopies4(GroupedWeightCopies):
     tiles_per_copy = 4
 
 
+@dsl_user_op
+def atomic_add_u32(gmem_address, value, *, loc=None, ip=None) -> Int32:
+    """`atom.global.add.u32`: adds `value` at `gmem_address`, returns the value before."""
+    ptx = "atom.global.add.u32 $0, [$1], $2;"
+    return Int32(dev._asm(T.i32(), ptx, "=r,l,r", (Int64(gmem_address), Int32(value)), True, loc, ip))
+
+
+@dsl_user_op
+def atomic_exchange_u32(gmem_address, value, *, loc=None, ip=None) -> Int32:
+    """`atom.global.exch.b32`: stores `value` at `gmem_address`, returns the value before."""
+    ptx = "atom.global.exch.b32 $0, [$1], $2;"
+    return Int32(dev._asm(T.i32(), ptx, "=r,l,r", (Int64(gmem_address), Int32(value)), True, loc, ip))
+
+
+CLAIM_BARRIER = 14
+"""The named barrier at which `DynamicKChunks`' producer warps meet each claimed work unit."""
+DYNAMIC_CHUNK_K_TILES = 8
+"""`DynamicKChunks`' work unit: this many k tiles of one item (DeepSeek-V3's 56 in seven)."""
+
+
+class DynamicKChunks(MoEGemmSm90):
+    """GEMM1 of decode tiles (at most `moe_gemm.EARLY_ROWS_TILE_ROWS` rows) in units of
+    `DYNAMIC_CHUNK_K_TILES` k tiles of an item (slices of K, as `Gemm1KSplits`), which the CTAs claim
+    from a counter in global memory as they go, instead of walking a fixed share: SMs that stream faster
+    take more units. No unit's partial sums meet another's (each runs the whole epilogue on its own;
+    the results are garbage). Its time against `gemm1_k_splits` of the same slices (a fixed share) and
+    the default bounds what balancing GEMM1's work over the SMs could gain where some SMs stream
+    persistently slower than others (DeepSeek-V3 at T = 1, each CTA's timeline).
+
+    The producer's thread 0 claims a unit (`atom.add` on the counter), skipping units of unused plan
+    tiles, writes it into a shared-memory slot of two (the item handshake's `rows_full` / `rows_empty`,
+    which decode tiles do not use otherwise) and meets the other producer warps at `CLAIM_BARRIER`; the
+    consumers read the slot once `rows_full` completes. A unit of -1 ends both loops. The last CTA to
+    find the units exhausted sets the counter and the count of such CTAs back to zero for the next call.
+    The counters are a CUDA tensor of this process, whose address the kernels hold as a constant: they
+    are compiled on the GPU, under keys that carry the address (`kernel_key_tags`)."""
+
+    counters = None
+
+    @classmethod
+    def counter_address(cls) -> int:
+        """The address of the int32 [2] counters (the next unit, the CTAs done), 0 without CUDA (a kernel
+        compiled then must not run)."""
+        if not torch.cuda.is_available():
+            return 0
+        if cls.counters is None:
+            cls.counters = torch.zeros(2, dtype=torch.int32, device="cuda")
+        return cls.counters.data_ptr()
+
+    @classmethod
+    def kernel_key_tags(cls) -> tuple:
+        return (f"counters{cls.counter_address():x}",)
+
+    def __init__(self, **options):
+        MoEGemmSm90.__init__(self, **options)
+        k_tiles = options["prepared_k"] // options["tile_k"]
+        self.dynamic = (
+            self.epilogue == "gemm1" and not self.staged_rows and not self.quantizes_rows
+            and k_tiles % DYNAMIC_CHUNK_K_TILES == 0
+        )
+        if self.dynamic:
+            self.k_splits = k_tiles // DYNAMIC_CHUNK_K_TILES
+            self.k_iterations = DYNAMIC_CHUNK_K_TILES
+            self.staged_sizes = (max(self.staged_sizes[0], 2), *self.staged_sizes[1:])  # the two claim slots
+            self.counter = self.counter_address()
+
+    @cute.jit
+    def unit_is_used(self, item, total, mTileExpert):
+        """1 where unit `item` exists and its plan tile is used, else 0."""
+        tile, _, _ = self.item_place(cutlass.min(item, total - 1))
+        return cutlass.select_((item < total) & (self.tile_expert(mTileExpert, tile) >= 0), Int32(1), Int32(0))
+
+    @cute.jit
+    def claim(self, storage, mTileExpert, number):
+        """The CTA's `number`-th unit (-1 when none is left), on every producer thread, and in slot
+        `number % 2` for the consumers."""
+        slots = storage.row_pairs.get_tensor(cute.make_layout(self.staged_sizes[0]))
+        buffer = number % 2
+        if cute.arch.thread_idx()[0] == 0:
+            total = self.item_count(mTileExpert)
+            item = atomic_add_u32(self.counter, 1)
+            used = self.unit_is_used(item, total, mTileExpert)
+            while (item < total) & (used == 0):
+                item = atomic_add_u32(self.counter, 1)
+                used = self.unit_is_used(item, total, mTileExpert)
+            if item >= total:
+                item = Int32(-1)
+                if atomic_add_u32(self.counter + 4, 1) == cute.arch.grid_dim()[0] - 1:
+                    atomic_exchange_u32(self.counter, 0)
+                    atomic_exchange_u32(self.counter + 4, 0)
+            cute.arch.mbarrier_wait(storage.rows_empty.data_ptr() + buffer, ((number // 2) & 1) ^ 1)
+            slots[buffer] = item
+        cute.arch.barrier(barrier_id=CLAIM_BARRIER, number_of_threads=WARPGROUP_THREADS)
+        return slots[buffer]
+
+    @cute.jit
+    def produce(
+        self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
+        row_factors, mLiveTiles,
+    ):
+        if const_expr(not self.dynamic):
+            MoEGemmSm90.produce(
+                self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
+                row_factors, mLiveTiles,
+            )
+        else:
+            iteration = Int32(0)
+            number = Int32(0)
+            item = self.claim(storage, mTileExpert, number)
+            while item >= 0:
+                tile, feature_block, k_first = self.item_place(item)
+                expert = self.tile_expert(mTileExpert, tile)
+                cute.arch.mbarrier_arrive(storage.rows_full.data_ptr() + number % 2)
+                self.produce_item(
+                    b_layout, mCodes, mScales, mAct, mPermutedToPair, num_pairs, full, empty, storage, tile,
+                    feature_block, expert, k_first, iteration,
+                )
+                iteration += self.k_iterations
+                number += 1
+                item = self.claim(storage, mTileExpert, number)
+            cute.arch.mbarrier_arrive(storage.rows_full.data_ptr() + number % 2)
+
+    @cute.jit
+    def consume(
+        self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs, num_pairs,
+        full, empty, group, mLiveTiles,
+    ):
+        if const_expr(not self.dynamic):
+            MoEGemmSm90.consume(
+                self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs,
+                num_pairs, full, empty, group, mLiveTiles,
+            )
+        else:
+            operands = self.consumer_operands(storage, tiled_mma, b_layout, group)
+            slots = storage.row_pairs.get_tensor(cute.make_layout(self.staged_sizes[0]))
+            iteration = Int32(0)
+            number = Int32(0)
+            cute.arch.mbarrier_wait(storage.rows_full.data_ptr(), 0)
+            item = slots[0]
+            while item >= 0:
+                tile, feature_block, _ = self.item_place(item)
+                expert = self.tile_expert(mTileExpert, tile)
+                iteration = self.consume_item(
+                    operands, storage, b_layout, mAlpha, row_factors, mPermutedToPair, outputs, num_pairs, full,
+                    empty, group, tile, feature_block, expert, iteration,
+                )
+                cute.arch.mbarrier_arrive(storage.rows_empty.data_ptr() + number % 2)
+                number += 1
+                cute.arch.mbarrier_wait(storage.rows_full.data_ptr() + number % 2, (number // 2) & 1)
+                item = slots[number % 2]
+
+
 class PanelNoScan(MoEGemmSm90):
     """A GEMM that quantizes its rows (per-token W4A4, `quantizes_rows`) takes every row's maximum as 1
     instead of scanning the rows: the panel without its first pass over the rows."""
@@ -429,7 +590,8 @@ VARIANTS = {
     "gemm2_math_only": Gemm2MathOnly, "no_alpha_loads": NoAlphaLoads, "no_weight_copies": NoWeightCopies,
     "no_activation_copies": NoActivationCopies, "skeleton": Skeleton, "gemm1_k_splits_2": Gemm1KSplits,
     "gemm1_k_splits_4": Gemm1KSplits4, "spinning_waits": SpinningWaits, "grouped_copies_2": GroupedWeightCopies,
-    "grouped_copies_4": GroupedWeightCopies4,
+    "grouped_copies_4": GroupedWeightCopies4, "dynamic_k_chunks": DynamicKChunks,
+    "gemm1_k_splits_7": Gemm1KSplits7,
 }
 CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]
 """The variants of the consumers' k step, timed by default. The `panel_*` variants change only GEMMs
@@ -466,8 +628,11 @@ def gemm_class_kernels(gemm_class, *key_tags):
 
 
 def variant_kernels(name: str):
-    """`gemm_class_kernels` of variant `name`'s class, under keys that name the variant."""
-    return gemm_class_kernels(VARIANTS[name], "consumer_probe", name)
+    """`gemm_class_kernels` of variant `name`'s class, under keys that name the variant (and carry its
+    `kernel_key_tags`, where it has them)."""
+    gemm_class = VARIANTS[name]
+    tags = gemm_class.kernel_key_tags() if hasattr(gemm_class, "kernel_key_tags") else ()
+    return gemm_class_kernels(gemm_class, "consumer_probe", name, *tags)
 
 
 def compile_variant(name: str, epilogue: str, key: tuple):

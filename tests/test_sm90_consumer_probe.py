@@ -2,7 +2,8 @@
 they remove: the consumer variants from the default GEMM1 of DeepSeek-V3 decode, and nothing of the
 producer (`no_weight_copies` the weight copies only, `no_activation_copies` the activation gather only,
 and nothing of the consumers; `skeleton` both and the consumers' work; `spinning_waits` only how the
-pipeline waits; `grouped_copies_*` only how many k tiles a weight copy takes); the epilogue
+pipeline waits; `grouped_copies_*` only how many k tiles a weight copy takes; `dynamic_k_chunks` only
+which work units a CTA walks); the epilogue
 variants nothing of the code (they skip it at run time); the panel variants from the GEMM2 that
 quantizes its rows (per-token W4A4, T = 1), and nothing of its consumers or its weight stream."""
 
@@ -29,7 +30,7 @@ _SCRIPT = textwrap.dedent(
 
 GEMM1_VARIANTS = (
     "default", "no_decode", "no_mma", "barriers_only", "no_epilogue", "no_gemm1_stores", "no_weight_copies",
-    "no_activation_copies", "skeleton", "spinning_waits",
+    "no_activation_copies", "skeleton", "spinning_waits", "dynamic_k_chunks",
 )
 
 
@@ -206,3 +207,16 @@ def test_grouped_copies_expect_a_group_of_k_tiles_on_one_barrier_and_keep_the_re
             assert kernel.count(instruction) == group * default.count(instruction) > 0, (name, instruction)
         for instruction in ("HMMA", "HMUL2.BF16_V2", "UBLKCP.S.G"):
             assert kernel.count(instruction) == default.count(instruction) > 0, (name, instruction)
+
+
+def test_dynamic_k_chunks_claim_units_from_a_counter_and_keep_the_k_step(variants):
+    """`dynamic_k_chunks` (DeepSeek-V3's decode GEMM1): the producer's thread 0 claims units with global
+    atomics, the counters go back to zero by exchange, the producer warps meet at `CLAIM_BARRIER`, and the
+    consumers' k step and the producer's copies are the default's."""
+    from benchmarks.sm90_consumer_probe import CLAIM_BARRIER
+
+    default, dynamic = variants["default"], variants["dynamic_k_chunks"]
+    assert "ATOMG.E.ADD" in dynamic and "ATOMG.E.EXCH" in dynamic and "ATOMG" not in default
+    assert f"BAR.SYNC.DEFER_BLOCKING 0x{CLAIM_BARRIER:x}, 0x80" in dynamic
+    for instruction in ("HGMMA", "HMUL2.BF16_V2", "UBLKCP.S.G", "LDGSTS.E"):
+        assert dynamic.count(instruction) == default.count(instruction) > 0, instruction
