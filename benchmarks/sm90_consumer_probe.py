@@ -357,7 +357,10 @@ class GroupedWeightCopies(MoEGemmSm90):
     def grouped(self) -> bool:
         """Whether this GEMM copies in groups (plain Python, run while the kernel is traced)."""
         g = self.tiles_per_copy
-        return self.cta_row_blocks == 1 and self.stages % g == 0 and self.k_iterations % g == 0
+        # At least two groups of stages: consumers that load ahead hold two stages while they wait for the
+        # next, and the producer needs a whole group free.
+        fits = self.stages % g == 0 and self.stages >= 2 * g
+        return self.cta_row_blocks == 1 and fits and self.k_iterations % g == 0
 
     @cute.jit
     def load_item_k_tiles(self, stage, phase, full, empty, weights, mAct, copies):
@@ -399,16 +402,17 @@ class GroupedWeightCopies4(GroupedWeightCopies):
 
 
 @dsl_user_op
-def atomic_add_u32(gmem_address, value, *, loc=None, ip=None) -> Int32:
-    """`atom.global.add.u32`: adds `value` at `gmem_address`, returns the value before."""
-    ptx = "atom.global.add.u32 $0, [$1], $2;"
+def atomic_add_u32(gmem_address, value, ordered=False, *, loc=None, ip=None) -> Int32:
+    """`atom.global.add.u32`: adds `value` at `gmem_address`, returns the value before; `ordered`:
+    acquire-release at GPU scope (else relaxed)."""
+    ptx = f"atom{'.acq_rel.gpu' if ordered else ''}.global.add.u32 $0, [$1], $2;"
     return Int32(dev._asm(T.i32(), ptx, "=r,l,r", (Int64(gmem_address), Int32(value)), True, loc, ip))
 
 
 @dsl_user_op
 def atomic_exchange_u32(gmem_address, value, *, loc=None, ip=None) -> Int32:
-    """`atom.global.exch.b32`: stores `value` at `gmem_address`, returns the value before."""
-    ptx = "atom.global.exch.b32 $0, [$1], $2;"
+    """`atom.acq_rel.gpu.global.exch.b32`: stores `value` at `gmem_address`, returns the value before."""
+    ptx = "atom.acq_rel.gpu.global.exch.b32 $0, [$1], $2;"
     return Int32(dev._asm(T.i32(), ptx, "=r,l,r", (Int64(gmem_address), Int32(value)), True, loc, ip))
 
 
@@ -427,10 +431,10 @@ class DynamicKChunks(MoEGemmSm90):
     the default bounds what balancing GEMM1's work over the SMs could gain where some SMs stream
     persistently slower than others (DeepSeek-V3 at T = 1, each CTA's timeline).
 
-    The producer's thread 0 claims a unit (`atom.add` on the counter), skipping units of unused plan
-    tiles, writes it into a shared-memory slot of two (the item handshake's `rows_full` / `rows_empty`,
-    which decode tiles do not use otherwise) and meets the other producer warps at `CLAIM_BARRIER`; the
-    consumers read the slot once `rows_full` completes. A unit of -1 ends both loops. The last CTA to
+    The producer's thread 0 claims a unit (`atom.add` on the counter) once the consumers have freed a
+    slot for it, skipping units of unused plan tiles, writes it into that shared-memory slot of two (the
+    item handshake's `rows_full` / `rows_empty`, which decode tiles do not use otherwise) and meets the
+    other producer warps at `CLAIM_BARRIER`; the consumers read the slot once `rows_full` completes. A unit of -1 ends both loops. The last CTA to
     find the units exhausted sets the counter and the count of such CTAs back to zero for the next call.
     The counters are a CUDA tensor of this process, whose address the kernels hold as a constant: they
     are compiled on the GPU, under keys that carry the address (`kernel_key_tags`)."""
@@ -477,6 +481,8 @@ class DynamicKChunks(MoEGemmSm90):
         slots = storage.row_pairs.get_tensor(cute.make_layout(self.staged_sizes[0]))
         buffer = number % 2
         if cute.arch.thread_idx()[0] == 0:
+            # Claim only once the slot is free: a unit claimed earlier could wait an epilogue for its start.
+            cute.arch.mbarrier_wait(storage.rows_empty.data_ptr() + buffer, ((number // 2) & 1) ^ 1)
             total = self.item_count(mTileExpert)
             item = atomic_add_u32(self.counter, 1)
             used = self.unit_is_used(item, total, mTileExpert)
@@ -485,10 +491,10 @@ class DynamicKChunks(MoEGemmSm90):
                 used = self.unit_is_used(item, total, mTileExpert)
             if item >= total:
                 item = Int32(-1)
-                if atomic_add_u32(self.counter + 4, 1) == cute.arch.grid_dim()[0] - 1:
+                # Ordered after this CTA's last claim, so the reset follows every CTA's.
+                if atomic_add_u32(self.counter + 4, 1, ordered=True) == cute.arch.grid_dim()[0] - 1:
                     atomic_exchange_u32(self.counter, 0)
                     atomic_exchange_u32(self.counter + 4, 0)
-            cute.arch.mbarrier_wait(storage.rows_empty.data_ptr() + buffer, ((number // 2) & 1) ^ 1)
             slots[buffer] = item
         cute.arch.barrier(barrier_id=CLAIM_BARRIER, number_of_threads=WARPGROUP_THREADS)
         return slots[buffer]
