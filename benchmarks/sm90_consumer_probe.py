@@ -83,7 +83,7 @@ from benchmarks.moe_cases import SHAPES, MoEProblem
 from benchmarks.moe_implementations import REGISTRY
 from benchmarks.sm90_gemm_sweep import DEEPSEEK_V3, gemm_configurations, hopper_weights, routed_tokens
 from benchmarks.timing import L2_FLUSHES, PreparedCall, time_interleaved
-from fp4moe import provenance, weight_layout
+from fp4moe import provenance
 from fp4moe.kernels import host_launcher
 from fp4moe.kernels.sm90 import gemm_device as dev
 from fp4moe.kernels.sm90 import moe_launch
@@ -341,8 +341,9 @@ class GroupedWeightCopies(MoEGemmSm90):
     """No removal: a CTA of one 64-row weight block (64 features, the small shapes' decode CTAs) copies
     the weights of `tiles_per_copy` consecutive k tiles in one bulk copy of codes and one of scales, into
     as many consecutive stages (both lie contiguous: a block's k tiles along K in memory, its stages in
-    shared memory). Whether fewer, larger copies speed up a CTA whose producer never
-    waits for a free stage (GLM's GEMM1 at T = 1, each CTA's timeline): what limits its stream.
+    shared memory; `MoEGemmSm90.copy_weights` with `tiles`). Whether fewer, larger copies speed up a CTA
+    whose producer never waits for a free stage (GLM's GEMM1 at T = 1, each CTA's timeline): what limits
+    its stream.
 
     The producer waits for the group's last stage to be free (consumers release stages in order, so the
     others are free too), and the group's weight bytes complete on its first stage's `full`; each later
@@ -368,24 +369,12 @@ class GroupedWeightCopies(MoEGemmSm90):
             MoEGemmSm90.load_item_k_tiles(self, stage, phase, full, empty, weights, mAct, copies)
         else:
             group = self.tiles_per_copy
-            mCodes, mScales, storage, first_block, k_first = weights
+            k_first = weights[-1]
             for g in cutlass.range(self.k_iterations // group, unroll=1):
                 k = g * group
                 cute.arch.mbarrier_wait(empty + stage + (group - 1), phase ^ 1)
                 if cute.arch.thread_idx()[0] == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(full + stage, group * (self.code_bytes + self.scale_bytes))
-                    tile_index = self.weight_tile(first_block, k_first + k)
-                    barrier = (full + stage).toint()
-                    dev.bulk_copy_to_shared(
-                        storage.codes.data_ptr().toint() + stage * self.code_bytes,
-                        mCodes.iterator.toint() + tile_index * weight_layout.CODE_BYTES, group * self.code_bytes,
-                        barrier,
-                    )
-                    dev.bulk_copy_to_shared(
-                        storage.scales.data_ptr().toint() + stage * self.scale_bytes,
-                        mScales.iterator.toint() + tile_index * weight_layout.SCALE_BYTES, group * self.scale_bytes,
-                        barrier,
-                    )
+                    self.copy_weights(k, stage, full, weights, tiles=group)
                 for j in cutlass.range_constexpr(group):
                     if const_expr(j > 0):
                         if cute.arch.thread_idx()[0] == 0:
@@ -434,8 +423,9 @@ class DynamicKChunks(MoEGemmSm90):
     The producer's thread 0 claims a unit (`atom.add` on the counter) once the consumers have freed a
     slot for it, skipping units of unused plan tiles, writes it into that shared-memory slot of two (the
     item handshake's `rows_full` / `rows_empty`, which decode tiles do not use otherwise) and meets the
-    other producer warps at `CLAIM_BARRIER`; the consumers read the slot once `rows_full` completes. A unit of -1 ends both loops. The last CTA to
-    find the units exhausted sets the counter and the count of such CTAs back to zero for the next call.
+    other producer warps at `CLAIM_BARRIER`; the consumers read the slot once `rows_full` completes. A
+    unit of -1 ends both loops. The last CTA to find the units exhausted sets the counter and the count of
+    such CTAs back to zero for the next call.
     The counters are a CUDA tensor of this process, whose address the kernels hold as a constant: they
     are compiled on the GPU, under keys that carry the address (`kernel_key_tags`)."""
 
@@ -468,6 +458,10 @@ class DynamicKChunks(MoEGemmSm90):
             self.staged_sizes = (max(self.staged_sizes[0], 2), *self.staged_sizes[1:])  # the two claim slots
             self.counter = self.counter_address()
 
+    def claim_slots(self, storage):
+        """The two shared-memory slots of claimed units (plain Python, run while the kernel is traced)."""
+        return storage.row_pairs.get_tensor(cute.make_layout(self.staged_sizes[0]))
+
     @cute.jit
     def unit_is_used(self, item, total, mTileExpert):
         """1 where unit `item` exists and its plan tile is used, else 0."""
@@ -478,7 +472,7 @@ class DynamicKChunks(MoEGemmSm90):
     def claim(self, storage, mTileExpert, number):
         """The CTA's `number`-th unit (-1 when none is left), on every producer thread, and in slot
         `number % 2` for the consumers."""
-        slots = storage.row_pairs.get_tensor(cute.make_layout(self.staged_sizes[0]))
+        slots = self.claim_slots(storage)
         buffer = number % 2
         if cute.arch.thread_idx()[0] == 0:
             # Claim only once the slot is free: a unit claimed earlier could wait an epilogue for its start.
@@ -538,7 +532,7 @@ class DynamicKChunks(MoEGemmSm90):
             )
         else:
             operands = self.consumer_operands(storage, tiled_mma, b_layout, group)
-            slots = storage.row_pairs.get_tensor(cute.make_layout(self.staged_sizes[0]))
+            slots = self.claim_slots(storage)
             iteration = Int32(0)
             number = Int32(0)
             cute.arch.mbarrier_wait(storage.rows_full.data_ptr(), 0)

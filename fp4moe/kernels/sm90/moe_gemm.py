@@ -850,25 +850,30 @@ class MoEGemmSm90:
             self.copy_k_tile(k, stage, k_first, mAct, copies)
 
     @cute.jit
-    def copy_weights(self, k, stage, full, weights):
+    def copy_weights(self, k, stage, full, weights, tiles=1):
         """Thread 0: item k tile `k`'s weight codes and scales into `stage`, one bulk copy per 64-row
-        block each, completing on `full` (which expects their bytes)."""
+        block each, completing on `full` (which expects their bytes). With `tiles` (a CTA of one block),
+        k tiles `k ..` into as many stages from `stage`, in one copy each of codes and scales: a block's k
+        tiles lie contiguous in memory, its stages in shared memory, and `full` of `stage` expects them all."""
+        assert tiles == 1 or self.cta_row_blocks == 1
         mCodes, mScales, storage, first_block, k_first = weights
         barrier = (full + stage).toint()
-        cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.cta_row_blocks * (self.code_bytes + self.scale_bytes))
+        cute.arch.mbarrier_arrive_and_expect_tx(
+            full + stage, tiles * self.cta_row_blocks * (self.code_bytes + self.scale_bytes)
+        )
         for g in cutlass.range_constexpr(self.cta_row_blocks):
             tile_index = self.weight_tile(first_block + g, k_first + k)
             smem_slot = stage * self.cta_row_blocks + g
             dev.bulk_copy_to_shared(
                 storage.codes.data_ptr().toint() + smem_slot * self.code_bytes,
                 mCodes.iterator.toint() + tile_index * weight_layout.CODE_BYTES,
-                self.code_bytes,
+                tiles * self.code_bytes,
                 barrier,
             )
             dev.bulk_copy_to_shared(
                 storage.scales.data_ptr().toint() + smem_slot * self.scale_bytes,
                 mScales.iterator.toint() + tile_index * weight_layout.SCALE_BYTES,
-                self.scale_bytes,
+                tiles * self.scale_bytes,
                 barrier,
             )
 
