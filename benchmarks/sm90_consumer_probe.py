@@ -29,7 +29,8 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
   barrier's shared memory).
 - `grouped_copies_2`, `grouped_copies_4` (chosen with `--variants`) are no removal either: CTAs of 64
   features copy the weights of two or four k tiles in one bulk copy each of codes and scales
-  (`GroupedWeightCopies`): whether the number of copies limits such a CTA's weight stream.
+  (`GroupedWeightCopies`, the kernels' own grouped copies): whether the number of copies limits such a
+  CTA's weight stream.
 - `gemm1_k_splits_2`, `gemm1_k_splits_4`, `gemm1_k_splits_7` (chosen with `--variants`) run GEMM1 in that
   many slices of K, each slice's items their own CTAs, with no reduction of the slices (garbage results):
   how much faster GEMM1's k loops run where its items would leave SMs or CTA slots idle.
@@ -87,7 +88,9 @@ from fp4moe import provenance
 from fp4moe.kernels import host_launcher
 from fp4moe.kernels.sm90 import gemm_device as dev
 from fp4moe.kernels.sm90 import moe_launch
-from fp4moe.kernels.sm90.moe_gemm import PANEL_BARRIER, PANEL_WARPS, WARP_SIZE, WARPGROUP_THREADS, MoEGemmSm90
+from fp4moe.kernels.sm90.moe_gemm import (
+    PANEL_BARRIER, PANEL_WARPS, WARP_SIZE, WARPGROUP_THREADS, MoEGemmSm90, groups_weight_copies,
+)
 
 
 class NoDecode(MoEGemmSm90):
@@ -338,52 +341,19 @@ class Gemm1KSplits7(Gemm1KSplits):
 
 
 class GroupedWeightCopies(MoEGemmSm90):
-    """No removal: a CTA of one 64-row weight block (64 features, the small shapes' decode CTAs) copies
-    the weights of `tiles_per_copy` consecutive k tiles in one bulk copy of codes and one of scales, into
-    as many consecutive stages (both lie contiguous: a block's k tiles along K in memory, its stages in
-    shared memory; `MoEGemmSm90.copy_weights` with `tiles`). Whether fewer, larger copies speed up a CTA
-    whose producer never waits for a free stage (GLM's GEMM1 at T = 1, each CTA's timeline): what limits
-    its stream.
-
-    The producer waits for the group's last stage to be free (consumers release stages in order, so the
-    others are free too), and the group's weight bytes complete on its first stage's `full`; each later
-    stage's `full` takes thread 0's plain arrival and the stage's activation copies. The consumers read
-    the stages in order, so they wait for the first stage's `full`, which covers the whole group's
-    weights, before any later one's. CTAs of more blocks, or whose stages or item k tiles do not divide
-    into groups, copy as the default does. It means to compute the default's results (the probe does not
-    check them)."""
+    """No removal: CTAs of one 64-row weight block copy `tiles_per_copy` k tiles' weights per bulk copy of
+    codes and one of scales (`MoEGemmSm90(tiles_per_copy=...)`) where `moe_gemm.groups_weight_copies`
+    allows, instead of the launch layer's `moe_gemm.WEIGHT_COPY_K_TILES`; other GEMMs are the default's:
+    whether the number of copies limits such a CTA's weight stream."""
 
     tiles_per_copy = 2
 
-    def grouped(self) -> bool:
-        """Whether this GEMM copies in groups (plain Python, run while the kernel is traced)."""
-        g = self.tiles_per_copy
-        # At least two groups of stages: consumers that load ahead hold two stages while they wait for the
-        # next, and the producer needs a whole group free.
-        fits = self.stages % g == 0 and self.stages >= 2 * g
-        return self.cta_row_blocks == 1 and fits and self.k_iterations % g == 0
-
-    @cute.jit
-    def load_item_k_tiles(self, stage, phase, full, empty, weights, mAct, copies):
-        if const_expr(not self.grouped()):
-            MoEGemmSm90.load_item_k_tiles(self, stage, phase, full, empty, weights, mAct, copies)
-        else:
-            group = self.tiles_per_copy
-            k_first = weights[-1]
-            for g in cutlass.range(self.k_iterations // group, unroll=1):
-                k = g * group
-                cute.arch.mbarrier_wait(empty + stage + (group - 1), phase ^ 1)
-                if cute.arch.thread_idx()[0] == 0:
-                    self.copy_weights(k, stage, full, weights, tiles=group)
-                for j in cutlass.range_constexpr(group):
-                    if const_expr(j > 0):
-                        if cute.arch.thread_idx()[0] == 0:
-                            cute.arch.mbarrier_arrive(full + stage + j)
-                    self.copy_k_tile(k + j, stage + j, k_first, mAct, copies)
-                    cute.arch.cp_async_mbarrier_arrive_noinc(full + stage + j)
-                wrap = stage + group == self.stages
-                stage = cutlass.select_(wrap, Int32(0), stage + group)
-                phase = phase ^ cutlass.select_(wrap, Int32(1), Int32(0))
+    def __init__(self, **options):
+        k_iterations = options["prepared_k"] // options["tile_k"] // options.get("k_splits", 1)
+        grouped = not options.get("quantizes_rows") and groups_weight_copies(
+            options["tile_features"], options["tile_rows"], options["stages"], k_iterations, self.tiles_per_copy
+        )
+        MoEGemmSm90.__init__(self, **{**options, "tiles_per_copy": self.tiles_per_copy if grouped else 1})
 
 
 class GroupedWeightCopies4(GroupedWeightCopies):

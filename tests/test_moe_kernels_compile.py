@@ -174,6 +174,39 @@ def test_an_expert_parallel_rank_told_the_global_expert_count_sizes_its_tiles_fo
         assert (gemm1.tile_features, gemm1.ctas_per_sm) == (features, ctas)
 
 
+def test_decode_ctas_of_one_block_group_weight_copies_where_stages_and_items_allow(monkeypatch):
+    """`moe_gemm.groups_weight_copies`: CTAs of one 64-row block of decode tiles whose stages and item k
+    tiles divide into groups, and whose ring holds two groups; `compile_gemm` asks the kernel for
+    `WEIGHT_COPY_K_TILES` k tiles per copy there, except in a GEMM that quantizes its rows."""
+    groups = moe_gemm.groups_weight_copies
+    assert groups(64, 8, 16, 48, group=2) and groups(64, 16, 8, 2, group=2) and groups(64, 8, 16, 48, group=4)
+    assert not groups(128, 8, 16, 48, group=2)  # two blocks
+    assert not groups(64, 64, 10, 16, group=2)  # a 64-row tile
+    assert not groups(64, 8, 15, 48, group=2) and not groups(64, 8, 16, 7, group=2)  # odd stages, odd k tiles
+    assert not groups(64, 8, 6, 48, group=4)  # one group of stages
+    # GLM's decode GEMM1 at T = 1 (64 features, 16 stages, 48 k tiles of 128).
+    glm = moe_launch.GemmShape((256, 16, 96, 2048), 8, moe_launch.expected_tiles(8, 256, 8), 132)
+    assert groups(glm.tile_features, glm.tile_rows, glm.stages, glm.prepared_k // glm.tile_k, group=2)
+    asked = []
+
+    class Options:
+        def __init__(self, **options):
+            asked.append(options["tiles_per_copy"])
+
+    monkeypatch.setattr(moe_launch, "MoEGemmSm90", Options)
+    monkeypatch.setattr(moe_launch, "compile_kernel", lambda *args, **kwargs: None)
+    monkeypatch.setattr(moe_launch, "WEIGHT_COPY_K_TILES", 2)
+    moe_launch.compile_gemm.cache_clear()
+    try:
+        for numerator in (None, PER_TOKEN_NUMERATOR):
+            moe_launch.compile_gemm("gemm2_fused", glm.key(), 6144, 6144, 8, "none", (None, None, None), True,
+                                    k_splits=2, per_token_numerator=numerator)
+        moe_launch.compile_gemm("gemm1", glm.key(), 6144, 512, 8, "swiglu", (None, None, None), False)
+    finally:
+        moe_launch.compile_gemm.cache_clear()
+    assert asked == [2, 1, 2]
+
+
 def test_fused_gemm2_splits_k_to_balance_its_waves():
     """`fused_gemm2_k_splits`: GLM's GEMM2 at T = 1 (192 items of 256 features on 132 SMs: two waves, the
     second 45% full) and DeepSeek-V3's at T = 2 take two slices of K; DeepSeek-V3's at T = 1 would need

@@ -543,6 +543,47 @@ def test_warp_mma_decode_tiles_match_the_loop_reference(mode, monkeypatch):
 
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4_per_token"])
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_grouped_weight_copies_match_the_loop_reference_and_single_copies_bitwise(mode, tokens, monkeypatch):
+    # Few experts at decode: both GEMMs take 64-feature CTAs (GEMM2 in slices of K), which with
+    # `WEIGHT_COPY_K_TILES` = 2 copy two k tiles' weights per bulk copy (`moe_gemm.groups_weight_copies`;
+    # a quantizing GEMM2 keeps one), with a hidden size short of the prepared K (the last k tile's
+    # activation columns zero-filled). The consumers are unchanged, so the deterministic pipeline is
+    # bitwise the call with one k tile per copy.
+    from fp4moe.kernels import host_launcher
+    from fp4moe.kernels.sm90 import moe_gemm, moe_launch
+
+    p = make_problem(tokens=tokens, hidden=960, intermediate=1024, num_experts=16, top_k=4, mode=mode,
+                     device="cuda", seed=80 + tokens)
+    w = p.weights.prepared()
+    tile = dispatch.moe_tile_m(tokens, 4, 16)
+    gemm1 = moe_launch.GemmShape(w.w1.shape, tile, moe_launch.expected_tiles(tokens * 4, 16, tile), moe_launch.sm_count(0))
+    assert gemm1.prepared_k > 960
+    assert moe_gemm.groups_weight_copies(
+        gemm1.tile_features, gemm1.tile_rows, gemm1.stages, gemm1.prepared_k // gemm1.tile_k, group=2
+    )
+
+    def copies_k_tiles(group):
+        """From here on the launch layer copies `group` k tiles per bulk copy, in kernels compiled and
+        calls recorded afresh."""
+        monkeypatch.setattr(moe_launch, "WEIGHT_COPY_K_TILES", group)
+        torch.cuda.synchronize()
+        host_launcher.forget_recorded_calls()
+        moe_launch.compile_gemm.cache_clear()
+
+    try:
+        copies_k_tiles(1)
+        single = run_prepared(p, deterministic=True)
+        copies_k_tiles(2)
+        assert_moe_close(run_prepared(p), loop_reference(p))
+        grouped = run_prepared(p, deterministic=True)
+        assert_moe_close(grouped, loop_reference(p))
+        assert_bitwise_equal(grouped, single)
+    finally:
+        moe_launch.compile_gemm.cache_clear()  # the later tests compile under the real rule
+
+
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_per_pair_gemm2_in_seven_consumer_groups_is_bitwise_the_four_group_one(mode, monkeypatch):
     # The deterministic finalize's GEMM2 (K whole) where its 256-feature items leave a wave unbalanced

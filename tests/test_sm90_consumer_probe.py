@@ -188,11 +188,11 @@ _GLM_SCRIPT = textwrap.dedent(
 
 
 def test_grouped_copies_expect_a_group_of_k_tiles_on_one_barrier_and_keep_the_rest(tmp_path):
-    """`grouped_copies_2` / `_4` on GLM's decode GEMM1 (CTAs of one 64-row block): thread 0 expects two or
-    four k tiles' weight bytes (4,608 each: 4 KB of codes, 512 B of scales) on the group's first `full`,
-    still in one bulk copy of codes and one of scales, and arrives plainly on each later stage's `full`;
-    the activation copies and their arrivals come once per k tile of the group; the consumers' code is the
-    default's."""
+    """`grouped_copies_2` / `_4` on GLM's decode GEMM1 (CTAs of one 64-row block; the kernel's own
+    `tiles_per_copy`): thread 0 expects two or four k tiles' weight bytes (4,608 each: 4 KB of codes,
+    512 B of scales) on the group's first `full`, still in one bulk copy of codes and one of scales, and
+    arrives plainly on each later stage's `full`; the activation copies and their arrivals come once per
+    k tile of the group; the consumers' code is the default's."""
     names = ("default", "grouped_copies_2", "grouped_copies_4")
     out = compile_in_subprocess(_GLM_SCRIPT, {"names": names}, tmp_path)
     kernels = {name: sass(out / f"{name}.cubin") for name in names}

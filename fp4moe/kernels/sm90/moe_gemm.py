@@ -90,6 +90,32 @@ before the MMAs, which hide the loads' latency; larger tiles would hold too many
 come through shared memory instead (`staged_row_bytes`)."""
 
 
+WEIGHT_COPY_K_TILES = 1
+"""How many consecutive k tiles' weights a decode CTA of one 64-row weight block copies per bulk copy of
+codes and one of scales, where its stages and items allow (`groups_weight_copies`); 1: one per k tile.
+Such a CTA (the small shapes' decode GEMMs) streams less per SM than one of four blocks, which issues four
+copies per k tile, and its producer never waits for a free stage: its own copies pace it. In the consumer
+probe (`grouped_copies_2`) pairs made whole decode calls of GLM, Qwen3-30B-A3B and the EP shard 0.2-0.7 us
+faster, fours no faster than pairs; pairs are off until they pass their GPU tests and an A/B of whole
+calls (runs log)."""
+
+
+def groups_weight_copies(
+    tile_features: int, tile_rows: int, stages: int, k_iterations: int, group: int = WEIGHT_COPY_K_TILES
+) -> bool:
+    """Whether a GEMM of `tile_features` per CTA, `tile_rows`, `stages` and `k_iterations` k tiles per item
+    can copy its weights `group` k tiles per bulk copy (`MoEGemmSm90(tiles_per_copy=group)`): CTAs of one
+    64-row block (a block's k tiles lie contiguous in memory) of decode tiles (at most
+    `EARLY_ROWS_TILE_ROWS` rows: the group's activation copies, unrolled, fit the producer's registers,
+    which a 64-row tile's overflow), items and stages that divide into groups (no group wraps the ring or
+    spans two items) and at least two groups of stages (consumers that load ahead hold two stages while
+    they wait for the next, and the producer needs a whole group free)."""
+    return (
+        tile_features == weight_layout.ROW_BLOCK and tile_rows <= EARLY_ROWS_TILE_ROWS and stages % group == 0
+        and stages >= 2 * group and k_iterations % group == 0
+    )
+
+
 def staged_row_bytes(tile_rows: int) -> int:
     """Shared memory of the rows a producer stages for the consumers of tiles above
     `EARLY_ROWS_TILE_ROWS`: per row its pair, router weight and activation scale, for two items."""
@@ -362,6 +388,7 @@ class MoEGemmSm90:
         warp_mma: bool = False,
         fast_sigmoid: bool = False,
         prefetches_routed: bool = False,
+        tiles_per_copy: int = 1,
     ):
         assert epilogue in EPILOGUES
         assert tile_features in (64, 128, 256, 448) and prepared_rows % tile_features == 0
@@ -438,6 +465,11 @@ class MoEGemmSm90:
         self.exchange_floats = 4 * self.consumer_groups * self.epilogue_rows if nvfp4_out and activation == "swiglu" else 1
         self.k_splits = k_splits
         self.k_iterations = prepared_k // tile_k // k_splits  # k tiles per work item
+        # A quantizing producer's warp 0 copies the weights alone (`load_item_weights`), one k tile a copy.
+        assert tiles_per_copy == 1 or (
+            not quantizes_rows and groups_weight_copies(tile_features, tile_rows, stages, self.k_iterations, tiles_per_copy)
+        )
+        self.tiles_per_copy = tiles_per_copy
         # B tiles of shared memory: one per stage, or the activation panels' (two items of k tiles each).
         self.b_tiles = 2 * self.k_iterations if quantizes_rows else stages
         self.rows_full_arrivals = PANEL_WARPS * WARP_SIZE if quantizes_rows else WARPGROUP_THREADS
@@ -821,11 +853,37 @@ class MoEGemmSm90:
     @cute.jit
     def load_item_k_tiles(self, stage, phase, full, empty, weights, mAct, copies):
         """The item's k tiles into the stages from (`stage`, `phase`) on (`load_k_tile`), each thread's
-        activation copies arriving on their stage's `full`."""
-        for k in cutlass.range(self.k_iterations, unroll=1):
-            self.load_k_tile(k, stage, phase, full, empty, weights, mAct, copies)
-            cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
-            stage, phase = self.next_stage(stage, phase)
+        activation copies arriving on their stage's `full`.
+
+        With `tiles_per_copy` = G > 1 the weights come G k tiles at a time, in one bulk copy each of codes
+        and scales into G consecutive stages (`copy_weights`), once the group's last stage is free
+        (consumers release stages in order, so the others are free too). The group's weight bytes complete
+        on its first stage's `full`; each later stage's `full` takes thread 0's plain arrival in place of
+        the expectation, and its k tile's activation copies. Consumers wait for the stages in order, so
+        the first stage's `full` has covered a later stage's weights before they read them."""
+        group = self.tiles_per_copy
+        if const_expr(group == 1):
+            for k in cutlass.range(self.k_iterations, unroll=1):
+                self.load_k_tile(k, stage, phase, full, empty, weights, mAct, copies)
+                cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+                stage, phase = self.next_stage(stage, phase)
+        else:
+            k_first = weights[-1]
+            for g in cutlass.range(self.k_iterations // group, unroll=1):
+                k = g * group
+                cute.arch.mbarrier_wait(empty + stage + (group - 1), phase ^ 1)
+                if cute.arch.thread_idx()[0] == 0:
+                    self.copy_weights(k, stage, full, weights, tiles=group)
+                for j in cutlass.range_constexpr(group):
+                    if const_expr(j > 0):
+                        if cute.arch.thread_idx()[0] == 0:
+                            cute.arch.mbarrier_arrive(full + stage + j)
+                    self.copy_k_tile(k + j, stage + j, k_first, mAct, copies)
+                    cute.arch.cp_async_mbarrier_arrive_noinc(full + stage + j)
+                # Groups never wrap the ring: the stages divide into them (`groups_weight_copies`).
+                wrap = stage + group == self.stages
+                stage = cutlass.select_(wrap, Int32(0), stage + group)
+                phase = phase ^ cutlass.select_(wrap, Int32(1), Int32(0))
 
     @cute.jit
     def load_item_weights(self, mCodes, mScales, full, empty, storage, feature_block, expert, k_first, iteration):

@@ -49,8 +49,10 @@ from fp4moe.kernels.sm90.moe_gemm import (
     LOADS_AHEAD_TILE_ROWS,
     TWO_BLOCK_TALL_TILE_ROWS,
     WARP_MMA_TILE_ROWS,
+    WEIGHT_COPY_K_TILES,
     MoEGemmSm90,
     blocks_per_consumer,
+    groups_weight_copies,
     pipeline_stages,
 )
 from fp4moe.kernels.sm90.moe_plan import MAX_EXPERTS, PLAN_THREADS, ZERO_VECTOR, MoEPlanSm90
@@ -316,9 +318,15 @@ def compile_gemm(
     says so, unless `tiling_invariant`: the bits must not depend on the tile shapes (the deterministic
     pipeline, whose tiles the expected pairs may change), and `wgmma` gives the same bits whatever they are.
     `prefetches_routed`: GEMM1 takes the routing and prefetches the routed experts' first weights before
-    it waits for the plan (`moe_gemm.MoEGemmSm90.prefetch_routed_weights`)."""
+    it waits for the plan (`moe_gemm.MoEGemmSm90.prefetch_routed_weights`). CTAs of one 64-row block copy
+    their weights `moe_gemm.WEIGHT_COPY_K_TILES` k tiles at a time where `moe_gemm.groups_weight_copies`
+    allows, unless the GEMM quantizes its rows (its weights' producer copies one k tile at a time)."""
     experts, rows, k, tile_features, tile_rows, granule, tile_k, stages, ctas_per_sm, max_ctas = shape_key
     warp_mma = uses_warp_mma(shape_key) and per_token_numerator is None and not tiling_invariant
+    groups_copies = per_token_numerator is None and groups_weight_copies(
+        tile_features, tile_rows, stages, k // tile_k // k_splits, WEIGHT_COPY_K_TILES
+    )
+    tiles_per_copy = WEIGHT_COPY_K_TILES if groups_copies else 1
     fast_sigmoid = divides_sigmoid_fast(epilogue, activation, tile_rows, tiling_invariant)
     kernel = MoEGemmSm90(
         epilogue=epilogue, num_experts=experts, prepared_rows=rows, prepared_k=k, act_k=act_k,
@@ -329,7 +337,7 @@ def compile_gemm(
         epilogue_rows=epilogue_rows, nvfp4_out=output_scales > 0 and epilogue == "gemm1", up_alpha=up_alpha,
         output_scaled=output_scales > 0 and epilogue != "gemm1", quantizes_rows=per_token_numerator is not None,
         per_token_numerator=per_token_numerator, warp_mma=warp_mma, fast_sigmoid=fast_sigmoid,
-        prefetches_routed=prefetches_routed,
+        prefetches_routed=prefetches_routed, tiles_per_copy=tiles_per_copy,
     )
     tiles = (experts, rows // weight_layout.ROW_BLOCK, k // weight_layout.K_TILE)
     codes = make_fake_compact_tensor(
@@ -356,7 +364,7 @@ def compile_gemm(
     key = (
         "moe_gemm", epilogue, shape_key, act_k, out_features, top_k, activation, swiglu, router_weighted, row_scaled,
         float32_out, aux_amax, k_splits, epilogue_rows, output_scales, up_alpha, per_token_numerator, live_tiles,
-        warp_mma, fast_sigmoid, prefetches_routed,
+        warp_mma, fast_sigmoid, prefetches_routed, tiles_per_copy,
     )
     routing = (_i32(_dynamic()), cutlass.Int32(0)) if prefetches_routed else (None, None)
     return compile_kernel(
