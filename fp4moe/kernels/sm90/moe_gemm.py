@@ -100,9 +100,7 @@ faster, fours no faster than pairs; pairs are off until they pass their GPU test
 calls (runs log)."""
 
 
-def groups_weight_copies(
-    tile_features: int, tile_rows: int, stages: int, k_iterations: int, group: int = WEIGHT_COPY_K_TILES
-) -> bool:
+def groups_weight_copies(tile_features: int, tile_rows: int, stages: int, k_iterations: int, group: int) -> bool:
     """Whether a GEMM of `tile_features` per CTA, `tile_rows`, `stages` and `k_iterations` k tiles per item
     can copy its weights `group` k tiles per bulk copy (`MoEGemmSm90(tiles_per_copy=group)`): CTAs of one
     64-row block (a block's k tiles lie contiguous in memory) of decode tiles (at most
