@@ -543,44 +543,61 @@ def test_warp_mma_decode_tiles_match_the_loop_reference(mode, monkeypatch):
 
 
 
+GROUPED_COPY_CASES = {
+    # (tokens, hidden, intermediate, experts, top_k). Every GEMM takes 64-feature CTAs of 8- or 16-row tiles
+    # (the fused GEMM2 in slices of K), whose k tiles divide into pairs; the hidden sizes fall short of the
+    # prepared K (the last k tile's activation columns zero-filled).
+    "decode": (1, 960, 1024, 16, 4),
+    "decode-two-tokens": (2, 960, 1024, 16, 4),
+    # GEMM1 items of 32 k tiles in a ring of 16 stages: the producer waits for released stages and the
+    # ring wraps within an item; the fused GEMM2's items of 2 k tiles (up to 768) give CTAs several each.
+    "ring-wraps": (3, 4032, 1024, 4, 1),
+    "16-row-tiles": (12, 960, 1024, 4, 1),
+}
+
+
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4_per_token"])
-@pytest.mark.parametrize("tokens", [1, 2])
-def test_grouped_weight_copies_match_the_loop_reference_and_single_copies_bitwise(mode, tokens, monkeypatch):
-    # Few experts at decode: both GEMMs take 64-feature CTAs (GEMM2 in slices of K), which with
-    # `WEIGHT_COPY_K_TILES` = 2 copy two k tiles' weights per bulk copy (`moe_gemm.groups_weight_copies`;
-    # a quantizing GEMM2 keeps one), with a hidden size short of the prepared K (the last k tile's
-    # activation columns zero-filled). The consumers are unchanged, so the deterministic pipeline is
+@pytest.mark.parametrize("case", GROUPED_COPY_CASES)
+def test_grouped_weight_copies_match_the_loop_reference_and_single_copies_bitwise(mode, case, monkeypatch):
+    # With `WEIGHT_COPY_K_TILES` = 2 these CTAs copy two k tiles' weights per bulk copy
+    # (`moe_gemm.groups_weight_copies`); the consumers are unchanged, so the deterministic pipeline is
     # bitwise the call with one k tile per copy.
     from fp4moe.kernels import host_launcher
     from fp4moe.kernels.sm90 import moe_gemm, moe_launch
 
-    p = make_problem(tokens=tokens, hidden=960, intermediate=1024, num_experts=16, top_k=4, mode=mode,
-                     device="cuda", seed=80 + tokens)
-    w = p.weights.prepared()
-    tile = dispatch.moe_tile_m(tokens, 4, 16)
-    gemm1 = moe_launch.GemmShape(w.w1.shape, tile, moe_launch.expected_tiles(tokens * 4, 16, tile), moe_launch.sm_count(0))
-    assert gemm1.prepared_k > 960
-    assert moe_gemm.groups_weight_copies(
-        gemm1.tile_features, gemm1.tile_rows, gemm1.stages, gemm1.prepared_k // gemm1.tile_k, group=2
-    )
+    tokens, hidden, intermediate, experts, top_k = GROUPED_COPY_CASES[case]
+    p = make_problem(tokens=tokens, hidden=hidden, intermediate=intermediate, num_experts=experts, top_k=top_k,
+                     mode=mode, device="cuda", seed=80 + tokens)
+    copies = []
+
+    def recorded_gemm(**options):
+        """The launch layer's kernel, with what each GEMM it builds copies per bulk copy noted."""
+        copies.append((options["epilogue"], options["tiles_per_copy"]))
+        return moe_gemm.MoEGemmSm90(**options)
 
     def copies_k_tiles(group):
-        """From here on the launch layer copies `group` k tiles per bulk copy, in kernels compiled and
+        """From here on the launch layer asks for `group` k tiles per bulk copy, in kernels compiled and
         calls recorded afresh."""
         monkeypatch.setattr(moe_launch, "WEIGHT_COPY_K_TILES", group)
         torch.cuda.synchronize()
         host_launcher.forget_recorded_calls()
         moe_launch.compile_gemm.cache_clear()
+        copies.clear()
 
+    monkeypatch.setattr(moe_launch, "MoEGemmSm90", recorded_gemm)
     try:
         copies_k_tiles(1)
         single = run_prepared(p, deterministic=True)
+        assert copies == [("gemm1", 1), ("gemm2_expanded", 1)]
         copies_k_tiles(2)
         assert_moe_close(run_prepared(p), loop_reference(p))
         grouped = run_prepared(p, deterministic=True)
+        assert copies == [("gemm1", 2), ("gemm2_fused", 2), ("gemm1", 2), ("gemm2_expanded", 2)]
         assert_moe_close(grouped, loop_reference(p))
         assert_bitwise_equal(grouped, single)
     finally:
+        torch.cuda.synchronize()
+        host_launcher.forget_recorded_calls()
         moe_launch.compile_gemm.cache_clear()  # the later tests compile under the real rule
 
 
