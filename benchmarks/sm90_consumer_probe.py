@@ -341,23 +341,23 @@ class Gemm1KSplits7(Gemm1KSplits):
 
 
 class GroupedWeightCopies(MoEGemmSm90):
-    """No removal: CTAs of one 64-row weight block copy `tiles_per_copy` k tiles' weights per bulk copy of
-    codes and one of scales (`MoEGemmSm90(tiles_per_copy=...)`) where `moe_gemm.groups_weight_copies`
-    allows, instead of the launch layer's `moe_gemm.WEIGHT_COPY_K_TILES`; other GEMMs are the default's:
-    whether the number of copies limits such a CTA's weight stream."""
+    """No removal: CTAs of one 64-row weight block copy `group` k tiles' weights per bulk copy of codes
+    and one of scales (the kernel's `tiles_per_copy`) where `moe_gemm.groups_weight_copies` allows,
+    instead of the launch layer's `moe_gemm.WEIGHT_COPY_K_TILES`; other GEMMs are the default's: whether
+    the number of copies limits such a CTA's weight stream."""
 
-    tiles_per_copy = 2
+    group = 2
 
     def __init__(self, **options):
-        k_iterations = options["prepared_k"] // options["tile_k"] // options.get("k_splits", 1)
-        grouped = not options.get("quantizes_rows") and groups_weight_copies(
-            options["tile_features"], options["tile_rows"], options["stages"], k_iterations, self.tiles_per_copy
-        )
-        MoEGemmSm90.__init__(self, **{**options, "tiles_per_copy": self.tiles_per_copy if grouped else 1})
+        MoEGemmSm90.__init__(self, **options)
+        if groups_weight_copies(
+            self.tile_features, self.tile_rows, self.stages, self.k_iterations, self.group, self.quantizes_rows
+        ):
+            self.tiles_per_copy = self.group
 
 
 class GroupedWeightCopies4(GroupedWeightCopies):
-    tiles_per_copy = 4
+    group = 4
 
 
 @dsl_user_op

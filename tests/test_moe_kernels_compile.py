@@ -176,14 +176,17 @@ def test_an_expert_parallel_rank_told_the_global_expert_count_sizes_its_tiles_fo
 
 def test_decode_ctas_of_one_block_group_weight_copies_where_stages_and_items_allow(monkeypatch):
     """`moe_gemm.groups_weight_copies`: CTAs of one 64-row block of decode tiles whose stages and item k
-    tiles divide into groups, and whose ring holds two groups; `compile_gemm` asks the kernel for
-    `WEIGHT_COPY_K_TILES` k tiles per copy there, except in a GEMM that quantizes its rows."""
-    groups = moe_gemm.groups_weight_copies
+    tiles divide into groups, and whose ring holds two groups, in a GEMM that does not quantize its rows;
+    `compile_gemm` asks the kernel for `WEIGHT_COPY_K_TILES` k tiles per copy there."""
+    def groups(*sizes, group, quantizes_rows=False):
+        return moe_gemm.groups_weight_copies(*sizes, group, quantizes_rows)
+
     assert groups(64, 8, 16, 48, group=2) and groups(64, 16, 8, 2, group=2) and groups(64, 8, 16, 48, group=4)
     assert not groups(128, 8, 16, 48, group=2)  # two blocks
     assert not groups(64, 64, 10, 16, group=2)  # a 64-row tile
     assert not groups(64, 8, 15, 48, group=2) and not groups(64, 8, 16, 7, group=2)  # odd stages, odd k tiles
     assert not groups(64, 8, 6, 48, group=4)  # one group of stages
+    assert not groups(64, 8, 16, 48, group=2, quantizes_rows=True)
     # GLM's decode GEMM1 at T = 1 (64 features, 16 stages, 48 k tiles of 128).
     glm = moe_launch.GemmShape((256, 16, 96, 2048), 8, moe_launch.expected_tiles(8, 256, 8), 132)
     assert groups(glm.tile_features, glm.tile_rows, glm.stages, glm.prepared_k // glm.tile_k, group=2)

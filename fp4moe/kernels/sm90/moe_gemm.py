@@ -100,17 +100,21 @@ faster, fours no faster than pairs; pairs are off until they pass their GPU test
 calls (runs log)."""
 
 
-def groups_weight_copies(tile_features: int, tile_rows: int, stages: int, k_iterations: int, group: int) -> bool:
+def groups_weight_copies(
+    tile_features: int, tile_rows: int, stages: int, k_iterations: int, group: int, quantizes_rows: bool
+) -> bool:
     """Whether a GEMM of `tile_features` per CTA, `tile_rows`, `stages` and `k_iterations` k tiles per item
     can copy its weights `group` k tiles per bulk copy (`MoEGemmSm90(tiles_per_copy=group)`): CTAs of one
     64-row block (a block's k tiles lie contiguous in memory) of decode tiles (at most
     `EARLY_ROWS_TILE_ROWS` rows: the group's activation copies, unrolled, fit the producer's registers,
     which a 64-row tile's overflow), items and stages that divide into groups (no group wraps the ring or
     spans two items) and at least two groups of stages (consumers that load ahead hold two stages while
-    they wait for the next, and the producer needs a whole group free)."""
+    they wait for the next, and the producer needs a whole group free); not a GEMM that quantizes its rows
+    (`quantizes_rows`: its producer's warp 0 copies the weights alone, one k tile a copy,
+    `load_item_weights`)."""
     return (
         tile_features == weight_layout.ROW_BLOCK and tile_rows <= EARLY_ROWS_TILE_ROWS and stages % group == 0
-        and stages >= 2 * group and k_iterations % group == 0
+        and stages >= 2 * group and k_iterations % group == 0 and not quantizes_rows
     )
 
 
@@ -463,9 +467,8 @@ class MoEGemmSm90:
         self.exchange_floats = 4 * self.consumer_groups * self.epilogue_rows if nvfp4_out and activation == "swiglu" else 1
         self.k_splits = k_splits
         self.k_iterations = prepared_k // tile_k // k_splits  # k tiles per work item
-        # A quantizing producer's warp 0 copies the weights alone (`load_item_weights`), one k tile a copy.
-        assert tiles_per_copy == 1 or (
-            not quantizes_rows and groups_weight_copies(tile_features, tile_rows, stages, self.k_iterations, tiles_per_copy)
+        assert tiles_per_copy == 1 or groups_weight_copies(
+            tile_features, tile_rows, stages, self.k_iterations, tiles_per_copy, quantizes_rows
         )
         self.tiles_per_copy = tiles_per_copy
         # B tiles of shared memory: one per stage, or the activation panels' (two items of k tiles each).

@@ -320,11 +320,11 @@ def compile_gemm(
     `prefetches_routed`: GEMM1 takes the routing and prefetches the routed experts' first weights before
     it waits for the plan (`moe_gemm.MoEGemmSm90.prefetch_routed_weights`). CTAs of one 64-row block copy
     their weights `moe_gemm.WEIGHT_COPY_K_TILES` k tiles at a time where `moe_gemm.groups_weight_copies`
-    allows, unless the GEMM quantizes its rows (its weights' producer copies one k tile at a time)."""
+    allows."""
     experts, rows, k, tile_features, tile_rows, granule, tile_k, stages, ctas_per_sm, max_ctas = shape_key
     warp_mma = uses_warp_mma(shape_key) and per_token_numerator is None and not tiling_invariant
-    groups_copies = per_token_numerator is None and groups_weight_copies(
-        tile_features, tile_rows, stages, k // tile_k // k_splits, WEIGHT_COPY_K_TILES
+    groups_copies = groups_weight_copies(
+        tile_features, tile_rows, stages, k // tile_k // k_splits, WEIGHT_COPY_K_TILES, per_token_numerator is not None
     )
     tiles_per_copy = WEIGHT_COPY_K_TILES if groups_copies else 1
     fast_sigmoid = divides_sigmoid_fast(epilogue, activation, tile_rows, tiling_invariant)
