@@ -65,7 +65,7 @@ def kernel_source_digest() -> str:
     """SHA-256 over the names and `python_code` of fp4moe's Python sources: what keys the kernel cache.
     The kernels are compiled from Python alone, so the C++ sources, comments and the docstrings of modules,
     classes and functions are left out, and an edit of them keeps the kernels compiled before it (a cache
-    filled on another machine by `benchmarks.precompile` included). A string after a constant is kept."""
+    filled on another machine by `benchmarks.precompile` included). Strings documenting constants are left out too."""
     digest = hashlib.sha256()
     for name, path in _source_files((".py",)):
         digest.update(name.encode())

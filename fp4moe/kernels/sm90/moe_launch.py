@@ -7,8 +7,8 @@ TVM-FFI on the current torch stream of the tensors' device. Nothing here reads d
 
 Stage functions (the pipeline in `fp4moe.pipeline` composes them):
 
-- `plan(topk_ids, E, offset, tile_m, accumulator_shape)`: `moe_plan`'s five outputs and, for the fused
-  finalize, a zeroed FP32 accumulator `[T, H]`, in one launch; `plan_quantizing` quantizes W4A4's
+- `plan(topk_ids, E, offset, tile_m, accumulator_hidden)`: `moe_plan`'s five outputs and, for the fused
+  finalize (`accumulator_hidden` = H), a zeroed FP32 accumulator `[T, H]`, in one launch; `plan_quantizing` quantizes W4A4's
   activations in that launch too;
 - `gemm1(...)`: GEMM1's bf16 intermediate (for per-tensor W4A4 its NVFP4 quantization, dequantized);
 - `gemm2(...)`: GEMM2 reduced into the accumulator (fused) or written per (token, slot);
@@ -279,8 +279,8 @@ class GemmShape:
 def uses_warp_mma(shape_key: tuple) -> bool:
     """Whether the GEMM of compile key `shape_key` (`GemmShape.key`) multiplies with per-warp `mma.sync`
     (`moe_gemm.MoEGemmSm90(warp_mma=True)`) rather than `wgmma`: in 8-row tiles of CTAs of one consumer
-    group (64 features, two CTAs per SM, the decode tilings of plans too small for wider CTAs: GLM and Qwen3-30B-A3B at T = 1, a 32-expert
-    shard of DeepSeek-V3 at T = 1-2). There its warps, which never wait for one another, and its stages,
+    group (64 features, two CTAs per SM, the decode tilings of plans too small for wider CTAs: GLM's GEMM1 at T = 1-2, Qwen3-30B-A3B's at
+    T = 1, a 32-expert shard of DeepSeek-V3 at T = 1-4). There its warps, which never wait for one another, and its stages,
     released before the decode, made whole calls up to 5% faster (the shard at T = 1-2, GLM at T = 1) and
     no slower elsewhere; in CTAs of four or seven groups it measured up to 2.4% slower (runs log). Its sums
     along K are ordered differently, so a GEMM whose bits must not depend on the tiling keeps `wgmma`
