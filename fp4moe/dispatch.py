@@ -269,6 +269,7 @@ def moe_dispatch(
         if least is not None and value is not None and value < least:
             raise ValueError(f"{name} must be at least {least}, got {value}")
     validation.check_choice("quant_mode", quant_mode, validation.MOE_QUANT_MODES)
+    validation.check_per_token_activation(quant_mode, per_token_activation)
     return moe_choices(
         num_tokens, top_k, num_local_experts, quant_mode, per_token_activation, device, global_num_experts,
         hidden_size, intermediate_size,

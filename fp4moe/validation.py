@@ -333,10 +333,11 @@ def check_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: in
 
 def _check_row_major(name: str, tensor: torch.Tensor) -> None:
     """A 2-D activation that may be a row-strided view: unit element stride, row stride a multiple of
-    16 bytes (rows are fetched with 16-byte vector loads)."""
+    16 bytes (rows are fetched with 16-byte vector loads). One row has no row stride to check: torch
+    gives such a tensor any (a transposed column's is 1, and `.contiguous()` keeps it)."""
     if tensor.stride(1) != 1:
         raise ValueError(f"{name} must have unit stride along its last dimension, got strides {tensor.stride()}")
-    if tensor.stride(0) * tensor.element_size() % ALIGNED_MOE_ALIGNMENT_BYTES != 0:
+    if tensor.shape[0] > 1 and tensor.stride(0) * tensor.element_size() % ALIGNED_MOE_ALIGNMENT_BYTES != 0:
         raise ValueError(
             f"{name}'s row stride ({tensor.stride(0)} elements of {tensor.element_size()} bytes) must be a multiple "
             f"of {ALIGNED_MOE_ALIGNMENT_BYTES} bytes"
@@ -406,6 +407,8 @@ def check_aligned_moe(
     if weight_layout == LINEAR:
         check_dim("w1", w1, 3)
         experts, n = w1.shape[0], w1.shape[1]
+        if experts < 1:
+            raise ValueError(f"w1 must hold at least one expert (E >= 1), got {tuple(w1.shape)}")
     else:
         experts, n, w1_k = check_prepared_weights("w1", w1, w1_scales, scale_gate, "hidden", hidden, "scale_gate")
     if n < ALIGNED_MOE_DIM_MULTIPLE or n % ALIGNED_MOE_DIM_MULTIPLE != 0:
@@ -658,12 +661,13 @@ def check_moe_gemm1(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w1, w1_scales, w1_alpha, top_k,
     activation, swiglu_alpha, swiglu_beta, swiglu_limit, router_weights, output_global_scale, aux_amax_tile_n,
 ) -> None:
+    # The activation first: it decides the alpha's shape that the weights' check asks for.
+    check_swiglu_parameters(activation, swiglu_alpha, swiglu_beta, swiglu_limit)
     _, n, k = check_expert_weights("w1", w1, w1_scales, w1_alpha, "a", a, per_half_alpha=activation == "swiglu")
     check_moe_activation_input("a", a, a_scales, a_per_token_scale, a.shape[0], k)
     check_plan_tensors(permuted_to_pair, tile_expert, a)
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
-    check_swiglu_parameters(activation, swiglu_alpha, swiglu_beta, swiglu_limit)
     check_gated_rows(activation, n, "w1")
     if router_weights is not None:
         check_dtype("router_weights", router_weights, (torch.float32,))
@@ -698,6 +702,8 @@ def check_moe_gemm2(
 def check_moe_finalize(expanded, pair_to_permuted, top_k, out_dtype) -> None:
     check_dtype("expanded", expanded, (torch.float32,))
     check_dim("expanded", expanded, 2)
+    if expanded.shape[1] < 1:
+        raise ValueError(f"expanded.shape[1] (the hidden size H) must be positive, got {tuple(expanded.shape)}")
     if top_k < 1 or expanded.shape[0] % top_k:
         raise ValueError(f"expanded.shape[0] ({expanded.shape[0]}) must be a multiple of top_k = {top_k} >= 1")
     check_dtype("pair_to_permuted", pair_to_permuted, (torch.int32,))
@@ -779,6 +785,10 @@ def check_fused_moe_options(
     check_choice("quant_mode", quant_mode, MOE_QUANT_MODES)
     check_choice("weight_layout", weight_layout, WEIGHT_LAYOUTS)
     check_swiglu_parameters(activation, swiglu_alpha, swiglu_beta, swiglu_limit)
+    check_per_token_activation(quant_mode, per_token_activation)
+
+
+def check_per_token_activation(quant_mode: str, per_token_activation: bool) -> None:
     if quant_mode == "w4a16" and per_token_activation:
         raise ValueError("per_token_activation applies to quant_mode='w4a4' only")
 

@@ -322,6 +322,21 @@ def test_row_strided_views(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_one_row_out_of_any_row_stride_is_accepted(device):
+    """One row has no row stride: a transposed column's is 1 (torch calls it contiguous, and `.contiguous()`
+    keeps it), and the result is the dense row's."""
+    problem, topk_ids, out = make_problem(1, 2, 4, 256, 256, seed=12, device=device)
+    plan = plan_for(topk_ids, 8, 4)
+    dense_out = out.clone()
+    run_aligned_moe(problem, plan, dense_out, 8)
+    column_out = torch.empty(out.shape[1], 1, dtype=out.dtype, device=device).t()
+    column_out.copy_(out)
+    assert column_out.stride() == (1, 1) and column_out.contiguous().stride() == (1, 1)
+    run_aligned_moe(problem, plan, column_out, 8)
+    assert_bitwise_equal(column_out, dense_out, "a one-row out of row stride 1")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_prepared_weights_give_the_linear_result(device):
     """weight_layout="sm90" takes `weight_layout.prepare_sm90`'s layout (read back on the reference)."""
     problem, topk_ids, out = make_problem(13, 2, 4, 256, 512, seed=13, device=device)
@@ -438,6 +453,9 @@ BAD_ALIGNED_MOE_CALLS = [
     (edit(routed_scaling_factor=1e39), ValueError, "routed_scaling_factor must be finite in FP32, got 1e"),
     (edit(scale_gate=lambda t, c: t.to("meta")), ValueError, "scale_gate is on meta but hidden is on cpu"),
     (edit(global_num_experts=3), ValueError, r"global_num_experts \(3\) must hold this rank's E = 4 experts"),
+    (edit(global_num_experts=8, **{name: (lambda t, c: t[:0]) for name in (
+        "w1", "w1_scales", "w2", "w2_scales", "scale_gate", "scale_up", "scale_down")}), ValueError,
+     r"w1 must hold at least one expert \(E >= 1\), got \(0, 256, 128\)"),
     (edit(global_num_experts=2**31), ValueError, r"global_num_experts \(2147483648\) must hold .* at most 2\^31 - 1"),
     (edit(topk_weights=torch.ones(8, 9), global_num_experts=8), ValueError,
      r"top_k = 9\) must be in \[1, global_num_experts = 8\]"),

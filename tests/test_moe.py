@@ -361,6 +361,7 @@ def test_dispatch_reports_the_backend_of_every_stage_on_the_cpu():
     (ValueError, "num_tokens must be at least 0, got -8", (-8, 2, 8, "w4a4", True)),
     (TypeError, "top_k must be a Python int, got bool", (8, True, 8, "w4a4", True)),
     (TypeError, "per_token_activation must be a Python bool, got int", (8, 2, 8, "w4a4", 1)),
+    (ValueError, "per_token_activation applies to quant_mode='w4a4' only", (8, 2, 8, "w4a16", True)),
 ])
 def test_dispatch_refuses_bad_arguments(error, match, arguments):
     with pytest.raises(error, match=match):
@@ -610,6 +611,10 @@ def _malformed_calls():
          lambda: ops.moe_finalize(torch.zeros(9, 4), torch.zeros(9, dtype=torch.int32), 2)),
         (TypeError, "expanded must have dtype",
          lambda: ops.moe_finalize(torch.zeros(8, 4, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.int32), 2)),
+        (ValueError, r"expanded.shape\[1\] \(the hidden size H\) must be positive, got \(8, 0\)",
+         lambda: ops.moe_finalize(torch.zeros(8, 0), torch.zeros(8, dtype=torch.int32), 2)),
+        # The activation is checked before the alpha whose shape it decides.
+        (ValueError, "activation must be one of", lambda: ops.moe_gemm1(*gemm1, activation="SwiGLU")),
     ]
 
 
