@@ -1,12 +1,14 @@
 """The sm90 aligned MoE's host side: its setup kernel (`aligned_launch.aligned_plan`, on a Hopper GPU)
 marks exactly the rows the reference processes (`fp4moe.reference.aligned_moe`'s module docstring):
 rows of blocks that start below `num_tokens_post_padded` and name a local expert, holding a pair index
-in [0, T*k); and the block sizes it takes are those the GEMMs tile (no GPU needed)."""
+in [0, T*k), and zeroes the one-kernel path's accumulator; and the block sizes it takes are those the
+GEMMs tile, and the calls that take the one-kernel path (no GPU needed)."""
 
 import pytest
 import torch
 
-from fp4moe.kernels.sm90.aligned_launch import aligned_plan, gemms_tile
+from fp4moe.kernels.sm90 import aligned_launch
+from fp4moe.kernels.sm90.aligned_launch import aligned_plan, fuses_gemms, gemms_tile
 from tests.hopper import runs_the_sm90_kernels
 
 
@@ -33,7 +35,12 @@ def test_setup_marks_the_rows_the_reference_processes(block_m, experts, num_pair
     factor = 2.5 + 1e-9  # not an FP32 value: the kernel gets its round-to-nearest
 
     cuda = [t.cuda() for t in (sorted_ids, expert_ids, count, scale_gate, scale_up)]
-    tile_expert, pair_to_row, gate_up_scales, factors, live_tiles = aligned_plan(*cuda, factor, block_m, num_pairs)
+    # The one-kernel path's accumulator, more values than the CTA's threads zero in one pass.
+    accumulator = torch.full((num_pairs // 4, 1040), float("nan"), device="cuda")
+    tile_expert, pair_to_row, gate_up_scales, factors, live_tiles = aligned_plan(
+        *cuda, factor, block_m, num_pairs, accumulator
+    )
+    assert (accumulator == 0).all() and not accumulator.signbit().any()
 
     expected_tiles, expected_rows = [], [-1] * num_pairs
     for b in range(blocks):
@@ -71,3 +78,13 @@ def test_the_block_sizes_it_accepts_are_those_the_gemms_take():
         except AssertionError:
             built = False
         assert gemms_tile(block_m) == built, block_m
+
+
+def test_the_one_kernel_path_takes_decode_calls_of_8_row_blocks(monkeypatch):
+    """Off by default (`FUSED_MAX_TOKENS` = 0); turned on, it takes plans of 8-row blocks (its tile) up to
+    that many tokens, and leaves every other call to the composition."""
+    assert aligned_launch.FUSED_MAX_TOKENS == 0
+    assert not any(fuses_gemms(tokens, 8) for tokens in (1, 2, 64))
+    monkeypatch.setattr(aligned_launch, "FUSED_MAX_TOKENS", 16)
+    assert fuses_gemms(1, 8) and fuses_gemms(16, 8)
+    assert not fuses_gemms(17, 8) and not fuses_gemms(1, 16) and not fuses_gemms(1, 64)

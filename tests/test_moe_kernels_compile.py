@@ -292,8 +292,15 @@ PLAN_VARIANTS = [
     (256, 8, 7168, ("bfloat16", 7168, "tensor")), (32, 8, None, ("bfloat16", 7168, "rescan")),
 ]
 DECODE_VARIANTS = [(7168, "wait_first"), (2048, "wait_first"), (272, "before_wait")]
-ALIGNED_PLAN_VARIANTS = [(256, 8), (16, 64)]
-FINALIZE_VARIANTS = [("fused", 7168, 8, "bfloat16"), ("deterministic", 2048, 6, "float32"), ("additive", 6144, 8, "bfloat16")]
+# (experts, block_m[, hidden: the one-kernel path's accumulator, zeroed too])
+ALIGNED_PLAN_VARIANTS = [(256, 8), (16, 64), (256, 8, 6144)]
+FINALIZE_VARIANTS = [
+    ("fused", 7168, 8, "bfloat16"), ("deterministic", 2048, 6, "float32"), ("additive", 6144, 8, "bfloat16"),
+    ("additive_summed", 6144, 8, "bfloat16"),
+]
+# The aligned MoE's one-kernel decode path (`aligned_fused`): (experts, hidden, intermediate, top_k, clusters)
+# at GLM's shape and at the contract's smallest (one stage of `w2` per item).
+ALIGNED_FUSED_VARIANTS = [(256, 6144, 512, 8, 132), (4, 256, 128, 2, 132)]
 
 _COMPILE_SCRIPT = textwrap.dedent(
     """
@@ -315,8 +322,10 @@ _COMPILE_SCRIPT = textwrap.dedent(
         save(f"plan_{i}", launch.compile_plan(experts, tile_m, hidden, activations))
     for i, (k, launch_order) in enumerate(spec["decode"]):
         save(f"decode_{i}", launch.compile_decode(k, launch_order))
-    for i, (experts, block_m) in enumerate(spec["aligned_plan"]):
-        save(f"aligned_plan_{i}", aligned_launch.compile_aligned_plan(experts, block_m))
+    for i, (experts, block_m, *hidden) in enumerate(spec["aligned_plan"]):
+        save(f"aligned_plan_{i}", aligned_launch.compile_aligned_plan(experts, block_m, *hidden))
+    for i, variant in enumerate(spec["aligned_fused"]):
+        save(f"aligned_fused_{i}", aligned_launch.compile_aligned_fused(*variant))
     for i, (mode, hidden, top_k, dtype) in enumerate(spec["finalize"]):
         save(f"finalize_{i}", launch.compile_finalize(mode, hidden, top_k, getattr(torch, dtype)))
     """
@@ -327,7 +336,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 def compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("sm90_moe_kernels")
     spec = {"gemm": GEMM_VARIANTS, "plan": PLAN_VARIANTS, "decode": DECODE_VARIANTS, "finalize": FINALIZE_VARIANTS,
-            "aligned_plan": ALIGNED_PLAN_VARIANTS}
+            "aligned_plan": ALIGNED_PLAN_VARIANTS, "aligned_fused": ALIGNED_FUSED_VARIANTS}
     return compile_in_subprocess(_COMPILE_SCRIPT, spec, out)
 
 
@@ -341,6 +350,7 @@ def _names():
         + [f"plan_{i}" for i in range(len(PLAN_VARIANTS))]
         + [f"decode_{i}" for i in range(len(DECODE_VARIANTS))]
         + [f"aligned_plan_{i}" for i in range(len(ALIGNED_PLAN_VARIANTS))]
+        + [f"aligned_fused_{i}" for i in range(len(ALIGNED_FUSED_VARIANTS))]
         + [f"finalize_{i}" for i in range(len(FINALIZE_VARIANTS))]
     )
 
@@ -577,6 +587,22 @@ def test_every_launch_gives_its_kernel_the_shared_memory_it_uses(compiled):
     kernels allocate the quantizer's row exchange after the plan's tables; their launch names no size.)"""
     for name in _names():
         assert b"may exceed available memory" not in (compiled / f"{name}.o").read_bytes(), name
+
+
+def test_the_aligned_one_kernel_path_chains_its_gemms_within_a_cluster_pair(compiled):
+    """`aligned_fused.AlignedFusedSm90`: per-warp `mma.sync` for both GEMMs (no `wgmma`), the weights by
+    bulk copies and GEMM1's rows by `cp.async`; each CTA sends its half of the slice to the other with
+    `st.async` (`STAS`), after a cluster barrier that orders both CTAs' barrier initialization before it
+    and before the PDL wait, and a second cluster barrier before exit; GEMM2's outputs are scalar FP32
+    reductions."""
+    for i, _variant in enumerate(ALIGNED_FUSED_VARIANTS):
+        sass = _sass(compiled, f"aligned_fused_{i}")
+        for instruction in ("HMMA.16816.F32.BF16", "UBLKCP.S.G", "LDGSTS", "STAS", "REDG.E.ADD.F32.FTZ.RN", "USETMAXREG"):
+            assert instruction in sass, (instruction, i)
+        assert "HGMMA" not in sass and sass.count("UCGABAR_ARV") == 2 and sass.count("UCGABAR_WAIT") == 2, i
+        ptx = (compiled / f"aligned_fused_{i}.ptx").read_text()
+        cluster_barrier = ptx.index("barrier.cluster.arrive.relaxed")
+        assert ptx.index("fence.mbarrier_init") < cluster_barrier < ptx.index("griddepcontrol.wait"), i
 
 
 LOCAL_MEMORY = re.compile(r"\b(LDL|STL)\b")

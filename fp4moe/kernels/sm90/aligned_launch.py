@@ -25,6 +25,11 @@ sized for the worst case has hundreds of blocks past it at decode (`aligned_plan
 
 The intermediate and the per-pair rows go through device memory: this is the unfused composition,
 the baseline a one-kernel aligned MoE is measured against.
+
+The one-kernel decode path (`aligned_fused`: both GEMMs in one launch, the intermediate in shared
+memory, an atomic FP32 sum) replaces steps 3-5 where `fuses_gemms` says so: the setup kernel also
+zeroes the accumulator, and the additive finalize adds it to `out` (four launches in all). It is off
+(`FUSED_MAX_TOKENS = 0`) until it has passed its GPU tests and an A/B against this composition.
 """
 
 from __future__ import annotations
@@ -33,10 +38,13 @@ import cutlass
 import torch
 from cutlass.cute.runtime import make_fake_compact_tensor
 
+from fp4moe import weight_layout
 from fp4moe.dispatch import expected_local_pairs
+from fp4moe.kernels.sm90.aligned_fused import CLUSTER_CTAS, SLICE_FEATURES, TILE_ROWS, AlignedFusedSm90
 from fp4moe.kernels.sm90.aligned_plan import AlignedPlanSm90
+from fp4moe.kernels.sm90 import moe_launch
 from fp4moe.kernels.sm90.compiler import compile_function, compile_kernel
-from fp4moe.kernels.sm90.moe_gemm import EPILOGUE_ROWS, MAX_COPIES, activation_copies
+from fp4moe.kernels.sm90.moe_gemm import EPILOGUE_ROWS, MAX_COPIES, activation_copies, pipeline_stages
 from fp4moe.kernels.sm90.moe_launch import (
     _dynamic,
     _i32,
@@ -52,7 +60,7 @@ from fp4moe.kernels.sm90.moe_launch import (
     standard_strides,
 )
 from fp4moe.validation import fp32
-from fp4moe.weight_layout import LINEAR
+from fp4moe.weight_layout import LINEAR, ROW_BLOCK
 
 MAX_BLOCK_M = 192
 """The largest plan tile the grouped GEMMs take: at 64 K per k tile, a producer thread's activation
@@ -70,32 +78,80 @@ def _f32(*shape):
     return make_fake_compact_tensor(cutlass.Float32, shape)
 
 
+def _accumulator(hidden: int):
+    return make_fake_compact_tensor(cutlass.Float32, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16)
+
+
 @compile_function
-def compile_aligned_plan(num_experts: int, block_m: int):
+def compile_aligned_plan(num_experts: int, block_m: int, hidden: int | None = None):
+    """The setup kernel; with `hidden`, zeroing the one-kernel path's accumulator `[T, hidden]` too."""
     return compile_kernel(
-        AlignedPlanSm90(num_experts, block_m),
+        AlignedPlanSm90(num_experts, block_m, hidden),
         _i32(_dynamic()), _i32(_dynamic()), _i32(1), _f32(num_experts), _f32(num_experts), cutlass.Float32(1.0),
         _i32(_dynamic()), _i32(_dynamic()), _f32(2 * num_experts), _f32(2), _i32(1),
-        cache_key=("aligned_plan", num_experts, block_m),
+        None if hidden is None else _accumulator(hidden),
+        cache_key=("aligned_plan", num_experts, block_m, hidden),
     )
 
 
 def aligned_plan(
     sorted_token_ids, expert_ids, num_tokens_post_padded, scale_gate, scale_up, routed_scaling_factor, block_m, num_pairs,
+    accumulator=None,
 ):
-    """(tile_expert, pair_to_row, gate_up_scales, factors, live_tiles) of `AlignedPlanSm90`, in one launch."""
+    """(tile_expert, pair_to_row, gate_up_scales, factors, live_tiles) of `AlignedPlanSm90`, in one launch,
+    which zeroes `accumulator` (FP32 [T, H]) where given."""
     num_experts = scale_gate.shape[0]
     tile_expert = expert_ids.new_empty(expert_ids.shape)
     pair_to_row = expert_ids.new_empty((num_pairs,))
     gate_up_scales = scale_gate.new_empty((2 * num_experts,))
     factors = scale_gate.new_empty((2,))
     live_tiles = expert_ids.new_empty((1,))
-    compile_aligned_plan(num_experts, block_m)(
+    hidden = None if accumulator is None else accumulator.shape[1]
+    compile_aligned_plan(num_experts, block_m, hidden)(
         sorted_token_ids, standard_strides(expert_ids), standard_strides(num_tokens_post_padded),
         standard_strides(scale_gate), standard_strides(scale_up), fp32(routed_scaling_factor),
-        tile_expert, pair_to_row, gate_up_scales, factors, live_tiles,
+        tile_expert, pair_to_row, gate_up_scales, factors, live_tiles, accumulator,
     )
     return tile_expert, pair_to_row, gate_up_scales, factors, live_tiles
+
+
+FUSED_MAX_TOKENS = 0
+"""`aligned_moe_` calls of at most this many tokens (and `block_m` 8) take the one-kernel decode path
+(`fuses_gemms`); 0: none. Off until the path has passed its GPU tests and an A/B against the composition
+(runs log)."""
+
+
+def fuses_gemms(num_tokens: int, block_m: int) -> bool:
+    """Whether `aligned_moe_` runs both GEMMs in one launch (`aligned_fused`): plans of 8-row blocks at
+    decode (`FUSED_MAX_TOKENS`). Every shape of the contract (K and N multiples of 256) fits the kernel's
+    slices and its halves of `w2`."""
+    return block_m == TILE_ROWS and num_tokens <= FUSED_MAX_TOKENS
+
+
+@compile_function
+def compile_aligned_fused(num_experts: int, hidden: int, intermediate: int, top_k: int, max_clusters: int):
+    """The one-kernel decode path's kernel (`AlignedFusedSm90`), with as many pipeline stages as two CTAs
+    per SM hold."""
+    stages = pipeline_stages(weight_layout.ROW_BLOCK, TILE_ROWS, 128, 2)
+    kernel = AlignedFusedSm90(
+        num_experts=num_experts, hidden=hidden, intermediate=intermediate, top_k=top_k, stages=stages,
+        max_clusters=max_clusters,
+    )
+
+    def weights(rows, k, tile_bytes):
+        tiles = (num_experts, rows // weight_layout.ROW_BLOCK, k // weight_layout.K_TILE, tile_bytes)
+        return make_fake_compact_tensor(cutlass.Uint8, tiles, stride_order=(3, 2, 1, 0), assumed_align=16)
+
+    prepared_i = weight_layout.prepared_rows(intermediate, gated=False)
+    act = make_fake_compact_tensor(cutlass.BFloat16, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16)
+    return compile_kernel(
+        kernel,
+        weights(2 * intermediate, hidden, weight_layout.CODE_BYTES), weights(2 * intermediate, hidden, weight_layout.SCALE_BYTES),
+        weights(hidden, prepared_i, weight_layout.CODE_BYTES), weights(hidden, prepared_i, weight_layout.SCALE_BYTES),
+        act, _i32(_dynamic()), _i32(_dynamic()), _f32(2 * num_experts), _f32(num_experts), _f32(_dynamic()),
+        _accumulator(hidden), _f32(1), _f32(1), _i32(1),
+        cache_key=("aligned_fused", num_experts, hidden, intermediate, top_k, stages, max_clusters),
+    )
 
 
 def aligned_moe_(
@@ -106,7 +162,7 @@ def aligned_moe_(
     """The reference's contract (`fp4moe.reference.aligned_moe.aligned_moe_`), arguments validated. Both
     GEMMs size their tiles for the pairs this rank expects (`dispatch.expected_local_pairs`: all `T·k`
     without `global_num_experts`) and are compiled `tiling_invariant`, so the hint never changes a bit
-    of `out`."""
+    of `out`; the one-kernel decode path (`fuses_gemms`) does not read it."""
     num_tokens, top_k = topk_weights.shape
     if num_tokens == 0 or expert_ids.numel() == 0:
         return
@@ -122,12 +178,27 @@ def aligned_moe_(
     expected_pairs = expected_local_pairs(num_tokens, top_k, scale_gate.shape[0], global_num_experts)
     permuted_to_pair = standard_strides(sorted_token_ids)
     codes, scales, a = decode_operands(hidden, hidden_scales)
+    fused = fuses_gemms(num_tokens, block_m)
+    accumulator = a.new_empty((num_tokens, hidden_size), dtype=torch.float32) if fused else None
     tile_expert, pair_to_row, gate_up_scales, factors, live_tiles = aligned_plan(
         permuted_to_pair, expert_ids, num_tokens_post_padded, scale_gate, scale_up, routed_scaling_factor, block_m,
-        num_pairs,
+        num_pairs, accumulator,
     )
 
     decode_into(codes, scales, a, beside_predecessor=True)
+    if out.shape[0] == 1:  # its row stride may be anything (`validation._check_row_major`): the finalize's is H
+        out = out.as_strided(out.shape, (hidden_size, 1))
+    if fused:
+        intermediate_size = w1.shape[1] * ROW_BLOCK // 2
+        compile_aligned_fused(
+            scale_gate.shape[0], hidden_size, intermediate_size, top_k, moe_launch.sm_count(w1.device.index)
+        )(
+            standard_strides(w1), standard_strides(w1_scales), standard_strides(w2), standard_strides(w2_scales), a,
+            permuted_to_pair, tile_expert, gate_up_scales, standard_strides(scale_down),
+            standard_strides(topk_weights.reshape(-1)), accumulator, factors[:1], factors[1:], live_tiles,
+        )
+        compile_finalize("additive_summed", hidden_size, top_k, out.dtype)(accumulator, pair_to_row, out)
+        return
     shape1 = plan_gemm_shape(w1, permuted_to_pair, tile_expert, expected_pairs)
     intermediate_size = shape1.prepared_rows // 2
     intermediate = a.new_empty((permuted_to_pair.shape[0], intermediate_size), dtype=torch.bfloat16)
@@ -150,6 +221,4 @@ def aligned_moe_(
         gemm2, w2, w2_scales, intermediate, permuted_to_pair, tile_expert, scale_down, topk_weights, per_pair,
         output_scale=factors[1:], live_tiles=live_tiles,
     )
-    if out.shape[0] == 1:  # its row stride may be anything (`validation._check_row_major`): the kernel's is H
-        out = out.as_strided(out.shape, (hidden_size, 1))
     compile_finalize("additive", hidden_size, top_k, out.dtype)(per_pair, pair_to_row, out)

@@ -119,6 +119,36 @@ def load_shared_u16(smem_address, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
+def load_shared_u32(smem_address, *, loc=None, ip=None) -> Uint32:
+    """One 32-bit word from a 4-byte aligned shared-memory address (side-effecting, as `load_shared_v4`)."""
+    return Uint32(_asm(T.i32(), "ld.shared.b32 $0, [$1];", "=r,r", (Int32(smem_address),), True, loc, ip))
+
+
+@dsl_user_op
+def store_shared_u16(smem_address, value, *, loc=None, ip=None) -> None:
+    """The low 16 bits of `value` to a 2-byte aligned shared-memory address."""
+    ptx = "{ .reg .b16 h; cvt.u16.u32 h, $1; st.shared.b16 [$0], h; }"
+    _asm(None, ptx, "r,r", (Int32(smem_address), Uint32(value)), True, loc, ip)
+
+
+@dsl_user_op
+def store_cluster_async_u32(smem_address, value, mbarrier_address, cta_rank, *, loc=None, ip=None) -> None:
+    """`st.async`: a 32-bit word to the shared memory of CTA `cta_rank` of the cluster, at the place of
+    `smem_address` in this CTA's, completing (4 bytes) on that CTA's mbarrier at the place of
+    `mbarrier_address`."""
+    ptx = (
+        "{ .reg .b32 remote_data, remote_barrier; "
+        "mapa.shared::cluster.u32 remote_data, $0, $3; "
+        "mapa.shared::cluster.u32 remote_barrier, $2, $3; "
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [remote_data], $1, [remote_barrier]; }"
+    )
+    _asm(
+        None, ptx, "r,r,r,r", (Int32(smem_address), Uint32(value), Int32(mbarrier_address), Int32(cta_rank)), True,
+        loc, ip,
+    )
+
+
+@dsl_user_op
 def store_shared_v4(smem_address, words, *, loc=None, ip=None) -> None:
     """Four 32-bit words to a 16-byte aligned shared-memory address."""
     _asm(

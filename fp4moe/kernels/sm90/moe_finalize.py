@@ -10,6 +10,9 @@
   ascending order), then `out = out_type(float(out) + sum)` into the caller's `out` (rows may be
   strided) for tokens with at least one processed pair; the others' rows are not written. Bitwise
   equal to the reference given the same per-pair rows.
+- ``"additive_summed"`` (the aligned MoE's one-kernel decode path, `aligned_fused`): each token's
+  processed pairs already summed into an FP32 `[T, H]` accumulator, added to `out` as ``"additive"``
+  adds its sum, for the tokens with a processed pair.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from cutlass import BFloat16, Float32, Int32, const_expr
 
 from fp4moe.kernels.sm90.pdl import USE_PDL, wait_for_predecessor_and_release_successor
 
-FINALIZE_MODES = ("fused", "deterministic", "additive")
+FINALIZE_MODES = ("fused", "deterministic", "additive", "additive_summed")
+ADDITIVE_MODES = ("additive", "additive_summed")
 THREADS = 256
 VECTOR = 8
 """Output elements per thread: one 16-byte bf16 store."""
@@ -40,7 +44,7 @@ class MoEFinalizeSm90:
     @cute.jit
     def __call__(
         self,
-        mIn: cute.Tensor,  # fp32 [T, H] (fused) or [T * k, H] (deterministic, additive)
+        mIn: cute.Tensor,  # fp32 [T, H] (fused, additive_summed) or [T * k, H] (deterministic, additive)
         mPairToPermuted: cute.Tensor | None,  # int32 [T * k] (-1: pair not processed), not fused
         mOut: cute.Tensor,  # [T, H] of out_type (additive: read too; rows may be strided)
         stream,
@@ -63,6 +67,11 @@ class MoEFinalizeSm90:
             processed = Int32(0)
             if const_expr(self.mode == "fused"):
                 cute.autovec_copy(cute.local_tile(mIn[token, None], (VECTOR,), (column // VECTOR,)), total)
+            elif const_expr(self.mode == "additive_summed"):
+                cute.autovec_copy(cute.local_tile(mIn[token, None], (VECTOR,), (column // VECTOR,)), total)
+                for j in cutlass.range_constexpr(self.top_k):
+                    if mPairToPermuted[token * self.top_k + j] >= 0:
+                        processed = Int32(1)
             else:
                 # Slots in ascending order, +0 for a pair not processed. Deterministic starts from +0
                 # (its sum is never -0, so the +0 of a skipped pair changes nothing); additive starts
@@ -81,7 +90,7 @@ class MoEFinalizeSm90:
                         total.store(total.load() + part.load())
             out = cute.make_rmem_tensor((VECTOR,), self.out_type)
             out_tile = cute.local_tile(mOut[token, None], (VECTOR,), (column // VECTOR,))
-            if const_expr(self.mode == "additive"):
+            if const_expr(self.mode in ADDITIVE_MODES):
                 if processed != 0:
                     current = cute.make_rmem_tensor((VECTOR,), self.out_type)
                     cute.autovec_copy(out_tile, current)

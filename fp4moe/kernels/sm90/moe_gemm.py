@@ -1811,7 +1811,13 @@ class MoEGemmSm90:
                 zeros = (block_scale == Float32(0.0)) | (nv.is_nan(s) != Uint32(0))
                 code = cutlass.select_(zeros, Uint32(0), code)
                 if feature < self.out_features:
-                    mOut[first_row + n, feature] = nv.mul_rn(nv.decode_e2m1(code), block_scale).to(BFloat16)
+                    self.store_quantized(mOut, first_row, n, feature, nv.mul_rn(nv.decode_e2m1(code), block_scale))
+
+    def store_quantized(self, mOut, first_row, n, feature, value):
+        """One of `finish_gemm1_nvfp4`'s values, `e2m1 * sf` (exact in bf16), of row `n` of the tile
+        (from `first_row`) and `feature`, into the intermediate. Plain Python, run while the kernel is
+        traced."""
+        mOut[first_row + n, feature] = value.to(BFloat16)
 
     def router_weight(self, value, pair, weight):
         """`value` times the router weight when it is applied on input (rows that hold a pair); plain

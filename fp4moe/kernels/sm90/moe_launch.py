@@ -41,7 +41,7 @@ from fp4moe import weight_layout
 from fp4moe.kernels.sm90 import quantize_launch
 from fp4moe.kernels.sm90.arguments import VECTOR_BYTES, compact_copy, standard_strides, vector_rows
 from fp4moe.kernels.sm90.compiler import compile_function, compile_kernel
-from fp4moe.kernels.sm90.moe_finalize import VECTOR, MoEFinalizeSm90
+from fp4moe.kernels.sm90.moe_finalize import ADDITIVE_MODES, VECTOR, MoEFinalizeSm90
 from fp4moe.kernels.sm90.moe_gemm import (
     AUX_AMAX_COLUMNS,
     EPILOGUE_ROWS,
@@ -749,7 +749,7 @@ def compile_finalize(mode: str, hidden: int, top_k: int, out_dtype: torch.dtype)
     values = make_fake_compact_tensor(cutlass.Float32, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16)
     pair_to_permuted = None if mode == "fused" else _i32(_dynamic())
     out_type = OUT_TYPES[out_dtype]
-    if mode == "additive":  # the caller's `out`, whose rows may be strided (by multiples of 16 bytes)
+    if mode in ADDITIVE_MODES:  # the caller's `out`, whose rows may be strided (by multiples of 16 bytes)
         row_stride = cute.sym_int64(divisibility=16 // (out_type.width // 8))
         out = make_fake_tensor(out_type, (_dynamic(), hidden), stride=(row_stride, 1), assumed_align=16)
     else:
