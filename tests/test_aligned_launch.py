@@ -1,8 +1,8 @@
 """The sm90 aligned MoE's host side: its setup kernel (`aligned_launch.aligned_plan`, on a Hopper GPU)
 marks exactly the rows the reference processes (`fp4moe.reference.aligned_moe`'s module docstring):
 rows of blocks that start below `num_tokens_post_padded` and name a local expert, holding a pair index
-in [0, T*k), and zeroes the one-kernel path's accumulator; and the block sizes it takes are those the
-GEMMs tile, and the calls that take the one-kernel path (no GPU needed)."""
+in [0, T*k); its decode beside it fills the one-kernel path's accumulator with -0; and the block sizes
+it takes are those the GEMMs tile, and the calls that take the one-kernel path (no GPU needed)."""
 
 import pytest
 import torch
@@ -35,12 +35,7 @@ def test_setup_marks_the_rows_the_reference_processes(block_m, experts, num_pair
     factor = 2.5 + 1e-9  # not an FP32 value: the kernel gets its round-to-nearest
 
     cuda = [t.cuda() for t in (sorted_ids, expert_ids, count, scale_gate, scale_up)]
-    # The one-kernel path's accumulator, more values than the CTA's threads zero in one pass.
-    accumulator = torch.full((num_pairs // 4, 1040), float("nan"), device="cuda")
-    tile_expert, pair_to_row, gate_up_scales, factors, live_tiles = aligned_plan(
-        *cuda, factor, block_m, num_pairs, accumulator
-    )
-    assert (accumulator == 0).all() and not accumulator.signbit().any()
+    tile_expert, pair_to_row, gate_up_scales, factors, live_tiles = aligned_plan(*cuda, factor, block_m, num_pairs)
 
     expected_tiles, expected_rows = [], [-1] * num_pairs
     for b in range(blocks):
@@ -58,6 +53,26 @@ def test_setup_marks_the_rows_the_reference_processes(block_m, experts, num_pair
     assert torch.equal(gate_up_scales.cpu(), torch.cat((scale_gate, scale_up)))
     assert torch.equal(factors.cpu(), torch.tensor([1.0, factor], dtype=torch.float32))
     assert live_tiles.tolist() == [live_blocks]  # the blocks starting below num_tokens_post_padded
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not runs_the_sm90_kernels(), reason="needs a Hopper (sm_90) GPU")
+def test_the_decode_fills_the_one_kernel_paths_accumulator_with_negative_zeros():
+    """`moe_launch.decode_into(cleared=...)`: the accumulator (poisoned with NaN) becomes -0 everywhere, the
+    identity the reference's sum keeps (`out + (-0)` leaves a -0 `out` as it is), and the decoded rows are
+    those of the decode alone."""
+    from fp4moe.kernels.sm90.moe_launch import decode_into, decode_operands
+
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randint(0, 256, (37, 3072), generator=g, dtype=torch.uint8).cuda()
+    scales = torch.pow(2.0, torch.randint(-3, 3, (37, 384), generator=g).float()).to(torch.float8_e4m3fn).cuda()
+    results = []
+    for cleared in (None, torch.full((37, 6144), float("nan"), device="cuda")):
+        codes, scale_bytes, out = decode_operands(hidden, scales)
+        decode_into(codes, scale_bytes, out, cleared=cleared)
+        results.append(out)
+    assert (cleared == 0).all() and cleared.signbit().all()
+    assert torch.equal(results[1], results[0])
 
 
 def test_the_block_sizes_it_accepts_are_those_the_gemms_take():

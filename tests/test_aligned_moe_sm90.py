@@ -195,6 +195,25 @@ def test_the_one_kernel_path_leaves_inert_blocks_and_unprocessed_tokens_alone(on
     assert_bitwise_equal(out[untouched], seed_out[untouched], "tokens without a processed pair")
 
 
+def test_the_one_kernel_path_adds_a_pair_listed_twice_once(one_kernel):
+    """A malformed plan that lists a pair in two processed rows of its expert's block (semantics §5.4): one
+    of them counts, as in the composition, not both (which one may vary; both compute the same values)."""
+    tokens, top_k, experts, k, n, block_m = 12, 2, 4, 256, 256, 8
+    problem, topk_ids, out = make_problem(tokens, top_k, experts, k, n, seed=65, device="cuda")
+    plan = plan_for(topk_ids, block_m, experts)
+    ids = plan["sorted_token_ids"]
+    used = int(plan["num_tokens_post_padded"])
+    padding = int((ids[:used] == tokens * top_k).nonzero()[0])
+    first = padding // block_m * block_m
+    assert 0 <= int(ids[first]) < tokens * top_k
+    ids[padding] = ids[first]  # that block's first pair, once more in the block's first padding row
+    seed_out = out.clone()
+    run_aligned_moe(problem, plan, out, block_m)
+    assert one_kernel
+    expected, magnitude = loop_reference(problem, topk_ids, seed_out)
+    assert_matches_reference(out, expected, magnitude, n // 2, top_k)
+
+
 def test_the_one_kernel_path_in_a_cuda_graph_replays_fresh_plans(one_kernel):
     """Captured once (routing, plan and op), replayed with fresh routing: each replay matches the loop
     reference of its routing. Eager calls need not match bitwise: the pairs and slices of a token are

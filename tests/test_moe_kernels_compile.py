@@ -291,9 +291,9 @@ PLAN_VARIANTS = [
     # beside the accumulator's zeroing, per-token (rows of 16 warps, which meet at a CTA barrier) alone.
     (256, 8, 7168, ("bfloat16", 7168, "tensor")), (32, 8, None, ("bfloat16", 7168, "rescan")),
 ]
-DECODE_VARIANTS = [(7168, "wait_first"), (2048, "wait_first"), (272, "before_wait")]
-# (experts, block_m[, hidden: the one-kernel path's accumulator, zeroed too])
-ALIGNED_PLAN_VARIANTS = [(256, 8), (16, 64), (256, 8, 6144)]
+# (K, launch order[, clears: the aligned MoE's one-kernel path's accumulator filled with -0 too])
+DECODE_VARIANTS = [(7168, "wait_first"), (2048, "wait_first"), (272, "before_wait"), (6144, "before_wait", True)]
+ALIGNED_PLAN_VARIANTS = [(256, 8), (16, 64)]
 FINALIZE_VARIANTS = [
     ("fused", 7168, 8, "bfloat16"), ("deterministic", 2048, 6, "float32"), ("additive", 6144, 8, "bfloat16"),
     ("additive_summed", 6144, 8, "bfloat16"),
@@ -320,10 +320,10 @@ _COMPILE_SCRIPT = textwrap.dedent(
         if activations is not None:
             activations = (getattr(torch, activations[0]), *activations[1:])
         save(f"plan_{i}", launch.compile_plan(experts, tile_m, hidden, activations))
-    for i, (k, launch_order) in enumerate(spec["decode"]):
-        save(f"decode_{i}", launch.compile_decode(k, launch_order))
-    for i, (experts, block_m, *hidden) in enumerate(spec["aligned_plan"]):
-        save(f"aligned_plan_{i}", aligned_launch.compile_aligned_plan(experts, block_m, *hidden))
+    for i, (k, launch_order, *clears) in enumerate(spec["decode"]):
+        save(f"decode_{i}", launch.compile_decode(k, launch_order, *clears))
+    for i, (experts, block_m) in enumerate(spec["aligned_plan"]):
+        save(f"aligned_plan_{i}", aligned_launch.compile_aligned_plan(experts, block_m))
     for i, variant in enumerate(spec["aligned_fused"]):
         save(f"aligned_fused_{i}", aligned_launch.compile_aligned_fused(*variant))
     for i, (mode, hidden, top_k, dtype) in enumerate(spec["finalize"]):
@@ -593,11 +593,12 @@ def test_the_aligned_one_kernel_path_chains_its_gemms_within_a_cluster_pair(comp
     """`aligned_fused.AlignedFusedSm90`: per-warp `mma.sync` for both GEMMs (no `wgmma`), the weights by
     bulk copies and GEMM1's rows by `cp.async`; each CTA sends its half of the slice to the other with
     `st.async` (`STAS`), after a cluster barrier that orders both CTAs' barrier initialization before it
-    and before the PDL wait, and a second cluster barrier before exit; GEMM2's outputs are scalar FP32
-    reductions."""
+    and before the PDL wait, and a second cluster barrier before exit; GEMM2's outputs are FP32
+    reductions of four features each, after the quad's butterfly exchange."""
     for i, _variant in enumerate(ALIGNED_FUSED_VARIANTS):
         sass = _sass(compiled, f"aligned_fused_{i}")
-        for instruction in ("HMMA.16816.F32.BF16", "UBLKCP.S.G", "LDGSTS", "STAS", "REDG.E.ADD.F32.FTZ.RN", "USETMAXREG"):
+        instructions = ("HMMA.16816.F32.BF16", "UBLKCP.S.G", "LDGSTS", "STAS", "REDG.E.ADD.F32x4.FTZ.RN", "SHFL.BFLY")
+        for instruction in (*instructions, "USETMAXREG"):
             assert instruction in sass, (instruction, i)
         assert "HGMMA" not in sass and sass.count("UCGABAR_ARV") == 2 and sass.count("UCGABAR_WAIT") == 2, i
         ptx = (compiled / f"aligned_fused_{i}.ptx").read_text()

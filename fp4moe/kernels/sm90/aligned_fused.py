@@ -17,8 +17,9 @@ CTAs, persistent: cluster `c` takes items `c, c + clusters, ...`. CTA rank `r` o
    slice, one 64-K tile of `w2` per 64-row block, two blocks per pipeline stage (the stage's two 64-K
    slots); the B fragments come from the slice tile once per item. Each output is multiplied by
    `scale_down`, the pair's router weight and `RN(routed_scaling_factor)` and added into the FP32
-   accumulator `[T, H]` (`red.global.add.f32`), which the setup kernel zeroed and the additive finalize
-   adds to `out`.
+   accumulator `[T, H]` (`red.global.v4.f32.add`), which the decode kernel filled with -0 and the
+   additive finalize adds to `out`. Each slice's partial sum is scaled on its own (docs/semantics.md
+   §5.3 step 5 allows it).
 
 Both CTAs walk the same items, so a slice buffer is written again only after both have read it: the
 other CTA writes item `i + 2`'s slice after its wait for item `i + 1`'s, which needs this CTA's consumers'
@@ -27,8 +28,7 @@ barriers' initialization and another before exit order every remote access withi
 
 Versus the composition (`aligned_launch`): the intermediate and the per-pair FP32 rows never touch
 device memory, and no CTA waits for another GEMM's grid; the sum over a token's pairs and slices is an
-atomic one, in any order (semantics §5 step 6 allows it), so results may differ in the last bit from run
-to run.
+atomic one, in any order (§5.3 step 6), so results may differ in the last bit from run to run.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from fp4moe.kernels.sm90.moe_gemm import (
     MoEGemmSm90,
     consumer_registers,
     producer_registers,
+    quad_transpose,
 )
 from fp4moe.kernels.sm90.pdl import USE_PDL, wait_for_predecessor_and_release_successor
 
@@ -93,6 +94,7 @@ class AlignedFusedSm90(MoEGemmSm90):
         mAct: cute.Tensor,  # bf16 [T, H]: `hidden` decoded
         mPermutedToPair: cute.Tensor,  # int32 [B * 8]: `sorted_token_ids`
         mTileExpert: cute.Tensor,  # int32 [B]: the setup kernel's live blocks' experts, -1 elsewhere
+        mPairToRow: cute.Tensor,  # int32 [T * k]: the setup kernel's row that processes each pair, -1 for none
         mGateUp: cute.Tensor,  # fp32 [2E]: scale_gate, then scale_up
         mDownScale: cute.Tensor,  # fp32 [E]: scale_down
         mRouterWeights: cute.Tensor,  # fp32 [T * k]: topk_weights
@@ -123,8 +125,8 @@ class AlignedFusedSm90(MoEGemmSm90):
         self.shared_storage = SharedStorage
         items = mTileExpert.shape[0] * self.slices
         self.kernel(
-            mCodes1, mScales1, mCodes2, mScales2, mAct, mPermutedToPair, mTileExpert, mGateUp, mDownScale,
-            mRouterWeights, mAccumulator, mGlobalScale, mFactor, mLiveTiles, tiled_mma, b_layout,
+            mCodes1, mScales1, mCodes2, mScales2, mAct, mPermutedToPair, mTileExpert, mPairToRow, mGateUp,
+            mDownScale, mRouterWeights, mAccumulator, mGlobalScale, mFactor, mLiveTiles, tiled_mma, b_layout,
         ).launch(
             grid=[CLUSTER_CTAS * cutlass.min(items, self.max_clusters), 1, 1],
             block=[self.threads, 1, 1],
@@ -138,8 +140,8 @@ class AlignedFusedSm90(MoEGemmSm90):
 
     @cute.kernel
     def kernel(
-        self, mCodes1, mScales1, mCodes2, mScales2, mAct, mPermutedToPair, mTileExpert, mGateUp, mDownScale,
-        mRouterWeights, mAccumulator, mGlobalScale, mFactor, mLiveTiles, tiled_mma, b_layout,
+        self, mCodes1, mScales1, mCodes2, mScales2, mAct, mPermutedToPair, mTileExpert, mPairToRow, mGateUp,
+        mDownScale, mRouterWeights, mAccumulator, mGlobalScale, mFactor, mLiveTiles, tiled_mma, b_layout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(tidx // WARP_SIZE)
@@ -169,11 +171,12 @@ class AlignedFusedSm90(MoEGemmSm90):
         else:
             cute.arch.setmaxregister_increase(consumer_registers(self.tile_features, self.tile_rows, self.ctas_per_sm))
             self.consume_items(
-                storage, tiled_mma, b_layout, mGateUp, mDownScale, mRouterWeights, mPermutedToPair, mTileExpert,
-                mAccumulator, (mGlobalScale, mFactor), num_pairs, full, empty, mLiveTiles,
+                storage, tiled_mma, b_layout, mGateUp, mDownScale, (mRouterWeights, mPermutedToPair, mPairToRow),
+                mTileExpert, mAccumulator, (mGlobalScale, mFactor), num_pairs, full, empty, mLiveTiles,
             )
-        # No CTA leaves while the other may still write its shared memory.
-        cute.arch.cluster_arrive()
+        # No CTA leaves while the other may still write its shared memory (which its own waits already
+        # imply: this makes it plain). Shared memory only, so no release of global writes.
+        cute.arch.cluster_arrive_relaxed()
         cute.arch.cluster_wait()
 
     # -----------------------------------------------------------------------------------------------
@@ -253,8 +256,8 @@ class AlignedFusedSm90(MoEGemmSm90):
     # -----------------------------------------------------------------------------------------------
     @cute.jit
     def consume_items(
-        self, storage, tiled_mma, b_layout, mGateUp, mDownScale, mRouterWeights, mPermutedToPair, mTileExpert,
-        mAccumulator, scalars, num_pairs, full, empty, mLiveTiles,
+        self, storage, tiled_mma, b_layout, mGateUp, mDownScale, plan_rows, mTileExpert, mAccumulator, scalars,
+        num_pairs, full, empty, mLiveTiles,
     ):
         operands = self.consumer_operands(storage, tiled_mma, b_layout, 0)
         codes_smem, scales_smem = operands[6], operands[7]
@@ -278,10 +281,13 @@ class AlignedFusedSm90(MoEGemmSm90):
                 slice_full = storage.slice_full.data_ptr() + buffer
                 slice_tile = storage.slices.data_ptr().toint() + buffer * SLICE_BYTES
                 iteration = self.consume_item(
-                    operands, storage, b_layout, mGateUp, (None, None), mPermutedToPair,
+                    operands, storage, b_layout, mGateUp, (None, None), plan_rows[1],
                     (slice_tile, None, mGlobalScale, block_maxima), num_pairs, full, empty, 0, tile,
                     CLUSTER_CTAS * piece + rank, expert, iteration,
                 )
+                # GEMM2's rows and scale, loaded while the other CTA's half of the slice comes in.
+                rows = self.down_rows(plan_rows, num_pairs, tile)
+                alpha = mDownScale[expert] * Float32(2.0**dev.WEIGHT_DECODE_EXPONENT)
                 # The thread's word of the slice, written to its own tile, to the other CTA's; then its own
                 # tile's arrival, one thread's expecting the other CTA's half.
                 word = dev.load_shared_u32(slice_tile + own_word)
@@ -292,8 +298,7 @@ class AlignedFusedSm90(MoEGemmSm90):
                     cute.arch.mbarrier_arrive(slice_full)
                 cute.arch.mbarrier_wait(slice_full, (item_number // 2) & 1)
                 iteration = self.down_item(
-                    slice_tile, codes_smem, scales_smem, full, empty, iteration, mDownScale, mRouterWeights,
-                    mPermutedToPair, mAccumulator, factor, num_pairs, tile, expert, rank,
+                    slice_tile, codes_smem, scales_smem, full, empty, iteration, rows, alpha, factor, mAccumulator, rank
                 )
                 item_number += 1
 
@@ -323,30 +328,48 @@ class AlignedFusedSm90(MoEGemmSm90):
         return words
 
     @cute.jit
+    def down_rows(self, plan_rows, num_pairs, tile):
+        """GEMM2's view of the thread's two accumulator columns `2 (lane % 4) + b`, rows of the item's block:
+        per column whether it counts, its router weight and its token's accumulator row (element offset).
+        A row counts where it holds a pair and is the row the setup kernel chose for that pair (a malformed
+        plan that lists a pair twice adds it once, as the composition does)."""
+        mRouterWeights, mPermutedToPair, mPairToRow = plan_rows
+        lane = cute.arch.lane_idx()
+        counts, weights, offsets = [], [], []
+        for b in cutlass.range_constexpr(2):
+            row = tile * TILE_ROWS + 2 * (lane % 4) + b
+            pair = mPermutedToPair[row]
+            holds = (pair >= 0) & (pair < num_pairs)
+            safe = cutlass.select_(holds, pair, Int32(0))
+            counts.append(Int32(holds & (mPairToRow[safe] == row)))
+            weights.append(mRouterWeights[safe])
+            offsets.append(Int64(safe // self.top_k) * self.hidden)
+        return counts, weights, offsets
+
+    @cute.jit
     def down_item(
-        self, slice_tile, codes_smem, scales_smem, full, empty, iteration, mDownScale, mRouterWeights,
-        mPermutedToPair, mAccumulator, factor, num_pairs, tile, expert, rank,
+        self, slice_tile, codes_smem, scales_smem, full, empty, iteration, rows, alpha, factor, mAccumulator, rank
     ):
         """GEMM2 of one item: per stage, the two `w2` row blocks' slice tiles decoded (`word_pairs`) and
-        multiplied with the slice (four k16 steps each, `mma.sync`), then each element of a row that holds
-        a pair times `scale_down[e] * 2^8`, its router weight and the factor (`gemm2_output`'s order), added
-        into the token's accumulator row. Returns the k tiles consumed after it."""
+        multiplied with the slice (four k16 steps each, `mma.sync`), then each element times `alpha`
+        (`scale_down[e] * 2^8`), its row's router weight and the factor (`gemm2_output`'s order), added
+        into the token's accumulator row where the row counts (`down_rows`): four consecutive features of
+        a row per `red.global.v4.f32.add`, after the four lanes that hold features m .. m + 3 of rows n and
+        n + 1 exchange their elements (`quad_transpose`), as GEMM2's decode tiles do. Returns the k tiles
+        consumed after it."""
+        counts, weights, offsets = rows
         b_words = self.slice_fragments(slice_tile)
         thread = cute.arch.thread_idx()[0] % WARPGROUP_THREADS
         lane = cute.arch.lane_idx()
-        feature_row = (thread // WARP_SIZE) * 16 + lane // 4  # this thread's rows of a 64-row block: and + 8
-        alpha = mDownScale[expert] * Float32(2.0**dev.WEIGHT_DECODE_EXPONENT)
-        used, weights, row_offsets = [], [], []
-        for b in cutlass.range_constexpr(2):  # accumulator columns 2 (lane % 4) + b: the block's plan rows
-            pair = mPermutedToPair[tile * TILE_ROWS + 2 * (lane % 4) + b]
-            holds = (pair >= 0) & (pair < num_pairs)
-            safe = cutlass.select_(holds, pair, Int32(0))
-            used.append(Int32(holds))
-            weights.append(mRouterWeights[safe])
-            row_offsets.append(Int64(safe // self.top_k) * self.hidden)
-        accumulator = mAccumulator.iterator.toint()
+        quad_lane = (lane >> 2) & 3  # which of the four lanes of features m .. m + 3
+        # After the exchange this lane holds features m - quad_lane + 8 (quad_lane >> 1) .. + 3 of column
+        # 2 (lane % 4) + (quad_lane & 1) (`MoEGemmSm90.finish_gemm2`'s quad stores).
+        feature_row = (thread // WARP_SIZE) * 16 + lane // 4 - quad_lane + 8 * (quad_lane >> 1)
+        column = quad_lane & 1
+        counted = cutlass.select_(column == 1, counts[1], counts[0])
+        row_address = mAccumulator.iterator.toint() + cutlass.select_(column == 1, offsets[1], offsets[0]) * 4
+        accumulator_address = row_address + Int64(rank * self.half_blocks * weight_layout.ROW_BLOCK + feature_row) * 4
         stage, phase = self.stage_and_phase(iteration)
-        first_block = rank * self.half_blocks
         for j in cutlass.range(self.down_steps, unroll=1):
             cute.arch.mbarrier_wait(full + stage, phase)
             words = self.load_words(codes_smem, scales_smem, stage)
@@ -357,10 +380,11 @@ class AlignedFusedSm90(MoEGemmSm90):
                 values = [Float32(0.0)] * 4
                 for t in cutlass.range_constexpr(4):
                     values = dev.mma_bf16_m16n8k16(values, self.word_pairs(codes[t], step_scale(t)), b_words[t])
-                feature = (first_block + self.k64_per_tile * j + slot) * weight_layout.ROW_BLOCK + feature_row
-                for e in cutlass.range_constexpr(4):  # (row g, column 2c), (g, 2c + 1), (g + 8, 2c), (g + 8, 2c + 1)
-                    b = e % 2
-                    y = values[e] * alpha * weights[b] * factor
-                    dev.reduce_add_f32(accumulator + (row_offsets[b] + feature + 8 * (e // 2)) * 4, y, used[b])
+                # Elements (row g, column 2c), (g, 2c + 1), (g + 8, 2c), (g + 8, 2c + 1).
+                outputs = [values[e] * alpha * weights[e % 2] * factor for e in range(4)]
+                outputs = quad_transpose(outputs, quad_lane)
+                block_offset = Int64((self.k64_per_tile * j + slot) * weight_layout.ROW_BLOCK * 4)
+                if counted != 0:
+                    dev.reduce_add_v4_f32(accumulator_address + block_offset, outputs)
             stage, phase = self.next_stage(stage, phase)
         return iteration + self.down_steps

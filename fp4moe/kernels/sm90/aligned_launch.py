@@ -27,8 +27,8 @@ The intermediate and the per-pair rows go through device memory: this is the unf
 the baseline a one-kernel aligned MoE is measured against.
 
 The one-kernel decode path (`aligned_fused`: both GEMMs in one launch, the intermediate in shared
-memory, an atomic FP32 sum) replaces steps 3-5 where `fuses_gemms` says so: the setup kernel also
-zeroes the accumulator, and the additive finalize adds it to `out` (four launches in all). It is off
+memory, an atomic FP32 sum) replaces steps 3-5 where `fuses_gemms` says so: the decode also fills the
+accumulator with -0, and the additive finalize adds it to `out` (four launches in all). It is off
 (`FUSED_MAX_TOKENS = 0`) until it has passed its GPU tests and an A/B against this composition.
 """
 
@@ -78,39 +78,30 @@ def _f32(*shape):
     return make_fake_compact_tensor(cutlass.Float32, shape)
 
 
-def _accumulator(hidden: int):
-    return make_fake_compact_tensor(cutlass.Float32, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16)
-
-
 @compile_function
-def compile_aligned_plan(num_experts: int, block_m: int, hidden: int | None = None):
-    """The setup kernel; with `hidden`, zeroing the one-kernel path's accumulator `[T, hidden]` too."""
+def compile_aligned_plan(num_experts: int, block_m: int):
     return compile_kernel(
-        AlignedPlanSm90(num_experts, block_m, hidden),
+        AlignedPlanSm90(num_experts, block_m),
         _i32(_dynamic()), _i32(_dynamic()), _i32(1), _f32(num_experts), _f32(num_experts), cutlass.Float32(1.0),
         _i32(_dynamic()), _i32(_dynamic()), _f32(2 * num_experts), _f32(2), _i32(1),
-        None if hidden is None else _accumulator(hidden),
-        cache_key=("aligned_plan", num_experts, block_m, hidden),
+        cache_key=("aligned_plan", num_experts, block_m),
     )
 
 
 def aligned_plan(
     sorted_token_ids, expert_ids, num_tokens_post_padded, scale_gate, scale_up, routed_scaling_factor, block_m, num_pairs,
-    accumulator=None,
 ):
-    """(tile_expert, pair_to_row, gate_up_scales, factors, live_tiles) of `AlignedPlanSm90`, in one launch,
-    which zeroes `accumulator` (FP32 [T, H]) where given."""
+    """(tile_expert, pair_to_row, gate_up_scales, factors, live_tiles) of `AlignedPlanSm90`, in one launch."""
     num_experts = scale_gate.shape[0]
     tile_expert = expert_ids.new_empty(expert_ids.shape)
     pair_to_row = expert_ids.new_empty((num_pairs,))
     gate_up_scales = scale_gate.new_empty((2 * num_experts,))
     factors = scale_gate.new_empty((2,))
     live_tiles = expert_ids.new_empty((1,))
-    hidden = None if accumulator is None else accumulator.shape[1]
-    compile_aligned_plan(num_experts, block_m, hidden)(
+    compile_aligned_plan(num_experts, block_m)(
         sorted_token_ids, standard_strides(expert_ids), standard_strides(num_tokens_post_padded),
         standard_strides(scale_gate), standard_strides(scale_up), fp32(routed_scaling_factor),
-        tile_expert, pair_to_row, gate_up_scales, factors, live_tiles, accumulator,
+        tile_expert, pair_to_row, gate_up_scales, factors, live_tiles,
     )
     return tile_expert, pair_to_row, gate_up_scales, factors, live_tiles
 
@@ -144,12 +135,13 @@ def compile_aligned_fused(num_experts: int, hidden: int, intermediate: int, top_
 
     prepared_i = weight_layout.prepared_rows(intermediate, gated=False)
     act = make_fake_compact_tensor(cutlass.BFloat16, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16)
+    accumulator = make_fake_compact_tensor(cutlass.Float32, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16)
     return compile_kernel(
         kernel,
         weights(2 * intermediate, hidden, weight_layout.CODE_BYTES), weights(2 * intermediate, hidden, weight_layout.SCALE_BYTES),
         weights(hidden, prepared_i, weight_layout.CODE_BYTES), weights(hidden, prepared_i, weight_layout.SCALE_BYTES),
-        act, _i32(_dynamic()), _i32(_dynamic()), _f32(2 * num_experts), _f32(num_experts), _f32(_dynamic()),
-        _accumulator(hidden), _f32(1), _f32(1), _i32(1),
+        act, _i32(_dynamic()), _i32(_dynamic()), _i32(_dynamic()), _f32(2 * num_experts), _f32(num_experts),
+        _f32(_dynamic()), accumulator, _f32(1), _f32(1), _i32(1),
         cache_key=("aligned_fused", num_experts, hidden, intermediate, top_k, stages, max_clusters),
     )
 
@@ -182,10 +174,10 @@ def aligned_moe_(
     accumulator = a.new_empty((num_tokens, hidden_size), dtype=torch.float32) if fused else None
     tile_expert, pair_to_row, gate_up_scales, factors, live_tiles = aligned_plan(
         permuted_to_pair, expert_ids, num_tokens_post_padded, scale_gate, scale_up, routed_scaling_factor, block_m,
-        num_pairs, accumulator,
+        num_pairs,
     )
 
-    decode_into(codes, scales, a, beside_predecessor=True)
+    decode_into(codes, scales, a, beside_predecessor=True, cleared=accumulator)
     if out.shape[0] == 1:  # its row stride may be anything (`validation._check_row_major`): the finalize's is H
         out = out.as_strided(out.shape, (hidden_size, 1))
     if fused:
@@ -194,7 +186,7 @@ def aligned_moe_(
             scale_gate.shape[0], hidden_size, intermediate_size, top_k, moe_launch.sm_count(w1.device.index)
         )(
             standard_strides(w1), standard_strides(w1_scales), standard_strides(w2), standard_strides(w2_scales), a,
-            permuted_to_pair, tile_expert, gate_up_scales, standard_strides(scale_down),
+            permuted_to_pair, tile_expert, pair_to_row, gate_up_scales, standard_strides(scale_down),
             standard_strides(topk_weights.reshape(-1)), accumulator, factors[:1], factors[1:], live_tiles,
         )
         compile_finalize("additive_summed", hidden_size, top_k, out.dtype)(accumulator, pair_to_row, out)

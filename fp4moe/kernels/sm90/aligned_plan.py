@@ -14,8 +14,7 @@ From the route plan (`sorted_token_ids`, `expert_ids`, `num_tokens_post_padded`)
 
 And the per-call scalars the GEMMs read from the device: `gate_up_scales = [scale_gate, scale_up]`
 (GEMM1's `[2E]` alpha) and `factors = [1, RN(routed_scaling_factor)]` (GEMM1's NVFP4 global scale and
-GEMM2's output factor), so a new factor needs no new kernel. Compiled with `hidden` (the one-kernel
-decode path, `aligned_fused`), it also zeroes the FP32 accumulator `[T, hidden]` that kernel adds into.
+GEMM2's output factor), so a new factor needs no new kernel.
 
 One CTA: it clears `pair_to_row` and copies the scalars, then, after a CTA barrier (which orders its
 global writes), walks the plan rows, `ROW_UNROLL` per thread at a time. The rows of a block are
@@ -26,26 +25,21 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32
 
-from fp4moe.kernels.sm90 import gemm_device as dev
 from fp4moe.kernels.sm90.moe_plan import PLAN_THREADS as THREADS
 from fp4moe.kernels.sm90.pdl import USE_PDL, wait_for_predecessor_and_release_successor
 
 ROW_UNROLL = 4
 """Plan rows a thread loads at once, before it writes any of their results."""
-ZERO_VECTOR = 4
-"""FP32 values of the accumulator a thread zeroes per store (16 bytes)."""
 
 
 class AlignedPlanSm90:
     """`(tile_expert, pair_to_row, gate_up_scales, factors, live_tiles)` of the module docstring."""
 
-    def __init__(self, num_experts: int, block_m: int, hidden: int | None = None):
-        assert hidden is None or hidden % ZERO_VECTOR == 0
+    def __init__(self, num_experts: int, block_m: int):
         self.num_experts = num_experts
         self.block_m = block_m
-        self.hidden = hidden
 
     @cute.jit
     def __call__(
@@ -61,29 +55,23 @@ class AlignedPlanSm90:
         mGateUpScales: cute.Tensor,  # fp32 [2E]
         mFactors: cute.Tensor,  # fp32 [2]
         mLiveTiles: cute.Tensor,  # int32 [1]
-        mAccumulator: cute.Tensor | None,  # fp32 [T, hidden], with `hidden`
         stream,
     ):
         self.kernel(
             mSortedTokenIds, mExpertIds, mPostPadded, mScaleGate, mScaleUp, routed_factor, mTileExpert, mPairToRow,
-            mGateUpScales, mFactors, mLiveTiles, mAccumulator,
+            mGateUpScales, mFactors, mLiveTiles,
         ).launch(grid=[1, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=USE_PDL)
 
     @cute.kernel
     def kernel(
         self, mSortedTokenIds, mExpertIds, mPostPadded, mScaleGate, mScaleUp, routed_factor, mTileExpert, mPairToRow,
-        mGateUpScales, mFactors, mLiveTiles, mAccumulator,
+        mGateUpScales, mFactors, mLiveTiles,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         wait_for_predecessor_and_release_successor()
         num_pairs = cute.size(mPairToRow)
         for p in cutlass.range(tidx, num_pairs, THREADS, unroll=1):
             mPairToRow[p] = -1
-        if const_expr(self.hidden is not None):
-            accumulator = mAccumulator.iterator.toint()
-            vectors = mAccumulator.shape[0] * (self.hidden // ZERO_VECTOR)
-            for v in cutlass.range(tidx, vectors, THREADS, unroll=1):
-                dev.store_global_v4_f32(accumulator + Int64(v) * (ZERO_VECTOR * 4), [Float32(0.0)] * ZERO_VECTOR)
         for e in cutlass.range(tidx, self.num_experts, THREADS, unroll=1):
             mGateUpScales[e] = mScaleGate[e]
             mGateUpScales[self.num_experts + e] = mScaleUp[e]

@@ -535,12 +535,15 @@ def launch_gemm(
 # W4A4 activations
 # ---------------------------------------------------------------------------------------------------
 @compile_function
-def compile_decode(k: int, launch_order: str = "wait_first"):
+def compile_decode(k: int, launch_order: str = "wait_first", clears: bool = False):
+    """The NVFP4 rows' decode; with `clears`, filling an FP32 `[M, k]` accumulator with -0 too."""
     codes = make_fake_compact_tensor(cutlass.Uint8, (_dynamic(), k // 2), stride_order=(1, 0), assumed_align=16)
     scales = make_fake_compact_tensor(cutlass.Uint8, (_dynamic(), k // 16), stride_order=(1, 0))
     out = make_fake_compact_tensor(cutlass.BFloat16, (_dynamic(), k), stride_order=(1, 0), assumed_align=16)
+    cleared = make_fake_compact_tensor(cutlass.Float32, (_dynamic(), k), stride_order=(1, 0), assumed_align=16) if clears else None
     return compile_kernel(
-        NVFP4DecodeSm90(k, launch_order), codes, scales, out, cache_key=("nvfp4_decode", k, launch_order)
+        NVFP4DecodeSm90(k, launch_order, clears), codes, scales, out, cleared,
+        cache_key=("nvfp4_decode", k, launch_order, clears),
     )
 
 
@@ -553,14 +556,18 @@ def decode_operands(a: torch.Tensor, a_scales: torch.Tensor) -> tuple[torch.Tens
     return codes, standard_strides(a_scales.view(torch.uint8)), out
 
 
-def decode_into(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, beside_predecessor: bool = False) -> None:
-    """Launch the decode of `decode_operands`' tensors. `beside_predecessor`: the kernel just before it on
-    the stream neither writes these three tensors nor reads `out`, and nothing it reads shares memory
-    with them (they were allocated before it was launched), so the decode runs beside it
-    (`NVFP4DecodeSm90`'s ``"before_wait"``, which reads and writes before its wait)."""
+def decode_into(
+    codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, beside_predecessor: bool = False,
+    cleared: torch.Tensor | None = None,
+) -> None:
+    """Launch the decode of `decode_operands`' tensors, filling `cleared` (FP32, `out`'s shape) with -0
+    where given. `beside_predecessor`: the kernel just before it on the stream neither writes these
+    tensors nor reads `out` or `cleared`, and nothing it reads shares memory with them (they were
+    allocated before it was launched), so the decode runs beside it (`NVFP4DecodeSm90`'s
+    ``"before_wait"``, which reads and writes before its wait)."""
     if out.shape[0]:
         launch_order = "before_wait" if beside_predecessor else "wait_first"
-        compile_decode(out.shape[1], launch_order)(codes, scales, out)
+        compile_decode(out.shape[1], launch_order, cleared is not None)(codes, scales, out, cleared)
 
 
 def decoded(a: torch.Tensor, a_scales: torch.Tensor | None) -> torch.Tensor:
