@@ -374,12 +374,19 @@ class AlignedFusedSm90(MoEGemmSm90):
             cute.arch.mbarrier_wait(full + stage, phase)
             words = self.load_words(codes_smem, scales_smem, stage)
             cute.arch.mbarrier_arrive(empty + stage)  # the words are in registers
+            # Both blocks' A fragments first, then their k16 steps' `mma.sync`s alternately: two chains of
+            # dependent MMAs in flight instead of one.
+            fragments = []
             for slot in cutlass.range_constexpr(self.k64_per_tile):
                 codes, scale_words = words[0][slot]
                 step_scale = self.step_scales(scale_words)
-                values = [Float32(0.0)] * 4
-                for t in cutlass.range_constexpr(4):
-                    values = dev.mma_bf16_m16n8k16(values, self.word_pairs(codes[t], step_scale(t)), b_words[t])
+                fragments.append([self.word_pairs(codes[t], step_scale(t)) for t in range(4)])
+            sums = [[Float32(0.0)] * 4 for _ in range(self.k64_per_tile)]
+            for t in cutlass.range_constexpr(4):
+                for slot in cutlass.range_constexpr(self.k64_per_tile):
+                    sums[slot] = dev.mma_bf16_m16n8k16(sums[slot], fragments[slot][t], b_words[t])
+            for slot in cutlass.range_constexpr(self.k64_per_tile):
+                values = sums[slot]
                 # Elements (row g, column 2c), (g, 2c + 1), (g + 8, 2c), (g + 8, 2c + 1).
                 outputs = [values[e] * alpha * weights[e % 2] * factor for e in range(4)]
                 outputs = quad_transpose(outputs, quad_lane)
