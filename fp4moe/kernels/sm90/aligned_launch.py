@@ -28,8 +28,9 @@ the baseline a one-kernel aligned MoE is measured against.
 
 The one-kernel decode path (`aligned_fused`: both GEMMs in one launch, the intermediate in shared
 memory, an atomic FP32 sum) replaces steps 3-5 where `fuses_gemms` says so: the decode also fills the
-accumulator with -0, and the additive finalize adds it to `out` (four launches in all). It is off
-(`FUSED_MAX_TOKENS = 0`) until it has passed its GPU tests and an A/B against this composition.
+accumulator with -0, and the additive finalize adds it to `out` (four launches in all). It passes its GPU
+tests but is off (`FUSED_MAX_TOKENS = 0`): in an A/B against this composition it lost at T = 1 on GLM and
+the EP shard, while it won on Qwen3-30B-A3B (runs log, fifty-third session).
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ def aligned_plan(
 
 FUSED_MAX_TOKENS = 0
 """`aligned_moe_` calls of at most this many tokens (and `block_m` 8) take the one-kernel decode path
-(`fuses_gemms`); 0: none. Off until the path has passed its GPU tests and an A/B against the composition
-(runs log)."""
+(`fuses_gemms`); 0: none. Its A/B against the composition asked 1.03x on every harness shape from T = 1:
+it lost at T = 1 on GLM (0.93x) and the EP shard (0.87x), so none (runs log)."""
 
 
 def fuses_gemms(num_tokens: int, block_m: int) -> bool:
