@@ -27,10 +27,10 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
   the hardware suspend the thread until the phase completes or a time limit (`NANOSLEEP.SYNCS` in SASS):
   what waking from that suspension costs each stage's hand-off (polling threads also compete for the
   barrier's shared memory).
-- `grouped_copies_2`, `grouped_copies_4` (chosen with `--variants`) are no removal either: CTAs of 64
-  features copy the weights of two or four k tiles in one bulk copy each of codes and scales
-  (`GroupedWeightCopies`, the kernels' own grouped copies): whether the number of copies limits such a
-  CTA's weight stream.
+- `grouped_copies_1`, `grouped_copies_2`, `grouped_copies_4` (chosen with `--variants`) are no removal
+  either: CTAs of 64 features copy the weights of one, two or four k tiles in one bulk copy each of codes
+  and scales (`GroupedWeightCopies`, the kernels' own grouped copies, whose default is
+  `moe_gemm.WEIGHT_COPY_K_TILES`): whether the number of copies limits such a CTA's weight stream.
 - `gemm1_k_splits_2`, `gemm1_k_splits_4`, `gemm1_k_splits_7` (chosen with `--variants`) run GEMM1 in that
   many slices of K, each slice's items their own CTAs, with no reduction of the slices (garbage results):
   how much faster GEMM1's k loops run where its items would leave SMs or CTA slots idle.
@@ -356,6 +356,10 @@ class GroupedWeightCopies(MoEGemmSm90):
             self.tiles_per_copy = self.group
 
 
+class GroupedWeightCopies1(GroupedWeightCopies):
+    group = 1
+
+
 class GroupedWeightCopies4(GroupedWeightCopies):
     group = 4
 
@@ -560,7 +564,7 @@ VARIANTS = {
     "gemm2_math_only": Gemm2MathOnly, "no_alpha_loads": NoAlphaLoads, "no_weight_copies": NoWeightCopies,
     "no_activation_copies": NoActivationCopies, "skeleton": Skeleton, "gemm1_k_splits_2": Gemm1KSplits,
     "gemm1_k_splits_4": Gemm1KSplits4, "spinning_waits": SpinningWaits, "grouped_copies_2": GroupedWeightCopies,
-    "grouped_copies_4": GroupedWeightCopies4, "dynamic_k_chunks": DynamicKChunks,
+    "grouped_copies_1": GroupedWeightCopies1, "grouped_copies_4": GroupedWeightCopies4, "dynamic_k_chunks": DynamicKChunks,
     "gemm1_k_splits_7": Gemm1KSplits7,
 }
 CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]

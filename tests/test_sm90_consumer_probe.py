@@ -188,25 +188,28 @@ _GLM_SCRIPT = textwrap.dedent(
 
 
 def test_grouped_copies_expect_a_group_of_k_tiles_on_one_barrier_and_keep_the_rest(tmp_path):
-    """`grouped_copies_2` / `_4` on GLM's decode GEMM1 (CTAs of one 64-row block; the kernel's own
-    `tiles_per_copy`): thread 0 expects two or four k tiles' weight bytes (4,608 each: 4 KB of codes,
-    512 B of scales) on the group's first `full`, still in one bulk copy of codes and one of scales, and
-    arrives plainly on each later stage's `full`; the activation copies and their arrivals come once per
-    k tile of the group; the consumers' code is the default's."""
-    names = ("default", "grouped_copies_2", "grouped_copies_4")
+    """`grouped_copies_1` / `_2` / `_4` and the default (`moe_gemm.WEIGHT_COPY_K_TILES` k tiles) on GLM's
+    decode GEMM1 (CTAs of one 64-row block; the kernel's own `tiles_per_copy`): thread 0 expects one, two or
+    four k tiles' weight bytes (4,608 each: 4 KB of codes, 512 B of scales) on the group's first `full`,
+    still in one bulk copy of codes and one of scales, and arrives plainly on each later stage's `full`; the
+    activation copies and their arrivals come once per k tile of the group; the consumers' code is the
+    same."""
+    from fp4moe.kernels.sm90.moe_gemm import WEIGHT_COPY_K_TILES
+
+    names = ("grouped_copies_1", "default", "grouped_copies_2", "grouped_copies_4")
     out = compile_in_subprocess(_GLM_SCRIPT, {"names": names}, tmp_path)
     kernels = {name: sass(out / f"{name}.cubin") for name in names}
-    default = kernels["default"]
-    for name, group in zip(names, (1, 2, 4)):
+    single = kernels["grouped_copies_1"]
+    for name, group in zip(names, (1, WEIGHT_COPY_K_TILES, 2, 4)):
         kernel = kernels[name]
         for other in (1, 2, 4):
             assert (f"0x{other * 4608:x} " in kernel) == (other == group), (name, other)
-        plain = kernel.count("SYNCS.ARRIVE.TRANS64.A1T0") - default.count("SYNCS.ARRIVE.TRANS64.A1T0")
+        plain = kernel.count("SYNCS.ARRIVE.TRANS64.A1T0") - single.count("SYNCS.ARRIVE.TRANS64.A1T0")
         assert plain == group - 1, name
         for instruction in ("LDGSTS.E", "LDGSTSBAR"):
-            assert kernel.count(instruction) == group * default.count(instruction) > 0, (name, instruction)
+            assert kernel.count(instruction) == group * single.count(instruction) > 0, (name, instruction)
         for instruction in ("HMMA", "HMUL2.BF16_V2", "UBLKCP.S.G"):
-            assert kernel.count(instruction) == default.count(instruction) > 0, (name, instruction)
+            assert kernel.count(instruction) == single.count(instruction) > 0, (name, instruction)
 
 
 def test_dynamic_k_chunks_claim_units_from_a_counter_and_keep_the_k_step(variants):
