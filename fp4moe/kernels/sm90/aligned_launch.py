@@ -41,7 +41,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor
 
 from fp4moe import weight_layout
 from fp4moe.dispatch import expected_local_pairs
-from fp4moe.kernels.sm90.aligned_fused import CLUSTER_CTAS, SLICE_FEATURES, TILE_ROWS, AlignedFusedSm90
+from fp4moe.kernels.sm90.aligned_fused import TILE_ROWS, AlignedFusedSm90
 from fp4moe.kernels.sm90.aligned_plan import AlignedPlanSm90
 from fp4moe.kernels.sm90 import moe_launch
 from fp4moe.kernels.sm90.compiler import compile_function, compile_kernel
