@@ -35,18 +35,16 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
-from cutlass.tensor_utils import LayoutEnum
 
 from fp4moe import weight_layout
 from fp4moe.kernels.sm90 import gemm_device as dev
 from fp4moe.kernels.sm90.moe_gemm import (
-    SM_SHARED_MEMORY_BYTES,
     WARP_SIZE,
     WARPGROUP_THREADS,
     MoEGemmSm90,
     consumer_registers,
+    copy_weight_tiles,
     producer_registers,
     quad_transpose,
 )
@@ -105,9 +103,7 @@ class AlignedFusedSm90(MoEGemmSm90):
         stream,
     ):
         tiled_mma = self.tiled_mma(self.tile_rows)
-        b_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, (weight_layout.ROW_BLOCK, self.tile_rows, self.tile_k), BFloat16, self.b_tiles
-        )
+        b_layout = self.b_tiles_layout()
 
         @cute.struct
         class SharedStorage:
@@ -120,9 +116,7 @@ class AlignedFusedSm90(MoEGemmSm90):
             slice_full: cute.struct.MemRange[Int64, 2]
             slices: cute.struct.Align[cute.struct.MemRange[BFloat16, 2 * SLICE_FEATURES * TILE_ROWS], 16]
 
-        fits = SM_SHARED_MEMORY_BYTES // self.ctas_per_sm - 1024
-        assert SharedStorage.size_in_bytes() <= fits, f"{SharedStorage.size_in_bytes()} bytes of shared memory"
-        self.shared_storage = SharedStorage
+        self.use_shared_storage(SharedStorage)
         items = mTileExpert.shape[0] * self.slices
         self.kernel(
             mCodes1, mScales1, mCodes2, mScales2, mAct, mPermutedToPair, mTileExpert, mPairToRow, mGateUp,
@@ -190,6 +184,12 @@ class AlignedFusedSm90(MoEGemmSm90):
         return cute.arch.block_idx()[0] // CLUSTER_CTAS, end, cute.arch.grid_dim()[0] // CLUSTER_CTAS
 
     @cute.jit
+    def cluster_item(self, mTileExpert, item):
+        """(plan tile, slice, expert: -1 for an unused tile) of a work item."""
+        tile = item // self.slices
+        return tile, item % self.slices, self.tile_expert(mTileExpert, tile)
+
+    @cute.jit
     def rank(self):
         """This CTA's rank in its cluster (the grid's clusters are consecutive pairs)."""
         return cute.arch.block_idx()[0] % CLUSTER_CTAS
@@ -209,9 +209,7 @@ class AlignedFusedSm90(MoEGemmSm90):
         rank = self.rank()
         first, end, step = self.cluster_items(mTileExpert, mLiveTiles)
         for item in cutlass.range(first, end, step, unroll=1):
-            tile = item // self.slices
-            piece = item % self.slices
-            expert = self.tile_expert(mTileExpert, tile)
+            tile, piece, expert = self.cluster_item(mTileExpert, item)
             if expert >= 0:
                 self.produce_item(
                     b_layout, mCodes1, mScales1, mAct, mPermutedToPair, num_pairs, full, empty, storage, tile,
@@ -237,18 +235,10 @@ class AlignedFusedSm90(MoEGemmSm90):
         cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.code_bytes + self.scale_bytes)
         barrier = (full + stage).toint()
         for slot in cutlass.range_constexpr(self.k64_per_tile):
-            tile_index = Int64((first_block + slot) * self.down_k_tiles64 + piece)
-            dev.bulk_copy_to_shared(
-                storage.codes.data_ptr().toint() + stage * self.code_bytes + slot * weight_layout.CODE_BYTES,
-                mCodes2.iterator.toint() + tile_index * weight_layout.CODE_BYTES,
-                weight_layout.CODE_BYTES,
-                barrier,
-            )
-            dev.bulk_copy_to_shared(
-                storage.scales.data_ptr().toint() + stage * self.scale_bytes + slot * weight_layout.SCALE_BYTES,
-                mScales2.iterator.toint() + tile_index * weight_layout.SCALE_BYTES,
-                weight_layout.SCALE_BYTES,
-                barrier,
+            # The stage's slots of one 64 K tile each: stage s holds slots 2s and 2s + 1.
+            copy_weight_tiles(
+                mCodes2, mScales2, storage, Int64((first_block + slot) * self.down_k_tiles64 + piece),
+                stage * self.k64_per_tile + slot, weight_layout.CODE_BYTES, weight_layout.SCALE_BYTES, 1, barrier,
             )
 
     # -----------------------------------------------------------------------------------------------
@@ -273,9 +263,7 @@ class AlignedFusedSm90(MoEGemmSm90):
         item_number = Int32(0)  # items this CTA has computed: their slice tiles alternate between two buffers
         first, end, step = self.cluster_items(mTileExpert, mLiveTiles)
         for item in cutlass.range(first, end, step, unroll=1):
-            tile = item // self.slices
-            piece = item % self.slices
-            expert = self.tile_expert(mTileExpert, tile)
+            tile, piece, expert = self.cluster_item(mTileExpert, item)
             if expert >= 0:
                 buffer = item_number % 2
                 slice_full = storage.slice_full.data_ptr() + buffer

@@ -57,7 +57,9 @@ from fp4moe.kernels.sm90.moe_launch import (
     launch_gemm,
     per_pair_gemm2_shape,
     plan_gemm_shape,
+    prepared_weight_tensors,
     row_granule,
+    rows_tensor,
     standard_strides,
 )
 from fp4moe.validation import fp32
@@ -130,19 +132,13 @@ def compile_aligned_fused(num_experts: int, hidden: int, intermediate: int, top_
         max_clusters=max_clusters,
     )
 
-    def weights(rows, k, tile_bytes):
-        tiles = (num_experts, rows // weight_layout.ROW_BLOCK, k // weight_layout.K_TILE, tile_bytes)
-        return make_fake_compact_tensor(cutlass.Uint8, tiles, stride_order=(3, 2, 1, 0), assumed_align=16)
-
-    prepared_i = weight_layout.prepared_rows(intermediate, gated=False)
-    act = make_fake_compact_tensor(cutlass.BFloat16, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16)
-    accumulator = make_fake_compact_tensor(cutlass.Float32, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16)
     return compile_kernel(
         kernel,
-        weights(2 * intermediate, hidden, weight_layout.CODE_BYTES), weights(2 * intermediate, hidden, weight_layout.SCALE_BYTES),
-        weights(hidden, prepared_i, weight_layout.CODE_BYTES), weights(hidden, prepared_i, weight_layout.SCALE_BYTES),
-        act, _i32(_dynamic()), _i32(_dynamic()), _i32(_dynamic()), _f32(2 * num_experts), _f32(num_experts),
-        _f32(_dynamic()), accumulator, _f32(1), _f32(1), _i32(1),
+        *prepared_weight_tensors(num_experts, 2 * intermediate, hidden),
+        *prepared_weight_tensors(num_experts, hidden, weight_layout.prepared_rows(intermediate, gated=False)),
+        rows_tensor(cutlass.BFloat16, hidden), _i32(_dynamic()), _i32(_dynamic()), _i32(_dynamic()),
+        _f32(2 * num_experts), _f32(num_experts), _f32(_dynamic()), rows_tensor(cutlass.Float32, hidden), _f32(1),
+        _f32(1), _i32(1),
         cache_key=("aligned_fused", num_experts, hidden, intermediate, top_k, stages, max_clusters),
     )
 

@@ -25,6 +25,8 @@ from fp4moe.kernels.sm90.pdl import USE_PDL, wait_for_predecessor_and_release_su
 
 FINALIZE_MODES = ("fused", "deterministic", "additive", "additive_summed")
 ADDITIVE_MODES = ("additive", "additive_summed")
+SUMMED_MODES = ("fused", "additive_summed")
+"""The modes whose input is already summed over each token's pairs (`[T, H]`)."""
 THREADS = 256
 VECTOR = 8
 """Output elements per thread: one 16-byte bf16 store."""
@@ -65,13 +67,12 @@ class MoEFinalizeSm90:
         if token < mOut.shape[0]:
             total = cute.make_rmem_tensor((VECTOR,), Float32)
             processed = Int32(0)
-            if const_expr(self.mode == "fused"):
+            if const_expr(self.mode in SUMMED_MODES):
                 cute.autovec_copy(cute.local_tile(mIn[token, None], (VECTOR,), (column // VECTOR,)), total)
-            elif const_expr(self.mode == "additive_summed"):
-                cute.autovec_copy(cute.local_tile(mIn[token, None], (VECTOR,), (column // VECTOR,)), total)
-                for j in cutlass.range_constexpr(self.top_k):
-                    if mPairToPermuted[token * self.top_k + j] >= 0:
-                        processed = Int32(1)
+                if const_expr(self.mode == "additive_summed"):
+                    for j in cutlass.range_constexpr(self.top_k):
+                        if mPairToPermuted[token * self.top_k + j] >= 0:
+                            processed = Int32(1)
             else:
                 # Slots in ascending order, +0 for a pair not processed. Deterministic starts from +0
                 # (its sum is never -0, so the +0 of a skipped pair changes nothing); additive starts

@@ -118,6 +118,25 @@ def groups_weight_copies(
     )
 
 
+def copy_weight_tiles(mCodes, mScales, storage, tile_index, slot, slot_code_bytes, slot_scale_bytes, slots, barrier):
+    """Thread 0: one bulk copy of prepared weight codes and one of their scales, from 64 K tile `tile_index`
+    (counted over all experts' blocks) on, into `slots` consecutive slots of the shared storage's `codes`
+    and `scales` (of `slot_code_bytes` and `slot_scale_bytes` each) from slot `slot`, completing on
+    `barrier` (an address). Plain Python, run while the kernel is traced."""
+    dev.bulk_copy_to_shared(
+        storage.codes.data_ptr().toint() + slot * slot_code_bytes,
+        mCodes.iterator.toint() + tile_index * weight_layout.CODE_BYTES,
+        slots * slot_code_bytes,
+        barrier,
+    )
+    dev.bulk_copy_to_shared(
+        storage.scales.data_ptr().toint() + slot * slot_scale_bytes,
+        mScales.iterator.toint() + tile_index * weight_layout.SCALE_BYTES,
+        slots * slot_scale_bytes,
+        barrier,
+    )
+
+
 def staged_row_bytes(tile_rows: int) -> int:
     """Shared memory of the rows a producer stages for the consumers of tiles above
     `EARLY_ROWS_TILE_ROWS`: per row its pair, router weight and activation scale, for two items."""
@@ -503,9 +522,7 @@ class MoEGemmSm90:
         stream,
     ):
         tiled_mma = self.tiled_mma(self.tile_rows)
-        b_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, (weight_layout.ROW_BLOCK, self.tile_rows, self.tile_k), BFloat16, self.b_tiles
-        )
+        b_layout = self.b_tiles_layout()
 
         @cute.struct
         class SharedStorage:
@@ -522,9 +539,7 @@ class MoEGemmSm90:
             block_maxima: cute.struct.MemRange[Float32, self.exchange_floats]
             row_maxima: cute.struct.MemRange[Float32, self.row_maxima_floats]
 
-        fits = SM_SHARED_MEMORY_BYTES // self.ctas_per_sm - 1024
-        assert SharedStorage.size_in_bytes() <= fits, f"{SharedStorage.size_in_bytes()} bytes of shared memory"
-        self.shared_storage = SharedStorage
+        self.use_shared_storage(SharedStorage)
         self.kernel(
             mCodes, mScales, mAct, mPermutedToPair, mTileExpert, mAlpha, mRouterWeights, mRowScales, mOut, mAuxAmax,
             mOutputScale, mLiveTiles, mRouting, routing_offset, tiled_mma, b_layout,
@@ -537,6 +552,20 @@ class MoEGemmSm90:
             stream=stream,
             use_pdl=USE_PDL,
         )
+
+    def b_tiles_layout(self):
+        """The shared-memory layout of the B tiles (`b_tiles` of them: the stages', or the activation
+        panels'), K-major bf16 with the 128-byte swizzle. Plain Python, run while the kernel is traced."""
+        return sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (weight_layout.ROW_BLOCK, self.tile_rows, self.tile_k), BFloat16, self.b_tiles
+        )
+
+    def use_shared_storage(self, storage_type):
+        """The kernel's shared memory (`kernel` allocates it), checked to fit `ctas_per_sm` CTAs per SM.
+        Plain Python, run while the kernel is traced."""
+        fits = SM_SHARED_MEMORY_BYTES // self.ctas_per_sm - 1024
+        assert storage_type.size_in_bytes() <= fits, f"{storage_type.size_in_bytes()} bytes of shared memory"
+        self.shared_storage = storage_type
 
     def tiled_mma(self, rows: int):
         """The `wgmma` (RS, bf16 in, FP32 accumulate) of a 64-feature block against `rows` plan rows."""
@@ -923,18 +952,7 @@ class MoEGemmSm90:
         for g in cutlass.range_constexpr(self.cta_row_blocks):
             tile_index = self.weight_tile(first_block + g, k_first + k)
             smem_slot = stage * self.cta_row_blocks + g
-            dev.bulk_copy_to_shared(
-                storage.codes.data_ptr().toint() + smem_slot * self.code_bytes,
-                mCodes.iterator.toint() + tile_index * weight_layout.CODE_BYTES,
-                tiles * self.code_bytes,
-                barrier,
-            )
-            dev.bulk_copy_to_shared(
-                storage.scales.data_ptr().toint() + smem_slot * self.scale_bytes,
-                mScales.iterator.toint() + tile_index * weight_layout.SCALE_BYTES,
-                tiles * self.scale_bytes,
-                barrier,
-            )
+            copy_weight_tiles(mCodes, mScales, storage, tile_index, smem_slot, self.code_bytes, self.scale_bytes, tiles, barrier)
 
     @cute.jit
     def copy_k_tile(self, k, stage, k_first, mAct, copies):

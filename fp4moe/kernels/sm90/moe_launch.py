@@ -122,6 +122,21 @@ def _dynamic():
     return cute.sym_int()
 
 
+def rows_tensor(dtype, width: int):
+    """A fake compact `[rows, width]` tensor of a dynamic row count, 16-byte aligned."""
+    return make_fake_compact_tensor(dtype, (_dynamic(), width), stride_order=(1, 0), assumed_align=16)
+
+
+def prepared_weight_tensors(experts: int, rows: int, k: int):
+    """Fake codes and scales of experts' weights in the prepared layout (`weight_layout`): `[E, rows / 64,
+    k / 64, tile bytes]`, 16-byte aligned."""
+    tiles = (experts, rows // weight_layout.ROW_BLOCK, k // weight_layout.K_TILE)
+    return tuple(
+        make_fake_compact_tensor(cutlass.Uint8, (*tiles, tile_bytes), stride_order=(3, 2, 1, 0), assumed_align=16)
+        for tile_bytes in (weight_layout.CODE_BYTES, weight_layout.SCALE_BYTES)
+    )
+
+
 # ---------------------------------------------------------------------------------------------------
 # Plan
 # ---------------------------------------------------------------------------------------------------
@@ -339,13 +354,7 @@ def compile_gemm(
         per_token_numerator=per_token_numerator, warp_mma=warp_mma, fast_sigmoid=fast_sigmoid,
         prefetches_routed=prefetches_routed, tiles_per_copy=tiles_per_copy,
     )
-    tiles = (experts, rows // weight_layout.ROW_BLOCK, k // weight_layout.K_TILE)
-    codes = make_fake_compact_tensor(
-        cutlass.Uint8, (*tiles, weight_layout.CODE_BYTES), stride_order=(3, 2, 1, 0), assumed_align=16
-    )
-    scales = make_fake_compact_tensor(
-        cutlass.Uint8, (*tiles, weight_layout.SCALE_BYTES), stride_order=(3, 2, 1, 0), assumed_align=16
-    )
+    codes, scales = prepared_weight_tensors(experts, rows, k)
     act = make_fake_tensor(
         cutlass.BFloat16, (_dynamic(), act_k), stride=(cute.sym_int64(divisibility=8), 1), assumed_align=16
     )
@@ -539,10 +548,9 @@ def compile_decode(k: int, launch_order: str = "wait_first", clears: bool = Fals
     """The NVFP4 rows' decode; with `clears`, filling an FP32 `[M, k]` accumulator with -0 too."""
     codes = make_fake_compact_tensor(cutlass.Uint8, (_dynamic(), k // 2), stride_order=(1, 0), assumed_align=16)
     scales = make_fake_compact_tensor(cutlass.Uint8, (_dynamic(), k // 16), stride_order=(1, 0))
-    out = make_fake_compact_tensor(cutlass.BFloat16, (_dynamic(), k), stride_order=(1, 0), assumed_align=16)
-    cleared = make_fake_compact_tensor(cutlass.Float32, (_dynamic(), k), stride_order=(1, 0), assumed_align=16) if clears else None
+    cleared = rows_tensor(cutlass.Float32, k) if clears else None
     return compile_kernel(
-        NVFP4DecodeSm90(k, launch_order, clears), codes, scales, out, cleared,
+        NVFP4DecodeSm90(k, launch_order, clears), codes, scales, rows_tensor(cutlass.BFloat16, k), cleared,
         cache_key=("nvfp4_decode", k, launch_order, clears),
     )
 
@@ -753,14 +761,14 @@ OUT_TYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, t
 
 @compile_function
 def compile_finalize(mode: str, hidden: int, top_k: int, out_dtype: torch.dtype):
-    values = make_fake_compact_tensor(cutlass.Float32, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16)
+    values = rows_tensor(cutlass.Float32, hidden)
     pair_to_permuted = None if mode == "fused" else _i32(_dynamic())
     out_type = OUT_TYPES[out_dtype]
     if mode in ADDITIVE_MODES:  # the caller's `out`, whose rows may be strided (by multiples of 16 bytes)
         row_stride = cute.sym_int64(divisibility=16 // (out_type.width // 8))
         out = make_fake_tensor(out_type, (_dynamic(), hidden), stride=(row_stride, 1), assumed_align=16)
     else:
-        out = make_fake_compact_tensor(out_type, (_dynamic(), hidden), stride_order=(1, 0), assumed_align=16)
+        out = rows_tensor(out_type, hidden)
     return compile_kernel(
         MoEFinalizeSm90(mode, hidden, top_k, out_type), values, pair_to_permuted, out,
         cache_key=("moe_finalize", mode, hidden, top_k, out_dtype),
