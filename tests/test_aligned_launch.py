@@ -2,13 +2,14 @@
 marks exactly the rows the reference processes (`fp4moe.reference.aligned_moe`'s module docstring):
 rows of blocks that start below `num_tokens_post_padded` and name a local expert, holding a pair index
 in [0, T*k); its decode beside it fills the one-kernel path's accumulator with -0; and the block sizes
-it takes are those the GEMMs tile, and the calls that take the one-kernel path (no GPU needed)."""
+it takes are those the GEMMs tile, and the calls that take the one-kernel path and its grid (no GPU
+needed)."""
 
 import pytest
 import torch
 
 from fp4moe.kernels.sm90 import aligned_launch
-from fp4moe.kernels.sm90.aligned_launch import aligned_plan, fuses_gemms, gemms_tile
+from fp4moe.kernels.sm90.aligned_launch import aligned_plan, fused_grid, fuses_gemms, gemms_tile
 from tests.hopper import runs_the_sm90_kernels
 
 
@@ -95,11 +96,26 @@ def test_the_block_sizes_it_accepts_are_those_the_gemms_take():
         assert gemms_tile(block_m) == built, block_m
 
 
-def test_the_one_kernel_path_takes_decode_calls_of_8_row_blocks(monkeypatch):
-    """Off by default (`FUSED_MAX_TOKENS` = 0); turned on, it takes plans of 8-row blocks (its tile) up to
-    that many tokens, and leaves every other call to the composition."""
-    assert aligned_launch.FUSED_MAX_TOKENS == 0
-    assert not any(fuses_gemms(tokens, 8) for tokens in (1, 2, 64))
+def test_the_one_kernel_path_takes_one_token_of_8_row_blocks_and_small_intermediates(monkeypatch):
+    """One token (`FUSED_MAX_TOKENS`), plans of 8-row blocks (its tile), intermediate sizes up to
+    `FUSED_MAX_INTERMEDIATE`, every pair expected on this rank; every other call takes the composition."""
+    assert (aligned_launch.FUSED_MAX_TOKENS, aligned_launch.FUSED_MAX_INTERMEDIATE) == (1, 1024)
+    assert fuses_gemms(1, 8, 512, True) and fuses_gemms(1, 8, 1024, True)
+    assert not fuses_gemms(2, 8, 512, True) and not fuses_gemms(1, 16, 512, True)
+    assert not fuses_gemms(1, 8, 1152, True) and not fuses_gemms(1, 8, 512, False)
     monkeypatch.setattr(aligned_launch, "FUSED_MAX_TOKENS", 16)
-    assert fuses_gemms(1, 8) and fuses_gemms(16, 8)
-    assert not fuses_gemms(17, 8) and not fuses_gemms(1, 16) and not fuses_gemms(1, 64)
+    assert fuses_gemms(16, 8, 512, True) and not fuses_gemms(17, 8, 512, True)
+
+
+@pytest.mark.parametrize(
+    ("pairs", "blocks", "intermediate", "grid"),
+    [
+        (8, 225, 512, (64, 1)),  # GLM at T = 1: 8 live blocks at most, 8 slices each: 128 CTAs, one per SM
+        (8, 225, 1024, (132, 2)),  # 256 busy CTAs: one cluster per SM, two CTAs per SM
+        (2, 3, 256, (8, 1)),  # fewer blocks than pairs would bound it: here pairs do
+        (16, 2, 256, (8, 1)),  # and here blocks do
+        (9, 225, 512, (132, 2)),  # 144 CTAs: more than the SMs
+    ],
+)
+def test_the_one_kernel_grid_gives_busy_ctas_an_sm_each_where_they_fit(pairs, blocks, intermediate, grid):
+    assert fused_grid(pairs, blocks, intermediate, 132) == grid

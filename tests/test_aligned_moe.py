@@ -324,16 +324,16 @@ def test_row_strided_views(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_one_row_out_of_any_row_stride_is_accepted(device):
     """One row has no row stride: a transposed column's is 1 (torch calls it contiguous, and `.contiguous()`
-    keeps it), and the result is the dense row's."""
+    keeps it), and the result is the loop reference's. (On Hopper this call takes the one-kernel decode
+    path, whose atomic sum may differ from run to run in the last bit: compared to the reference's bound,
+    not bitwise to a dense row.)"""
     problem, topk_ids, out = make_problem(1, 2, 4, 256, 256, seed=12, device=device)
-    plan = plan_for(topk_ids, 8, 4)
-    dense_out = out.clone()
-    run_aligned_moe(problem, plan, dense_out, 8)
     column_out = torch.empty(out.shape[1], 1, dtype=out.dtype, device=device).t()
     column_out.copy_(out)
     assert column_out.stride() == (1, 1) and column_out.contiguous().stride() == (1, 1)
-    run_aligned_moe(problem, plan, column_out, 8)
-    assert_bitwise_equal(column_out, dense_out, "a one-row out of row stride 1")
+    run_aligned_moe(problem, plan_for(topk_ids, 8, 4), column_out, 8)
+    expected, magnitude = loop_reference(problem, topk_ids, out)
+    assert_matches_reference(column_out, expected, magnitude, 128, 2)
 
 
 @pytest.mark.parametrize("device", DEVICES)

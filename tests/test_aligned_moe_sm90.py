@@ -123,8 +123,9 @@ def test_a_block_size_the_gemms_do_not_tile_raises_before_writing(block_m):
 # ---------------------------------------------------------------------------------------------------
 @pytest.fixture
 def one_kernel(monkeypatch):
-    """`aligned_moe_` with its one-kernel decode path on (`aligned_launch.FUSED_MAX_TOKENS`) for calls
-    recorded afresh; yields the configurations of the path's kernel each call compiled or looked up."""
+    """`aligned_moe_` with its one-kernel decode path on for calls of up to 64 tokens and any intermediate
+    size (`aligned_launch.FUSED_MAX_TOKENS`, `FUSED_MAX_INTERMEDIATE`), recorded afresh; yields the
+    configurations of the path's kernel each call compiled or looked up."""
     from fp4moe.kernels import host_launcher
 
     compiled = []
@@ -137,6 +138,7 @@ def one_kernel(monkeypatch):
     torch.cuda.synchronize()
     host_launcher.forget_recorded_calls()
     monkeypatch.setattr(aligned_launch, "FUSED_MAX_TOKENS", 64)
+    monkeypatch.setattr(aligned_launch, "FUSED_MAX_INTERMEDIATE", 1 << 20)
     monkeypatch.setattr(aligned_launch, "compile_aligned_fused", noted)
     yield compiled
     torch.cuda.synchronize()
@@ -159,8 +161,11 @@ def test_the_one_kernel_path_matches_the_loop_reference(one_kernel, tokens, top_
         tokens, top_k, experts, k, n, seed=k + n + tokens, global_experts=global_experts, dropped=dropped, device="cuda"
     )
     seed_out = out.clone()
-    run_aligned_moe(problem, plan_for(topk_ids, 8, experts, offset), out, 8)
-    assert one_kernel == [(experts, k, n // 2, top_k, torch.cuda.get_device_properties(0).multi_processor_count)]
+    plan = plan_for(topk_ids, 8, experts, offset)
+    run_aligned_moe(problem, plan, out, 8)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    grid = aligned_launch.fused_grid(tokens * top_k, plan["expert_ids"].numel(), n // 2, sms)
+    assert one_kernel == [(experts, k, n // 2, top_k, *grid)]
     expected, magnitude = loop_reference(problem, topk_ids, seed_out, offset)
     assert_matches_reference(out, expected, magnitude, n // 2, top_k)
 

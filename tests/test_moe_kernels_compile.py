@@ -298,9 +298,10 @@ FINALIZE_VARIANTS = [
     ("fused", 7168, 8, "bfloat16"), ("deterministic", 2048, 6, "float32"), ("additive", 6144, 8, "bfloat16"),
     ("additive_summed", 6144, 8, "bfloat16"),
 ]
-# The aligned MoE's one-kernel decode path (`aligned_fused`): (experts, hidden, intermediate, top_k, clusters)
-# at GLM's shape and at the contract's smallest (one stage of `w2` per item).
-ALIGNED_FUSED_VARIANTS = [(256, 6144, 512, 8, 132), (4, 256, 128, 2, 132)]
+# The aligned MoE's one-kernel decode path (`aligned_fused`): (experts, hidden, intermediate, top_k, clusters,
+# CTAs per SM) at GLM's shape, as one token takes it and with two CTAs per SM, and at the contract's smallest
+# (one stage of `w2` per item).
+ALIGNED_FUSED_VARIANTS = [(256, 6144, 512, 8, 64, 1), (256, 6144, 512, 8, 132, 2), (4, 256, 128, 2, 132, 2)]
 
 _COMPILE_SCRIPT = textwrap.dedent(
     """

@@ -63,14 +63,18 @@ PEER_BYTES = SLICE_BYTES // CLUSTER_CTAS
 class AlignedFusedSm90(MoEGemmSm90):
     """The module docstring's kernel: `MoEGemmSm90` configured as the decode GEMM1 (64-feature CTAs of
     one consumer warpgroup, 8-row tiles, per-warp `mma.sync`, NVFP4 epilogue with global scale 1, the up
-    half's own alpha), two CTAs per SM, with GEMM2 chained after each item."""
+    half's own alpha), `ctas_per_sm` CTAs per SM (`aligned_launch.fused_grid` chooses), with GEMM2 chained
+    after each item."""
 
-    def __init__(self, *, num_experts: int, hidden: int, intermediate: int, top_k: int, stages: int, max_clusters: int):
+    def __init__(
+        self, *, num_experts: int, hidden: int, intermediate: int, top_k: int, stages: int, max_clusters: int,
+        ctas_per_sm: int,
+    ):
         assert hidden % (CLUSTER_CTAS * 2 * weight_layout.ROW_BLOCK) == 0 and intermediate % SLICE_FEATURES == 0
         super().__init__(
             epilogue="gemm1", num_experts=num_experts, prepared_rows=2 * intermediate, prepared_k=hidden,
             act_k=hidden, out_features=intermediate, tile_features=weight_layout.ROW_BLOCK, tile_rows=TILE_ROWS,
-            row_granule=TILE_ROWS, tile_k=128, stages=stages, ctas_per_sm=2, max_ctas=CLUSTER_CTAS * max_clusters,
+            row_granule=TILE_ROWS, tile_k=128, stages=stages, ctas_per_sm=ctas_per_sm, max_ctas=CLUSTER_CTAS * max_clusters,
             top_k=top_k, nvfp4_out=True, up_alpha=True, warp_mma=True,
         )
         assert self.k64_per_tile == 2 and self.cta_row_blocks == 1

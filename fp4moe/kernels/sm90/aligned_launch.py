@@ -27,10 +27,11 @@ The intermediate and the per-pair rows go through device memory: this is the unf
 the baseline a one-kernel aligned MoE is measured against.
 
 The one-kernel decode path (`aligned_fused`: both GEMMs in one launch, the intermediate in shared
-memory, an atomic FP32 sum) replaces steps 3-5 where `fuses_gemms` says so: the decode also fills the
-accumulator with -0, and the additive finalize adds it to `out` (four launches in all). It passes its GPU
-tests but is off (`FUSED_MAX_TOKENS = 0`): in an A/B against this composition it lost at T = 1 on GLM and
-the EP shard, while it won on Qwen3-30B-A3B (runs log, fifty-third session).
+memory, an atomic FP32 sum) replaces steps 3-5 where `fuses_gemms` says so (one token, 8-row blocks,
+intermediate size up to 1024, no expert-parallel hint of a shard): the decode also fills the accumulator
+with -0, and the additive finalize adds it to `out` (four launches in all). There the sum over a token's
+pairs and slices is atomic, so results may differ in the last bit from run to run; everywhere else the
+op is deterministic.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor
 
 from fp4moe import weight_layout
 from fp4moe.dispatch import expected_local_pairs
-from fp4moe.kernels.sm90.aligned_fused import TILE_ROWS, AlignedFusedSm90
+from fp4moe.kernels.sm90.aligned_fused import CLUSTER_CTAS, SLICE_FEATURES, TILE_ROWS, AlignedFusedSm90
 from fp4moe.kernels.sm90.aligned_plan import AlignedPlanSm90
 from fp4moe.kernels.sm90 import moe_launch
 from fp4moe.kernels.sm90.compiler import compile_function, compile_kernel
@@ -109,27 +110,48 @@ def aligned_plan(
     return tile_expert, pair_to_row, gate_up_scales, factors, live_tiles
 
 
-FUSED_MAX_TOKENS = 0
-"""`aligned_moe_` calls of at most this many tokens (and `block_m` 8) take the one-kernel decode path
-(`fuses_gemms`); 0: none. Its A/B against the composition asked 1.03x on every harness shape from T = 1:
-it lost at T = 1 on GLM (0.93x) and the EP shard (0.87x), so none (runs log)."""
+FUSED_MAX_TOKENS = 1
+FUSED_MAX_INTERMEDIATE = 1024
+"""`aligned_moe_` calls of at most `FUSED_MAX_TOKENS` tokens, intermediate size at most
+`FUSED_MAX_INTERMEDIATE`, 8-row blocks and every pair expected on this rank take the one-kernel decode path
+(`fuses_gemms`). Its A/Bs against the composition (runs log, fifty-third and fifty-fourth sessions) asked
+1.03x on every harness shape it covers: at T = 1 it is 1.07-1.12x on Qwen3-30B-A3B (I = 768) and GLM
+(I = 512), 0.87x on DeepSeek-V3's expert-parallel shard and 1.01x on DeepSeek-V3 (I = 2048: 32 items per
+block, two waves of CTAs); at T = 2 it is 1.00-1.03x on the small-I shapes. An expert-parallel rank at decode has a pair or
+two: their items leave most SMs idle, where the composition's GEMM2 spreads `w2` over all of them."""
 
 
-def fuses_gemms(num_tokens: int, block_m: int) -> bool:
-    """Whether `aligned_moe_` runs both GEMMs in one launch (`aligned_fused`): plans of 8-row blocks at
-    decode (`FUSED_MAX_TOKENS`). Every shape of the contract (K and N multiples of 256) fits the kernel's
-    slices and its halves of `w2`."""
-    return block_m == TILE_ROWS and num_tokens <= FUSED_MAX_TOKENS
+def fuses_gemms(num_tokens: int, block_m: int, intermediate: int, all_pairs_local: bool) -> bool:
+    """Whether `aligned_moe_` runs both GEMMs in one launch (`aligned_fused`; `FUSED_MAX_TOKENS`). Every
+    shape of the contract (K and N multiples of 256) fits the kernel's slices and its halves of `w2`."""
+    return (
+        block_m == TILE_ROWS and num_tokens <= FUSED_MAX_TOKENS and intermediate <= FUSED_MAX_INTERMEDIATE
+        and all_pairs_local
+    )
+
+
+def fused_grid(num_pairs: int, blocks: int, intermediate: int, sms: int) -> tuple[int, int]:
+    """(clusters, CTAs per SM) of the one-kernel path. At most `min(pairs, blocks)` blocks are live (a
+    live block holds a pair), so its busy clusters are at most that many times the slices: where their
+    CTAs fit one per SM, the grid is those clusters, one CTA per SM (two per SM would let the scheduler
+    put both CTAs of a cluster, or two busy CTAs, on one SM while others idle: GLM at T = 1 took 12%
+    longer); otherwise one cluster per SM, two CTAs per SM."""
+    busy = min(num_pairs, blocks) * (intermediate // SLICE_FEATURES)
+    if CLUSTER_CTAS * busy <= sms:
+        return busy, 1
+    return sms, 2
 
 
 @compile_function
-def compile_aligned_fused(num_experts: int, hidden: int, intermediate: int, top_k: int, max_clusters: int):
-    """The one-kernel decode path's kernel (`AlignedFusedSm90`), with as many pipeline stages as two CTAs
-    per SM hold."""
-    stages = pipeline_stages(weight_layout.ROW_BLOCK, TILE_ROWS, 128, 2)
+def compile_aligned_fused(
+    num_experts: int, hidden: int, intermediate: int, top_k: int, max_clusters: int, ctas_per_sm: int
+):
+    """The one-kernel decode path's kernel (`AlignedFusedSm90`), with as many pipeline stages as
+    `ctas_per_sm` CTAs per SM hold."""
+    stages = pipeline_stages(weight_layout.ROW_BLOCK, TILE_ROWS, 128, ctas_per_sm)
     kernel = AlignedFusedSm90(
         num_experts=num_experts, hidden=hidden, intermediate=intermediate, top_k=top_k, stages=stages,
-        max_clusters=max_clusters,
+        max_clusters=max_clusters, ctas_per_sm=ctas_per_sm,
     )
 
     return compile_kernel(
@@ -139,7 +161,7 @@ def compile_aligned_fused(num_experts: int, hidden: int, intermediate: int, top_
         rows_tensor(cutlass.BFloat16, hidden), _i32(_dynamic()), _i32(_dynamic()), _i32(_dynamic()),
         _f32(2 * num_experts), _f32(num_experts), _f32(_dynamic()), rows_tensor(cutlass.Float32, hidden), _f32(1),
         _f32(1), _i32(1),
-        cache_key=("aligned_fused", num_experts, hidden, intermediate, top_k, stages, max_clusters),
+        cache_key=("aligned_fused", num_experts, hidden, intermediate, top_k, stages, max_clusters, ctas_per_sm),
     )
 
 
@@ -151,7 +173,8 @@ def aligned_moe_(
     """The reference's contract (`fp4moe.reference.aligned_moe.aligned_moe_`), arguments validated. Both
     GEMMs size their tiles for the pairs this rank expects (`dispatch.expected_local_pairs`: all `T·k`
     without `global_num_experts`) and are compiled `tiling_invariant`, so the hint never changes a bit
-    of `out`; the one-kernel decode path (`fuses_gemms`) does not read it."""
+    of the composition's `out`; a hint of fewer pairs than `T·k` keeps a one-token call off the one-kernel
+    decode path (`fuses_gemms`)."""
     num_tokens, top_k = topk_weights.shape
     if num_tokens == 0 or expert_ids.numel() == 0:
         return
@@ -167,7 +190,8 @@ def aligned_moe_(
     expected_pairs = expected_local_pairs(num_tokens, top_k, scale_gate.shape[0], global_num_experts)
     permuted_to_pair = standard_strides(sorted_token_ids)
     codes, scales, a = decode_operands(hidden, hidden_scales)
-    fused = fuses_gemms(num_tokens, block_m)
+    intermediate_size = w1.shape[1] * ROW_BLOCK // 2
+    fused = fuses_gemms(num_tokens, block_m, intermediate_size, expected_pairs == num_pairs)
     accumulator = a.new_empty((num_tokens, hidden_size), dtype=torch.float32) if fused else None
     tile_expert, pair_to_row, gate_up_scales, factors, live_tiles = aligned_plan(
         permuted_to_pair, expert_ids, num_tokens_post_padded, scale_gate, scale_up, routed_scaling_factor, block_m,
@@ -178,10 +202,10 @@ def aligned_moe_(
     if out.shape[0] == 1:  # its row stride may be anything (`validation._check_row_major`): the finalize's is H
         out = out.as_strided(out.shape, (hidden_size, 1))
     if fused:
-        intermediate_size = w1.shape[1] * ROW_BLOCK // 2
-        compile_aligned_fused(
-            scale_gate.shape[0], hidden_size, intermediate_size, top_k, moe_launch.sm_count(w1.device.index)
-        )(
+        clusters, ctas_per_sm = fused_grid(
+            num_pairs, expert_ids.numel(), intermediate_size, moe_launch.sm_count(w1.device.index)
+        )
+        compile_aligned_fused(scale_gate.shape[0], hidden_size, intermediate_size, top_k, clusters, ctas_per_sm)(
             standard_strides(w1), standard_strides(w1_scales), standard_strides(w2), standard_strides(w2_scales), a,
             permuted_to_pair, tile_expert, pair_to_row, gate_up_scales, standard_strides(scale_down),
             standard_strides(topk_weights.reshape(-1)), accumulator, factors[:1], factors[1:], live_tiles,
@@ -189,7 +213,6 @@ def aligned_moe_(
         compile_finalize("additive_summed", hidden_size, top_k, out.dtype)(accumulator, pair_to_row, out)
         return
     shape1 = plan_gemm_shape(w1, permuted_to_pair, tile_expert, expected_pairs)
-    intermediate_size = shape1.prepared_rows // 2
     intermediate = a.new_empty((permuted_to_pair.shape[0], intermediate_size), dtype=torch.bfloat16)
     gemm1 = compile_gemm(
         "gemm1", shape1.key(), a.shape[1], intermediate_size, top_k, "swiglu", (None, None, None), False,
