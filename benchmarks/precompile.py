@@ -27,6 +27,7 @@ from benchmarks.moe_implementations import REGISTRY, aligned_block_m
 from fp4moe import dispatch, pipeline, weight_layout
 from fp4moe.kernels.sm90 import aligned_launch, compiler, moe_launch, quantize_launch, routing_launch
 from fp4moe.op_outputs import align_block_size_outputs
+from fp4moe.validation import ALIGNED_MOE_DIM_MULTIPLE
 
 DEFAULT_TOKENS = [2**i for i in range(13)]
 LAUNCH_MODULES = (moe_launch, quantize_launch, aligned_launch, routing_launch)
@@ -80,10 +81,19 @@ def compile_routing(shape: MoEShape) -> None:
         routing_launch.route_softmax_topk(logits, shape.top_k, True)
 
 
+def aligned_moe_takes(shape: MoEShape) -> bool:
+    """Whether `aligned_moe_` takes the shape's sizes (`validation.check_aligned_moe`: K = H and N = 2I
+    positive multiples of `ALIGNED_MOE_DIM_MULTIPLE`); `compile_cell` calls the sm90 op past its checks."""
+    return all(size > 0 and size % ALIGNED_MOE_DIM_MULTIPLE == 0 for size in (shape.hidden_size, 2 * shape.intermediate_size))
+
+
 def compile_cell(shape: MoEShape, tokens: int, implementation: str) -> None:
-    """Run one cell's fp4moe call on meta tensors (inside `compile_without_launching`)."""
+    """Run one cell's fp4moe call on meta tensors (inside `compile_without_launching`); an aligned MoE
+    cell of sizes the op refuses raises `ValueError`, as the op would."""
     expected = REGISTRY[implementation].expected
     experts, top_k, hidden = shape.local_experts, shape.top_k, shape.hidden_size
+    if expected == ALIGNED_MOE and not aligned_moe_takes(shape):
+        raise ValueError(f"aligned_moe_ takes H and 2I multiples of {ALIGNED_MOE_DIM_MULTIPLE}: {shape.name}")
     w1, w1_scales, w2, w2_scales = _prepared_weights(shape)
     topk_ids = _empty((tokens, top_k), torch.int32)
     topk_weights = _empty((tokens, top_k), torch.float32)

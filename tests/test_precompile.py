@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import fp4moe
 from benchmarks import precompile
 from benchmarks.moe_cases import SHAPES, MoEShape
@@ -41,7 +43,8 @@ def test_the_sm90_host_path_of_every_cell_runs_at_ragged_and_boundary_token_coun
     one of a single local expert; one expert; top-k of every expert; H = 16384), each
     fp4moe implementation, at T = 0, around the aux-amax bound and at ragged token counts: host-side
     errors that only a GPU run would otherwise meet (per-token W4A4 at T = 0 once divided by zero in the
-    fused GEMM2's tiling)."""
+    fused GEMM2's tiling). The aligned MoE's cells run where the op takes the sizes (`aligned_moe_takes`),
+    and are refused elsewhere."""
     ragged = [
         MoEShape("ragged", 10, 2, 272, 80, "softmax"),
         MoEShape("top1", 33, 1, 2064, 336, "softmax"),
@@ -56,11 +59,16 @@ def test_the_sm90_host_path_of_every_cell_runs_at_ragged_and_boundary_token_coun
         for shape in [*SHAPES.values(), *ragged]:
             for tokens in (0, 1, 2, 3, 4, 5, 17, 100, 1000, 4099):
                 for implementation in precompile.FP4MOE_IMPLEMENTATIONS:
+                    if implementation == "aligned_moe" and not precompile.aligned_moe_takes(shape):
+                        with pytest.raises(ValueError, match="aligned_moe_ takes H and 2I multiples of 256"):
+                            precompile.compile_cell(shape, tokens, implementation)
+                        continue
                     try:
                         precompile.compile_cell(shape, tokens, implementation)
                     except Exception as error:
                         failures.append(f"{shape.name} T={tokens} {implementation}: {type(error).__name__}: {error}")
     assert not failures, "\n".join(failures)
+    assert sum(precompile.aligned_moe_takes(shape) for shape in ragged) == 2  # one_local, wide
 
 
 def test_gemm1_prefetches_from_the_routing_in_decode_calls_only(monkeypatch):
