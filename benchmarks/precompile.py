@@ -84,7 +84,8 @@ def compile_routing(shape: MoEShape) -> None:
 def aligned_moe_takes(shape: MoEShape) -> bool:
     """Whether `aligned_moe_` takes the shape's sizes (`validation.check_aligned_moe`: K = H and N = 2I
     positive multiples of `ALIGNED_MOE_DIM_MULTIPLE`); `compile_cell` calls the sm90 op past its checks."""
-    return all(size > 0 and size % ALIGNED_MOE_DIM_MULTIPLE == 0 for size in (shape.hidden_size, 2 * shape.intermediate_size))
+    sizes = (shape.hidden_size, 2 * shape.intermediate_size)
+    return all(size > 0 and size % ALIGNED_MOE_DIM_MULTIPLE == 0 for size in sizes)
 
 
 def compile_cell(shape: MoEShape, tokens: int, implementation: str) -> None:

@@ -74,7 +74,8 @@ class AlignedFusedSm90(MoEGemmSm90):
         super().__init__(
             epilogue="gemm1", num_experts=num_experts, prepared_rows=2 * intermediate, prepared_k=hidden,
             act_k=hidden, out_features=intermediate, tile_features=weight_layout.ROW_BLOCK, tile_rows=TILE_ROWS,
-            row_granule=TILE_ROWS, tile_k=128, stages=stages, ctas_per_sm=ctas_per_sm, max_ctas=CLUSTER_CTAS * max_clusters,
+            row_granule=TILE_ROWS, tile_k=128, stages=stages, ctas_per_sm=ctas_per_sm,
+            max_ctas=CLUSTER_CTAS * max_clusters,
             top_k=top_k, nvfp4_out=True, up_alpha=True, warp_mma=True,
         )
         assert self.k64_per_tile == 2 and self.cta_row_blocks == 1

@@ -117,8 +117,9 @@ FUSED_MAX_INTERMEDIATE = 1024
 (`fuses_gemms`). Its A/Bs against the composition (runs log, fifty-third and fifty-fourth sessions) asked
 1.03x on every harness shape it covers: at T = 1 it is 1.07-1.12x on Qwen3-30B-A3B (I = 768) and GLM
 (I = 512), 0.87x on DeepSeek-V3's expert-parallel shard and 1.01x on DeepSeek-V3 (I = 2048: 32 items per
-block, two waves of CTAs); at T = 2 it is 1.00-1.03x on the small-I shapes. An expert-parallel rank at decode has a pair or
-two: their items leave most SMs idle, where the composition's GEMM2 spreads `w2` over all of them."""
+block, two waves of CTAs); at T = 2 it is 1.00-1.03x on the small-I shapes. An expert-parallel rank at
+decode has a pair or two: their items leave most SMs idle, where the composition's GEMM2 spreads `w2`
+over all of them."""
 
 
 def fuses_gemms(num_tokens: int, block_m: int, intermediate: int, all_pairs_local: bool) -> bool:
@@ -132,10 +133,10 @@ def fuses_gemms(num_tokens: int, block_m: int, intermediate: int, all_pairs_loca
 
 def fused_grid(num_pairs: int, blocks: int, intermediate: int, sms: int) -> tuple[int, int]:
     """(clusters, CTAs per SM) of the one-kernel path. At most `min(pairs, blocks)` blocks are live (a
-    live block holds a pair), so its busy clusters are at most that many times the slices: where their
-    CTAs fit one per SM, the grid is those clusters, one CTA per SM (two per SM would let the scheduler
-    put both CTAs of a cluster, or two busy CTAs, on one SM while others idle: GLM at T = 1 took 12%
-    longer); otherwise one cluster per SM, two CTAs per SM."""
+    live block holds a pair; a plan that breaks this is still computed right, the clusters stride over
+    the items), so its busy clusters are at most that many times the slices: where their CTAs fit one per
+    SM, the grid is those clusters, one CTA per SM (with two per SM allowed, busy CTAs share SMs while
+    others idle: GLM at T = 1 took 18% longer); otherwise one cluster per SM, two CTAs per SM."""
     busy = min(num_pairs, blocks) * (intermediate // SLICE_FEATURES)
     if CLUSTER_CTAS * busy <= sms:
         return busy, 1
