@@ -27,7 +27,7 @@ from benchmarks.moe_implementations import REGISTRY, aligned_block_m
 from fp4moe import dispatch, pipeline, weight_layout
 from fp4moe.kernels.sm90 import aligned_launch, compiler, moe_launch, quantize_launch, routing_launch
 from fp4moe.op_outputs import align_block_size_outputs
-from fp4moe.validation import ALIGNED_MOE_DIM_MULTIPLE
+from fp4moe.validation import ALIGNED_MOE_DIM_MULTIPLE, aligned_moe_takes_size
 
 DEFAULT_TOKENS = [2**i for i in range(13)]
 LAUNCH_MODULES = (moe_launch, quantize_launch, aligned_launch, routing_launch)
@@ -82,10 +82,9 @@ def compile_routing(shape: MoEShape) -> None:
 
 
 def aligned_moe_takes(shape: MoEShape) -> bool:
-    """Whether `aligned_moe_` takes the shape's sizes (`validation.check_aligned_moe`: K = H and N = 2I
-    positive multiples of `ALIGNED_MOE_DIM_MULTIPLE`); `compile_cell` calls the sm90 op past its checks."""
-    sizes = (shape.hidden_size, 2 * shape.intermediate_size)
-    return all(size > 0 and size % ALIGNED_MOE_DIM_MULTIPLE == 0 for size in sizes)
+    """Whether `aligned_moe_` takes the shape's K = H and N = 2I (`validation.aligned_moe_takes_size`);
+    `compile_cell` calls the sm90 op past its checks."""
+    return aligned_moe_takes_size(shape.hidden_size) and aligned_moe_takes_size(2 * shape.intermediate_size)
 
 
 def compile_cell(shape: MoEShape, tokens: int, implementation: str) -> None:

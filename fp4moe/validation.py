@@ -301,6 +301,11 @@ ALIGNED_MOE_ROW_STRIDED = ("out", "hidden", "hidden_scales")
 """Per-token operands that may be row-strided views; every other tensor argument is dense."""
 
 
+def aligned_moe_takes_size(size: int) -> bool:
+    """Whether `aligned_moe_` takes `size` as its K or N: a positive multiple of `ALIGNED_MOE_DIM_MULTIPLE`."""
+    return size >= ALIGNED_MOE_DIM_MULTIPLE and size % ALIGNED_MOE_DIM_MULTIPLE == 0
+
+
 def route_plan_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Static length of `sorted_token_ids` for `num_pairs = T*k` routed pairs and `num_experts` local
     experts: the worst case `T*k + E*(block_m - 1)` of semantics §5.1 (every expert ends in a partial block)
@@ -402,7 +407,7 @@ def check_aligned_moe(
 
     check_dim("hidden", hidden, 2)
     rows, k = hidden.shape[0], hidden.shape[1] * 2
-    if k < ALIGNED_MOE_DIM_MULTIPLE or k % ALIGNED_MOE_DIM_MULTIPLE != 0:
+    if not aligned_moe_takes_size(k):
         raise ValueError(f"hidden.shape[1] * 2 (K = {k}) must be a positive multiple of {ALIGNED_MOE_DIM_MULTIPLE}")
     if weight_layout == LINEAR:
         check_dim("w1", w1, 3)
@@ -411,7 +416,7 @@ def check_aligned_moe(
             raise ValueError(f"w1 must hold at least one expert (E >= 1), got {tuple(w1.shape)}")
     else:
         experts, n, w1_k = check_prepared_weights("w1", w1, w1_scales, scale_gate, "hidden", hidden, "scale_gate")
-    if n < ALIGNED_MOE_DIM_MULTIPLE or n % ALIGNED_MOE_DIM_MULTIPLE != 0:
+    if not aligned_moe_takes_size(n):
         raise ValueError(f"w1's rows (N = 2I = {n}) must be a positive multiple of {ALIGNED_MOE_DIM_MULTIPLE}")
     check_shape("hidden_scales", hidden_scales, (rows, k // BLOCK_SIZE))
     if weight_layout == LINEAR:
