@@ -31,6 +31,9 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
   either: CTAs of 64 features copy the weights of one, two or four k tiles in one bulk copy each of codes
   and scales (`GroupedWeightCopies`, the kernels' own grouped copies, whose default is
   `moe_gemm.WEIGHT_COPY_K_TILES`): whether the number of copies limits such a CTA's weight stream.
+  `thread_weight_copies` is no removal either: every producer thread copies its share of each k tile's
+  weights in 16-byte `cp.async`s instead of thread 0's bulk copies (`ThreadWeightCopies`): whether the
+  copy engine's bulk copies pace a decode CTA's weight stream.
 - `gemm1_k_splits_2`, `gemm1_k_splits_4`, `gemm1_k_splits_7` (chosen with `--variants`) run GEMM1 in that
   many slices of K, each slice's items their own CTAs, with no reduction of the slices (garbage results):
   how much faster GEMM1's k loops run where its items would leave SMs or CTA slots idle.
@@ -84,7 +87,7 @@ from benchmarks.moe_cases import SHAPES, MoEProblem
 from benchmarks.moe_implementations import REGISTRY
 from benchmarks.sm90_gemm_sweep import DEEPSEEK_V3, gemm_configurations, hopper_weights, routed_tokens
 from benchmarks.timing import L2_FLUSHES, PreparedCall, time_interleaved
-from fp4moe import provenance
+from fp4moe import provenance, weight_layout
 from fp4moe.kernels import host_launcher
 from fp4moe.kernels.sm90 import gemm_device as dev
 from fp4moe.kernels.sm90 import moe_launch
@@ -364,6 +367,47 @@ class GroupedWeightCopies4(GroupedWeightCopies):
     group = 4
 
 
+class ThreadWeightCopies(MoEGemmSm90):
+    """No removal: every producer thread copies its share of each k tile's weight codes and scales in
+    16-byte `cp.async`s, which its arrival on the stage's `full` already covers, and thread 0 arrives there
+    without expecting bytes, instead of thread 0's two bulk copies (`cp.async.bulk`) per block and k tile;
+    one k tile a stage at a time. A producer that quantizes its rows (warp 0 copies the weights alone) keeps
+    its bulk copies. Whether the copy engine's bulk copies pace a decode CTA's weight stream: a 64-feature
+    CTA streams 17-18 GB/s whatever its stages or the number of its copies."""
+
+    def __init__(self, **options):
+        MoEGemmSm90.__init__(self, **options)
+        self.tiles_per_copy = 1
+
+    @cute.jit
+    def load_k_tile(self, k, stage, phase, full, empty, weights, mAct=None, copies=None):
+        cute.arch.mbarrier_wait(empty + stage, phase ^ 1)
+        if const_expr(copies is None):
+            if cute.arch.thread_idx()[0] == 0:
+                self.copy_weights(k, stage, full, weights)
+        else:
+            if cute.arch.thread_idx()[0] == 0:
+                cute.arch.mbarrier_arrive(full + stage)
+            mCodes, mScales, storage, first_block, k_first = weights
+            thread = cute.arch.thread_idx()[0]
+            for g in cutlass.range_constexpr(self.cta_row_blocks):
+                tile_index = Int64(self.weight_tile(first_block + g, k_first + k))
+                slot = stage * self.cta_row_blocks + g
+                for source, target, num_bytes in (
+                    (mCodes.iterator.toint() + tile_index * weight_layout.CODE_BYTES,
+                     storage.codes.data_ptr().toint() + slot * self.code_bytes, self.code_bytes),
+                    (mScales.iterator.toint() + tile_index * weight_layout.SCALE_BYTES,
+                     storage.scales.data_ptr().toint() + slot * self.scale_bytes, self.scale_bytes),
+                ):
+                    chunks = num_bytes // 16
+                    for i in cutlass.range_constexpr((chunks + WARPGROUP_THREADS - 1) // WARPGROUP_THREADS):
+                        chunk = thread + i * WARPGROUP_THREADS
+                        dev.copy_16_bytes_async(
+                            target + chunk * 16, source + Int64(chunk) * 16, Int32(16), Int32(chunk < chunks)
+                        )
+            self.copy_k_tile(k, stage, k_first, mAct, copies)
+
+
 @dsl_user_op
 def atomic_add_u32(gmem_address, value, ordered=False, *, loc=None, ip=None) -> Int32:
     """`atom.global.add.u32`: adds `value` at `gmem_address`, returns the value before; `ordered`:
@@ -565,6 +609,7 @@ VARIANTS = {
     "no_activation_copies": NoActivationCopies, "skeleton": Skeleton, "gemm1_k_splits_2": Gemm1KSplits,
     "gemm1_k_splits_4": Gemm1KSplits4, "spinning_waits": SpinningWaits, "grouped_copies_2": GroupedWeightCopies,
     "grouped_copies_1": GroupedWeightCopies1, "grouped_copies_4": GroupedWeightCopies4, "dynamic_k_chunks": DynamicKChunks,
+    "thread_weight_copies": ThreadWeightCopies,
     "gemm1_k_splits_7": Gemm1KSplits7,
 }
 CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]

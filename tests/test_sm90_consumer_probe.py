@@ -212,6 +212,24 @@ def test_grouped_copies_expect_a_group_of_k_tiles_on_one_barrier_and_keep_the_re
             assert kernel.count(instruction) == single.count(instruction) > 0, (name, instruction)
 
 
+def test_thread_weight_copies_replace_the_bulk_copies_and_keep_the_rest(tmp_path):
+    """`thread_weight_copies` on GLM's decode GEMM1 (one 64-row block of 128 K per k tile: 4 KB of codes,
+    512 B of scales): no bulk copy; each producer thread's two 16-byte `cp.async`s of codes, one of scales
+    (the first 32 threads') and its activation chunk, all before its one arrival on `full`; thread 0 arrives
+    there without expecting bytes; the consumers' code is the one-copy-per-k-tile default's."""
+    names = ("grouped_copies_1", "thread_weight_copies")
+    out = compile_in_subprocess(_GLM_SCRIPT, {"names": names}, tmp_path)
+    single, threads = (sass(out / f"{name}.cubin") for name in names)
+    assert single.count("UBLKCP.S.G") == 2 and "UBLKCP" not in threads
+    assert single.count("LDGSTS.E") == 1 and threads.count("LDGSTS.E") == 4
+    assert threads.count("LDGSTSBAR") == single.count("LDGSTSBAR") == 1
+    assert "SYNCS.ARRIVE.TRANS64 " in single and "SYNCS.ARRIVE.TRANS64 " not in threads  # no expected bytes
+    for instruction in ("HMMA", "HMUL2.BF16_V2", "LDSM", "LDS.128", "SHFL.IDX"):
+        assert threads.count(instruction) == single.count(instruction) > 0, instruction
+    for spill in ("LDL", "STL"):
+        assert spill not in threads, spill
+
+
 def test_dynamic_k_chunks_claim_units_from_a_counter_and_keep_the_k_step(variants):
     """`dynamic_k_chunks` (DeepSeek-V3's decode GEMM1): the producer's thread 0 claims units with global
     atomics, the counters go back to zero by exchange, the producer warps meet at `CLAIM_BARRIER`, and the
