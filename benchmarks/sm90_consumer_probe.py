@@ -33,7 +33,8 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
   `moe_gemm.WEIGHT_COPY_K_TILES`): whether the number of copies limits such a CTA's weight stream.
   `thread_weight_copies` is no removal either: every producer thread copies its share of each k tile's
   weights in 16-byte `cp.async`s instead of thread 0's bulk copies (`ThreadWeightCopies`): whether the
-  copy engine's bulk copies pace a decode CTA's weight stream.
+  copy engine's bulk copies pace a decode CTA's weight stream. `thread_weight_copies_barriers_only` is the
+  same producer with `barriers_only`' consumers: the weight stream alone, against `barriers_only`.
 - `gemm1_k_splits_2`, `gemm1_k_splits_4`, `gemm1_k_splits_7` (chosen with `--variants`) run GEMM1 in that
   many slices of K, each slice's items their own CTAs, with no reduction of the slices (garbage results):
   how much faster GEMM1's k loops run where its items would leave SMs or CTA slots idle.
@@ -408,6 +409,11 @@ class ThreadWeightCopies(MoEGemmSm90):
             self.copy_k_tile(k, stage, k_first, mAct, copies)
 
 
+class ThreadWeightCopiesBarriersOnly(ThreadWeightCopies, BarriersOnly):
+    """`thread_weight_copies`' producer with `barriers_only`' consumers: the weight stream alone, copied by
+    threads (against `barriers_only`, the same with thread 0's bulk copies)."""
+
+
 @dsl_user_op
 def atomic_add_u32(gmem_address, value, ordered=False, *, loc=None, ip=None) -> Int32:
     """`atom.global.add.u32`: adds `value` at `gmem_address`, returns the value before; `ordered`:
@@ -609,7 +615,7 @@ VARIANTS = {
     "no_activation_copies": NoActivationCopies, "skeleton": Skeleton, "gemm1_k_splits_2": Gemm1KSplits,
     "gemm1_k_splits_4": Gemm1KSplits4, "spinning_waits": SpinningWaits, "grouped_copies_2": GroupedWeightCopies,
     "grouped_copies_1": GroupedWeightCopies1, "grouped_copies_4": GroupedWeightCopies4, "dynamic_k_chunks": DynamicKChunks,
-    "thread_weight_copies": ThreadWeightCopies,
+    "thread_weight_copies": ThreadWeightCopies, "thread_weight_copies_barriers_only": ThreadWeightCopiesBarriersOnly,
     "gemm1_k_splits_7": Gemm1KSplits7,
 }
 CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]

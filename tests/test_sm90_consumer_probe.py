@@ -216,10 +216,12 @@ def test_thread_weight_copies_replace_the_bulk_copies_and_keep_the_rest(tmp_path
     """`thread_weight_copies` on GLM's decode GEMM1 (one 64-row block of 128 K per k tile: 4 KB of codes,
     512 B of scales): no bulk copy; each producer thread's two 16-byte `cp.async`s of codes, one of scales
     (the first 32 threads') and its activation chunk, all before its one arrival on `full`; thread 0 arrives
-    there without expecting bytes; the consumers' code is the one-copy-per-k-tile default's."""
-    names = ("grouped_copies_1", "thread_weight_copies")
+    there without expecting bytes; the consumers' code is the one-copy-per-k-tile default's. With
+    `barriers_only`' consumers (`thread_weight_copies_barriers_only`) the copies stay and the decode and MMAs
+    go."""
+    names = ("grouped_copies_1", "thread_weight_copies", "thread_weight_copies_barriers_only")
     out = compile_in_subprocess(_GLM_SCRIPT, {"names": names}, tmp_path)
-    single, threads = (sass(out / f"{name}.cubin") for name in names)
+    single, threads, stream_only = (sass(out / f"{name}.cubin") for name in names)
     assert single.count("UBLKCP.S.G") == 2 and "UBLKCP" not in threads
     assert single.count("LDGSTS.E") == 1 and threads.count("LDGSTS.E") == 4
     assert threads.count("LDGSTSBAR") == single.count("LDGSTSBAR") == 1
@@ -228,6 +230,8 @@ def test_thread_weight_copies_replace_the_bulk_copies_and_keep_the_rest(tmp_path
         assert threads.count(instruction) == single.count(instruction) > 0, instruction
     for spill in ("LDL", "STL"):
         assert spill not in threads, spill
+    assert "UBLKCP" not in stream_only and stream_only.count("LDGSTS.E") == 4
+    assert "HMMA" not in stream_only and "HMUL2" not in stream_only
 
 
 def test_dynamic_k_chunks_claim_units_from_a_counter_and_keep_the_k_step(variants):
