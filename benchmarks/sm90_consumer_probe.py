@@ -382,11 +382,10 @@ class ThreadWeightCopies(MoEGemmSm90):
 
     @cute.jit
     def load_k_tile(self, k, stage, phase, full, empty, weights, mAct=None, copies=None):
-        cute.arch.mbarrier_wait(empty + stage, phase ^ 1)
         if const_expr(copies is None):
-            if cute.arch.thread_idx()[0] == 0:
-                self.copy_weights(k, stage, full, weights)
+            MoEGemmSm90.load_k_tile(self, k, stage, phase, full, empty, weights)
         else:
+            cute.arch.mbarrier_wait(empty + stage, phase ^ 1)
             if cute.arch.thread_idx()[0] == 0:
                 cute.arch.mbarrier_arrive(full + stage)
             mCodes, mScales, storage, first_block, k_first = weights
