@@ -69,9 +69,10 @@ def test_dispatch_reports_the_kernels_of_every_stage():
 
 def test_dispatch_has_gemm2_quantize_the_rescan_paths_intermediate_where_its_items_are_long():
     # On its own rescan path (T < 4), with 8-row plan tiles, GEMM2 quantizes the intermediate itself where
-    # its items run at least `MIN_QUANTIZING_K_TILES` k tiles (DeepSeek-V3); not on the aux-amax path, the
-    # rescan path forced at T >= 4, shapes of short items (the harness's GLM shape, the 32-expert shard of
-    # DeepSeek-V3 at T = 1), or where the sizes are not given.
+    # its items run at least `MIN_QUANTIZING_K_TILES` k tiles (DeepSeek-V3; its 32-expert shard at T = 1,
+    # whose GEMM2 takes K in two slices of 8 k tiles); not on the aux-amax path, the rescan path forced at
+    # T >= 4, shapes of short items (the harness's GLM and Qwen3-30B-A3B shapes), or where the sizes are not
+    # given.
     from fp4moe.kernels.sm90 import moe_launch
 
     def quantization(tokens, hidden=7168, intermediate=2048, local_experts=256, **options):
@@ -83,7 +84,8 @@ def test_dispatch_has_gemm2_quantize_the_rescan_paths_intermediate_where_its_ite
     assert quantization(1) == quantization(3) == (8, dispatch.QUANTIZATION_IN_GEMM2)
     assert quantization(4) == (8, dispatch.QUANTIZATION_KERNEL)  # the aux-amax path
     assert quantization(1, 6144, 512) == (8, dispatch.QUANTIZATION_KERNEL)
-    assert quantization(1, local_experts=32, global_num_experts=256) == (8, dispatch.QUANTIZATION_KERNEL)
+    assert quantization(1, 2048, 768, local_experts=128) == (8, dispatch.QUANTIZATION_KERNEL)
+    assert quantization(1, local_experts=32, global_num_experts=256) == (8, dispatch.QUANTIZATION_IN_GEMM2)
     assert quantization(1, None, None) == (8, dispatch.QUANTIZATION_KERNEL)  # sizes not given
     forced = dispatch.intermediate_quantization(
         dispatch.RESCAN_PATH, dispatch.CUTE_SM90_BACKEND, 8, 8, 256, 64, 7168, 2048, "cuda"
