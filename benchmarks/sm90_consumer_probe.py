@@ -7,7 +7,9 @@ the consumers' k step removed.
         --tokens 1,2,3 --variants default panel_no_scan panel_no_quantize panel_none
     python -m benchmarks.sm90_consumer_probe [--whole-call ...] --compile-only      # no GPU needed
 
-For diagnosis only: the variants compute garbage, and only their times mean anything.
+For diagnosis only: the variants that remove work compute garbage, and only their times mean anything;
+with `--whole-call`, those that only change how the GEMMs work (`SAME_RESULT_VARIANTS`) are checked
+against the default's output.
 
 - `no_decode` keeps the consumers' shared-memory loads and stores the code words raw (no integer
   decode, no scale multiply).
@@ -35,6 +37,11 @@ For diagnosis only: the variants compute garbage, and only their times mean anyt
   weights in 16-byte `cp.async`s instead of thread 0's bulk copies (`ThreadWeightCopies`): whether the
   copy engine's bulk copies pace a decode CTA's weight stream. `thread_weight_copies_barriers_only` is the
   same producer with `barriers_only`' consumers: the weight stream alone, against `barriers_only`.
+  `two_k_streams` and `four_k_streams` are no removal either: CTAs of 64 features walk each item's k tiles
+  as two or four interleaved runs, one k tile per copy (`InterleavedKStreams`; against `grouped_copies_1`),
+  so their copies read that many regions at once: whether the number of address streams per SM limits
+  such a CTA's weight stream. `four_k_streams_barriers_only`: the same producer with `barriers_only`'
+  consumers.
 - `gemm1_k_splits_2`, `gemm1_k_splits_4`, `gemm1_k_splits_7` (chosen with `--variants`) run GEMM1 in that
   many slices of K, each slice's items their own CTAs, with no reduction of the slices (garbage results):
   how much faster GEMM1's k loops run where its items would leave SMs or CTA slots idle.
@@ -85,6 +92,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from benchmarks import precompile
 from benchmarks.gpu_state import hopper_gpu
 from benchmarks.moe_cases import SHAPES, MoEProblem
+from benchmarks.moe_checks import relative_error
 from benchmarks.moe_implementations import REGISTRY
 from benchmarks.sm90_gemm_sweep import DEEPSEEK_V3, gemm_configurations, hopper_weights, routed_tokens
 from benchmarks.timing import L2_FLUSHES, PreparedCall, time_interleaved
@@ -413,6 +421,51 @@ class ThreadWeightCopiesBarriersOnly(ThreadWeightCopies, BarriersOnly):
     threads (against `barriers_only`, the same with thread 0's bulk copies)."""
 
 
+class InterleavedKStreams(MoEGemmSm90):
+    """No removal: CTAs of one 64-row weight block walk each item's k tiles as `streams` interleaved runs
+    (k tiles 0, n/s, 2n/s, .., 1, n/s + 1, .. of the item's n), one k tile per copy, so that their bulk
+    copies read `streams` regions of the block at once, as a 256-feature CTA's copies read its four
+    blocks; their L2 prefetches (GEMM1's routed, GEMM2's first items') take the runs' first tiles in
+    turn. The weight and activation tiles of a k tile still meet in one stage, so the sums are the same
+    products in another order (not bitwise the default's). Other GEMMs, those that quantize their rows
+    and items whose k tiles do not divide into the runs are the default's. Whether the number of address
+    streams per SM limits a 64-feature CTA's weight stream (17-18 GB/s against 31 GB/s per SM in
+    256-feature CTAs, with the copy mechanism, the stages and the copy count ruled out)."""
+
+    streams = 4
+
+    def __init__(self, **options):
+        MoEGemmSm90.__init__(self, **options)
+        self.interleaves = (
+            self.cta_row_blocks == 1 and self.k_iterations % self.streams == 0 and not self.quantizes_rows
+        )
+        if self.interleaves:
+            self.tiles_per_copy = 1
+
+    @cute.jit
+    def load_k_tile(self, k, stage, phase, full, empty, weights, mAct=None, copies=None):
+        run = self.k_iterations // self.streams
+        walked = (k % self.streams) * run + k // self.streams if const_expr(self.interleaves) else k
+        MoEGemmSm90.load_k_tile(self, walked, stage, phase, full, empty, weights, mAct, copies)
+
+    def prefetch_weights(self, mCodes, mScales, first_block, k_first, k_tiles):
+        if not self.interleaves:
+            return MoEGemmSm90.prefetch_weights(self, mCodes, mScales, first_block, k_first, k_tiles)
+        run = self.k_iterations // self.streams
+        per_run = (k_tiles + self.streams - 1) // self.streams
+        for s in range(self.streams):
+            MoEGemmSm90.prefetch_weights(self, mCodes, mScales, first_block, k_first + s * run, per_run)
+
+
+class TwoKStreams(InterleavedKStreams):
+    streams = 2
+
+
+class InterleavedKStreamsBarriersOnly(InterleavedKStreams, BarriersOnly):
+    """`four_k_streams`' producer with `barriers_only`' consumers: the weight stream alone, read as four
+    runs (against `barriers_only`, the same read in order)."""
+
+
 @dsl_user_op
 def atomic_add_u32(gmem_address, value, ordered=False, *, loc=None, ip=None) -> Int32:
     """`atom.global.add.u32`: adds `value` at `gmem_address`, returns the value before; `ordered`:
@@ -615,7 +668,8 @@ VARIANTS = {
     "gemm1_k_splits_4": Gemm1KSplits4, "spinning_waits": SpinningWaits, "grouped_copies_2": GroupedWeightCopies,
     "grouped_copies_1": GroupedWeightCopies1, "grouped_copies_4": GroupedWeightCopies4, "dynamic_k_chunks": DynamicKChunks,
     "thread_weight_copies": ThreadWeightCopies, "thread_weight_copies_barriers_only": ThreadWeightCopiesBarriersOnly,
-    "gemm1_k_splits_7": Gemm1KSplits7,
+    "gemm1_k_splits_7": Gemm1KSplits7, "two_k_streams": TwoKStreams, "four_k_streams": InterleavedKStreams,
+    "four_k_streams_barriers_only": InterleavedKStreamsBarriersOnly,
 }
 CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]
 """The variants of the consumers' k step, timed by default. The `panel_*` variants change only GEMMs
@@ -708,9 +762,27 @@ def run(tokens: int, weights, flushes, replays: int, g, variants) -> None:
                 print(f"T={tokens} {name} ({flush} flush): {cells}", flush=True)
 
 
+SAME_RESULT_VARIANTS = frozenset((
+    "spinning_waits", "grouped_copies_1", "grouped_copies_2", "grouped_copies_4", "thread_weight_copies",
+    "two_k_streams", "four_k_streams", "gemm2_vector_reduce",
+))
+"""Variants that change how the GEMMs work, not what they compute. With `--whole-call` and `default`
+among the variants, each one's output is compared with the default's (`moe_checks.relative_error`, after
+the timed replays): a time means nothing if its kernels compute something else."""
+
+
+def same_result_cell(name: str, output: torch.Tensor, default_output: torch.Tensor | None, tolerance: float) -> str:
+    """The note after a variant's time: its output's relative error against the default's, for
+    `SAME_RESULT_VARIANTS` where the default ran (WRONG above the implementation's `tolerance`)."""
+    if name not in SAME_RESULT_VARIANTS or default_output is None:
+        return ""
+    error = relative_error(output, default_output)
+    return f" (vs default {error:.1e}{'' if error <= tolerance else ' WRONG'})"
+
+
 def run_whole_call(shape_names, token_counts, replays: int, implementation: str, variants) -> None:
     """The benchmark's `fused_moe` call (`implementation`) per shape and T, with each variant's GEMMs,
-    interleaved."""
+    interleaved; `SAME_RESULT_VARIANTS` checked against the default."""
     device = torch.device("cuda")
     for shape_name in shape_names:
         problem = MoEProblem(SHAPES[shape_name], max(token_counts), device, seed=0)
@@ -722,7 +794,13 @@ def run_whole_call(shape_names, token_counts, replays: int, implementation: str,
                     with variant_kernels(name):  # the graph captures this variant's kernels
                         calls.append(stack.enter_context(PreparedCall(REGISTRY[implementation].build(case), device)))
                 timings = time_interleaved(calls, device, replays, warmup=2, cold_l2=True, l2_flush="read")
-            cells = "  ".join(f"{name} {t.median_s * 1e6:.1f} us" for name, t in zip(variants, timings))
+                outputs = [call().clone() for call in calls]
+            default_output = outputs[variants.index("default")] if "default" in variants else None
+            tolerance = REGISTRY[implementation].tolerance
+            cells = "  ".join(
+                f"{name} {t.median_s * 1e6:.1f} us{same_result_cell(name, output, default_output, tolerance)}"
+                for name, t, output in zip(variants, timings, outputs)
+            )
             print(f"{shape_name} T={tokens} {implementation} (read flush): {cells}", flush=True)
         del problem
 

@@ -245,3 +245,53 @@ def test_dynamic_k_chunks_claim_units_from_a_counter_and_keep_the_k_step(variant
     assert f"BAR.SYNC.DEFER_BLOCKING 0x{CLAIM_BARRIER:x}, 0x80" in dynamic
     for instruction in ("HGMMA", "HMUL2.BF16_V2", "UBLKCP.S.G", "LDGSTS.E"):
         assert dynamic.count(instruction) == default.count(instruction) > 0, instruction
+
+
+def test_interleaved_k_streams_walk_runs_of_k_tiles_and_keep_the_rest(tmp_path):
+    """`two_k_streams` / `four_k_streams` on GLM's decode GEMM1 with its routed L2 prefetch (the whole
+    call's GEMM1 at T = 1): one k tile per bulk copy as `grouped_copies_1`, the routed prefetch split over
+    the runs (one prefetch of codes and one of scales per run), the consumers' code unchanged; with
+    `barriers_only`' consumers the copies stay and the decode and MMAs go."""
+    script = textwrap.dedent(
+        """
+        import json, sys
+        from pathlib import Path
+        from benchmarks import sm90_consumer_probe as probe, sm90_gemm_sweep as sweep
+        from benchmarks.moe_cases import SHAPES
+        from fp4moe.kernels.sm90 import moe_launch
+        out, names = Path(sys.argv[1]), json.loads(sys.argv[2])["names"]
+        glm = SHAPES["glm"]
+        _, configs1, _ = sweep.gemm_configurations(1, 132, glm)
+        key, _, epilogue_rows = configs1[0]
+        for name in names:
+            with probe.variant_kernels(name):
+                kernel = moe_launch.compile_gemm(
+                    "gemm1", key, glm.hidden_size, glm.intermediate_size, glm.top_k, "swiglu", (None,) * 3, False,
+                    epilogue_rows=epilogue_rows, prefetches_routed=True,
+                )
+            (out / f"{name}.cubin").write_bytes(kernel.__cubin__)
+        """
+    )
+    names = ("grouped_copies_1", "two_k_streams", "four_k_streams", "four_k_streams_barriers_only")
+    out = compile_in_subprocess(script, {"names": names}, tmp_path)
+    single, two, four, stream_only = (sass(out / f"{name}.cubin") for name in names)
+    for kernel, runs in ((single, 1), (two, 2), (four, 4), (stream_only, 4)):
+        assert kernel.count("UBLKPF.L2") == 2 * runs
+        assert kernel.count("UBLKCP.S.G") == 2 and kernel.count("LDGSTS.E") == 1
+        for spill in ("LDL", "STL"):
+            assert spill not in kernel, spill
+    for instruction in ("HMMA", "HMUL2.BF16_V2", "LDSM", "LDS.128", "SHFL.IDX"):
+        assert two.count(instruction) == four.count(instruction) == single.count(instruction) > 0, instruction
+    assert "HMMA" not in stream_only and "HMUL2" not in stream_only
+
+
+def test_same_result_variants_are_checked_against_the_default():
+    torch = pytest.importorskip("torch")
+    from benchmarks.sm90_consumer_probe import SAME_RESULT_VARIANTS, VARIANTS, same_result_cell
+
+    assert SAME_RESULT_VARIANTS <= set(VARIANTS) and "default" not in SAME_RESULT_VARIANTS
+    default = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    assert same_result_cell("four_k_streams", default.clone(), default, 1e-3) == " (vs default 0.0e+00)"
+    assert same_result_cell("four_k_streams", default * 1.01, default, 1e-3).endswith(" WRONG)")
+    assert same_result_cell("four_k_streams", default, None, 1e-3) == ""  # no default ran
+    assert same_result_cell("barriers_only", default * 2, default, 1e-3) == ""  # garbage by design
