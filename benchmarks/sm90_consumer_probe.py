@@ -41,7 +41,8 @@ against the default's output.
   as two or four interleaved runs, one k tile per copy (`InterleavedKStreams`; against `grouped_copies_1`),
   so their copies read that many regions at once: whether the number of address streams per SM limits
   such a CTA's weight stream. `four_k_streams_barriers_only`: the same producer with `barriers_only`'
-  consumers.
+  consumers. `rotated_k_walk` (`RotatedKWalk`): one stream per CTA in order from a k tile that depends on
+  the block, so that neighbouring CTAs' reads do not move in step.
 - `gemm1_k_splits_2`, `gemm1_k_splits_4`, `gemm1_k_splits_7` (chosen with `--variants`) run GEMM1 in that
   many slices of K, each slice's items their own CTAs, with no reduction of the slices (garbage results):
   how much faster GEMM1's k loops run where its items would leave SMs or CTA slots idle.
@@ -461,6 +462,29 @@ class TwoKStreams(InterleavedKStreams):
     streams = 2
 
 
+class RotatedKWalk(InterleavedKStreams):
+    """No removal: CTAs of one 64-row weight block walk each item's k tiles in order, one stream, but from
+    k tile (block · `rotation`) mod n on, wrapping (n: the item's k tiles; block: `weight_block`), so that
+    at any moment neighbouring CTAs read their blocks at different offsets instead of the same one; the
+    L2 prefetches start there too (at most n less their length). Against `four_k_streams`: whether a gain
+    there comes from the streams per SM or from the CTAs' reads no longer moving in step."""
+
+    streams = 1
+    rotation = 7
+
+    @cute.jit
+    def load_k_tile(self, k, stage, phase, full, empty, weights, mAct=None, copies=None):
+        first_block = weights[3]
+        walked = (k + first_block * self.rotation) % self.k_iterations if const_expr(self.interleaves) else k
+        MoEGemmSm90.load_k_tile(self, walked, stage, phase, full, empty, weights, mAct, copies)
+
+    def prefetch_weights(self, mCodes, mScales, first_block, k_first, k_tiles):
+        if not self.interleaves:
+            return MoEGemmSm90.prefetch_weights(self, mCodes, mScales, first_block, k_first, k_tiles)
+        start = cutlass.min((first_block * self.rotation) % self.k_iterations, self.k_iterations - k_tiles)
+        MoEGemmSm90.prefetch_weights(self, mCodes, mScales, first_block, k_first + start, k_tiles)
+
+
 class InterleavedKStreamsBarriersOnly(InterleavedKStreams, BarriersOnly):
     """`four_k_streams`' producer with `barriers_only`' consumers: the weight stream alone, read as four
     runs (against `barriers_only`, the same read in order)."""
@@ -669,7 +693,7 @@ VARIANTS = {
     "grouped_copies_1": GroupedWeightCopies1, "grouped_copies_4": GroupedWeightCopies4, "dynamic_k_chunks": DynamicKChunks,
     "thread_weight_copies": ThreadWeightCopies, "thread_weight_copies_barriers_only": ThreadWeightCopiesBarriersOnly,
     "gemm1_k_splits_7": Gemm1KSplits7, "two_k_streams": TwoKStreams, "four_k_streams": InterleavedKStreams,
-    "four_k_streams_barriers_only": InterleavedKStreamsBarriersOnly,
+    "four_k_streams_barriers_only": InterleavedKStreamsBarriersOnly, "rotated_k_walk": RotatedKWalk,
 }
 CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]
 """The variants of the consumers' k step, timed by default. The `panel_*` variants change only GEMMs
@@ -764,7 +788,7 @@ def run(tokens: int, weights, flushes, replays: int, g, variants) -> None:
 
 SAME_RESULT_VARIANTS = frozenset((
     "spinning_waits", "grouped_copies_1", "grouped_copies_2", "grouped_copies_4", "thread_weight_copies",
-    "two_k_streams", "four_k_streams", "gemm2_vector_reduce",
+    "two_k_streams", "four_k_streams", "rotated_k_walk", "gemm2_vector_reduce",
 ))
 """Variants that change how the GEMMs work, not what they compute. With `--whole-call` and `default`
 among the variants, each one's output is compared with the default's (`moe_checks.relative_error`, after

@@ -248,9 +248,10 @@ def test_dynamic_k_chunks_claim_units_from_a_counter_and_keep_the_k_step(variant
 
 
 def test_interleaved_k_streams_walk_runs_of_k_tiles_and_keep_the_rest(tmp_path):
-    """`two_k_streams` / `four_k_streams` on GLM's decode GEMM1 with its routed L2 prefetch (the whole
-    call's GEMM1 at T = 1): one k tile per bulk copy as `grouped_copies_1`, the routed prefetch split over
-    the runs (one prefetch of codes and one of scales per run), the consumers' code unchanged; with
+    """`two_k_streams` / `four_k_streams` / `rotated_k_walk` on GLM's decode GEMM1 with its routed L2
+    prefetch (the whole call's GEMM1 at T = 1): one k tile per bulk copy as `grouped_copies_1`, the routed
+    prefetch split over the runs (one prefetch of codes and one of scales per run; `rotated_k_walk` one
+    run from its rotated start), the consumers' code unchanged; with
     `barriers_only`' consumers the copies stay and the decode and MMAs go."""
     script = textwrap.dedent(
         """
@@ -272,16 +273,17 @@ def test_interleaved_k_streams_walk_runs_of_k_tiles_and_keep_the_rest(tmp_path):
             (out / f"{name}.cubin").write_bytes(kernel.__cubin__)
         """
     )
-    names = ("grouped_copies_1", "two_k_streams", "four_k_streams", "four_k_streams_barriers_only")
+    names = ("grouped_copies_1", "two_k_streams", "four_k_streams", "four_k_streams_barriers_only", "rotated_k_walk")
     out = compile_in_subprocess(script, {"names": names}, tmp_path)
-    single, two, four, stream_only = (sass(out / f"{name}.cubin") for name in names)
-    for kernel, runs in ((single, 1), (two, 2), (four, 4), (stream_only, 4)):
+    single, two, four, stream_only, rotated = (sass(out / f"{name}.cubin") for name in names)
+    for kernel, runs in ((single, 1), (two, 2), (four, 4), (stream_only, 4), (rotated, 1)):
         assert kernel.count("UBLKPF.L2") == 2 * runs
         assert kernel.count("UBLKCP.S.G") == 2 and kernel.count("LDGSTS.E") == 1
         for spill in ("LDL", "STL"):
             assert spill not in kernel, spill
     for instruction in ("HMMA", "HMUL2.BF16_V2", "LDSM", "LDS.128", "SHFL.IDX"):
-        assert two.count(instruction) == four.count(instruction) == single.count(instruction) > 0, instruction
+        counts = {kernel.count(instruction) for kernel in (single, two, four, rotated)}
+        assert len(counts) == 1 and counts.pop() > 0, instruction
     assert "HMMA" not in stream_only and "HMUL2" not in stream_only
 
 
