@@ -3,7 +3,8 @@
     python -m benchmarks.sm90_timeline [--shapes deepseek_v3] [--tokens 1 2 8] [--replays 30] [--impls ...]
 
 For each shape, T and implementation of the harness (by default `fused_moe` in every mode: W4A16, W4A4
-per-tensor, W4A4 per-token; `aligned_moe` adds the aligned MoE's column, zeroing of `out` included) the
+per-tensor, W4A4 per-token; `fused_moe_w4a4_token_rescan` per-token W4A4 on the rescan path at every T,
+the aux-amax handoff's baseline; `aligned_moe` adds the aligned MoE's column, zeroing of `out` included) the
 call the harness times is captured in a CUDA graph and replayed after a read flush of the L2 (as
 `benchmarks.moe` times it), under `torch.profiler`, whose CUDA activity records (CUPTI) give every
 kernel's start and end on the GPU. Printed per kernel, in launch order: the median start and end over
@@ -90,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["deepseek_v3"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 8])
     parser.add_argument("--replays", type=int, default=30)
-    parser.add_argument("--impls", nargs="+", choices=[*MODES, "aligned_moe"], default=list(MODES))
+    parser.add_argument(
+        "--impls", nargs="+", choices=[*MODES, "fused_moe_w4a4_token_rescan", "aligned_moe"], default=list(MODES)
+    )
     args = parser.parse_args(argv)
     if not hopper_gpu("sm90_timeline"):
         return 2
