@@ -426,8 +426,8 @@ class InterleavedKStreams(MoEGemmSm90):
     """No removal: CTAs of one 64-row weight block walk each item's k tiles as `streams` interleaved runs
     (k tiles 0, n/s, 2n/s, .., 1, n/s + 1, .. of the item's n), one k tile per copy, so that their bulk
     copies read `streams` regions of the block at once, as a 256-feature CTA's copies read its four
-    blocks; their L2 prefetches (GEMM1's routed, GEMM2's first items') take the runs' first tiles in
-    turn. The weight and activation tiles of a k tile still meet in one stage, so the sums are the same
+    blocks; their L2 prefetches (GEMM1's routed, GEMM2's first items') take the tiles the walk reads
+    first (for a count read at run time, as many from every run). The weight and activation tiles of a k tile still meet in one stage, so the sums are the same
     products in another order (not bitwise the default's). Other GEMMs, those that quantize their rows
     and items whose k tiles do not divide into the runs are the default's. Whether the number of address
     streams per SM limits a 64-feature CTA's weight stream (17-18 GB/s against 31 GB/s per SM in
@@ -453,8 +453,13 @@ class InterleavedKStreams(MoEGemmSm90):
         if not self.interleaves:
             return MoEGemmSm90.prefetch_weights(self, mCodes, mScales, first_block, k_first, k_tiles)
         run = self.k_iterations // self.streams
-        per_run = (k_tiles + self.streams - 1) // self.streams
         for s in range(self.streams):
+            if isinstance(k_tiles, int):  # exactly the walk's first k tiles: run s's share of them
+                per_run = max(0, -(-(k_tiles - s) // self.streams))
+                if per_run == 0:
+                    continue
+            else:  # a count read at run time: as many from every run as from the first
+                per_run = (k_tiles + self.streams - 1) // self.streams
             MoEGemmSm90.prefetch_weights(self, mCodes, mScales, first_block, k_first + s * run, per_run)
 
 
