@@ -271,7 +271,7 @@ class NoWeightCopies(MoEGemmSm90):
     Its time is the consumers' own, with no wait for the weights' memory traffic."""
 
     @cute.jit
-    def copy_weights(self, k, stage, full, weights):
+    def copy_weights(self, k, stage, full, weights, tiles=1):
         cute.arch.mbarrier_arrive_and_expect_tx(full + stage, 0)
 
 

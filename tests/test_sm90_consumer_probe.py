@@ -297,3 +297,14 @@ def test_same_result_variants_are_checked_against_the_default():
     assert same_result_cell("four_k_streams", default * 1.01, default, 1e-3).endswith(" WRONG)")
     assert same_result_cell("four_k_streams", default, None, 1e-3) == ""  # no default ran
     assert same_result_cell("barriers_only", default * 2, default, 1e-3) == ""  # garbage by design
+
+
+def test_the_copy_removing_variants_build_on_grouped_weight_copies(tmp_path):
+    """`no_weight_copies` and `skeleton` on GLM's decode GEMM1, whose CTAs of one 64-row block copy two k
+    tiles' weights per bulk copy (`moe_gemm.WEIGHT_COPY_K_TILES`): no weight copy; `no_weight_copies` keeps
+    the activation copies (one per k tile of a group) and the consumers' MMAs, `skeleton` neither."""
+    names = ("no_weight_copies", "skeleton")
+    out = compile_in_subprocess(_GLM_SCRIPT, {"names": names}, tmp_path)
+    no_weights, skeleton = (sass(out / f"{name}.cubin") for name in names)
+    assert "UBLKCP" not in no_weights and no_weights.count("LDGSTS.E") == 2 and "HMMA" in no_weights
+    assert "UBLKCP" not in skeleton and "LDGSTS.E" not in skeleton and "HMMA" not in skeleton
