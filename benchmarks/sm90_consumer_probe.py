@@ -427,8 +427,9 @@ class InterleavedKStreams(MoEGemmSm90):
     (k tiles 0, n/s, 2n/s, .., 1, n/s + 1, .. of the item's n), one k tile per copy, so that their bulk
     copies read `streams` regions of the block at once, as a 256-feature CTA's copies read its four
     blocks; their L2 prefetches (GEMM1's routed, GEMM2's first items') take the tiles the walk reads
-    first (for a count read at run time, as many from every run). The weight and activation tiles of a k tile still meet in one stage, so the sums are the same
-    products in another order (not bitwise the default's). Other GEMMs, those that quantize their rows
+    first (for a count read at run time, as many from every run). The weight and activation tiles of a k
+    tile still meet in one stage, so the sums are the same products in another order (not bitwise the
+    default's). Other GEMMs, those that quantize their rows
     and items whose k tiles do not divide into the runs are the default's. Whether the number of address
     streams per SM limits a 64-feature CTA's weight stream (17-18 GB/s against 31 GB/s per SM in
     256-feature CTAs, with the copy mechanism, the stages and the copy count ruled out)."""

@@ -187,12 +187,13 @@ def gemm_configurations(
     return choice.tile_m, configurations(shape1), configurations(shape2, k_splits)
 
 
-def compile_gemm1(config, shape: MoEShape = DEEPSEEK_V3, row_scaled: bool = False):
-    """GEMM1 of `config` (`configurations`) for `shape`'s sizes; `row_scaled`: it takes per-token scales."""
+def compile_gemm1(config, shape: MoEShape = DEEPSEEK_V3, row_scaled: bool = False, prefetches_routed: bool = False):
+    """GEMM1 of `config` (`configurations`) for `shape`'s sizes; `row_scaled`: it takes per-token scales;
+    `prefetches_routed`: it prefetches the routed experts' first weights, as a decode call's GEMM1 does."""
     key, _, epilogue_rows = config
     return moe_launch.compile_gemm(
         "gemm1", key, shape.hidden_size, shape.intermediate_size, shape.top_k, "swiglu", (None,) * 3, False,
-        row_scaled=row_scaled, epilogue_rows=epilogue_rows,
+        row_scaled=row_scaled, epilogue_rows=epilogue_rows, prefetches_routed=prefetches_routed,
     )
 
 

@@ -177,14 +177,18 @@ _GLM_SCRIPT = textwrap.dedent(
     from pathlib import Path
     from benchmarks import sm90_consumer_probe as probe, sm90_gemm_sweep as sweep
     from benchmarks.moe_cases import SHAPES
-    out, names = Path(sys.argv[1]), json.loads(sys.argv[2])["names"]
+    out, spec = Path(sys.argv[1]), json.loads(sys.argv[2])
     glm = SHAPES["glm"]
     _, configs1, _ = sweep.gemm_configurations(1, 132, glm)
-    for name in names:
+    routed = spec.get("prefetches_routed", False)
+    for name in spec["names"]:
         with probe.variant_kernels(name):
-            (out / f"{name}.cubin").write_bytes(sweep.compile_gemm1(configs1[0], glm).__cubin__)
+            kernel = sweep.compile_gemm1(configs1[0], glm, prefetches_routed=routed)
+        (out / f"{name}.cubin").write_bytes(kernel.__cubin__)
     """
 )
+"""GLM's decode GEMM1 at T = 1 (`sm90_gemm_sweep.compile_gemm1`) built from each variant of `names`;
+with `prefetches_routed`, as the whole call builds it (the routed L2 prefetch)."""
 
 
 def test_grouped_copies_expect_a_group_of_k_tiles_on_one_barrier_and_keep_the_rest(tmp_path):
@@ -253,28 +257,8 @@ def test_interleaved_k_streams_walk_runs_of_k_tiles_and_keep_the_rest(tmp_path):
     prefetch split over the runs (one prefetch of codes and one of scales per run; `rotated_k_walk` one
     run from its rotated start), the consumers' code unchanged; with
     `barriers_only`' consumers the copies stay and the decode and MMAs go."""
-    script = textwrap.dedent(
-        """
-        import json, sys
-        from pathlib import Path
-        from benchmarks import sm90_consumer_probe as probe, sm90_gemm_sweep as sweep
-        from benchmarks.moe_cases import SHAPES
-        from fp4moe.kernels.sm90 import moe_launch
-        out, names = Path(sys.argv[1]), json.loads(sys.argv[2])["names"]
-        glm = SHAPES["glm"]
-        _, configs1, _ = sweep.gemm_configurations(1, 132, glm)
-        key, _, epilogue_rows = configs1[0]
-        for name in names:
-            with probe.variant_kernels(name):
-                kernel = moe_launch.compile_gemm(
-                    "gemm1", key, glm.hidden_size, glm.intermediate_size, glm.top_k, "swiglu", (None,) * 3, False,
-                    epilogue_rows=epilogue_rows, prefetches_routed=True,
-                )
-            (out / f"{name}.cubin").write_bytes(kernel.__cubin__)
-        """
-    )
     names = ("grouped_copies_1", "two_k_streams", "four_k_streams", "four_k_streams_barriers_only", "rotated_k_walk")
-    out = compile_in_subprocess(script, {"names": names}, tmp_path)
+    out = compile_in_subprocess(_GLM_SCRIPT, {"names": names, "prefetches_routed": True}, tmp_path)
     single, two, four, stream_only, rotated = (sass(out / f"{name}.cubin") for name in names)
     for kernel, runs in ((single, 1), (two, 2), (four, 4), (stream_only, 4), (rotated, 1)):
         assert kernel.count("UBLKPF.L2") == 2 * runs
