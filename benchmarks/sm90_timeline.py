@@ -1,6 +1,8 @@
 """When each kernel of a `fused_moe` (or `aligned_moe_`) call starts and ends on the sm90 kernels.
 
     python -m benchmarks.sm90_timeline [--shapes deepseek_v3] [--tokens 1 2 8] [--replays 30] [--impls ...]
+    python -m benchmarks.sm90_timeline --shapes glm --tokens 1 --impls fused_moe_w4a16 \
+        --variants default skeleton barriers_only
 
 For each shape, T and implementation of the harness (by default `fused_moe` in every mode: W4A16, W4A4
 per-tensor, W4A4 per-token; `fused_moe_w4a4_token_rescan` per-token W4A4 on the rescan path at every T,
@@ -13,12 +15,19 @@ kernel starts (becomes resident) long before it can work: its start says when it
 end what the chain waited for. This shows what each kernel boundary costs, in the W4A4 modes too
 (`benchmarks.sm90_stage_chain` times cuts of the W4A16 chain). The profiler's own activity tracing adds
 a little to each kernel; for development, not for record. Needs a Hopper GPU.
+
+`--variants` builds each call's GEMMs from `benchmarks.sm90_consumer_probe`'s variants instead (their
+kernels keyed as the probe keys them, so `sm90_consumer_probe --whole-call --compile-only` precompiles
+them), one row group per variant: which kernel a removal shortens, e.g. where the `skeleton`'s time (no
+copies, no consumer work) lies. Every call then launches from Python, as the probe's do.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -30,6 +39,7 @@ from benchmarks.gpu_state import hopper_gpu
 from benchmarks.moe_cases import SHAPES, MoEProblem
 from benchmarks.moe_implementations import REGISTRY
 from benchmarks.timing import PreparedCall, l2_flush_bytes
+from fp4moe.kernels import host_launcher
 
 MODES = ("fused_moe_w4a16", "fused_moe_w4a4_tensor", "fused_moe_w4a4_token")
 KERNEL_ROLES = ("Plan", "Quantize", "Gemm", "Finalize", "Decode", "Fill")
@@ -94,7 +104,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--impls", nargs="+", choices=[*MODES, "fused_moe_w4a4_token_rescan", "aligned_moe"], default=list(MODES)
     )
+    parser.add_argument(
+        "--variants", nargs="+", metavar="VARIANT",
+        help="build the GEMMs from these benchmarks.sm90_consumer_probe variants (default: the kernels as they are)",
+    )
     args = parser.parse_args(argv)
+    variant_kernels = None
+    if args.variants:
+        from benchmarks import sm90_consumer_probe  # CuTe DSL code: imported only when asked for
+
+        unknown = sorted(set(args.variants) - set(sm90_consumer_probe.VARIANTS))
+        if unknown:
+            parser.error(f"unknown variants {unknown}; choose from {sorted(sm90_consumer_probe.VARIANTS)}")
+        variant_kernels = sm90_consumer_probe.variant_kernels
+        # The C++ host launcher would replay the first variant's recorded launches for the others.
+        os.environ[host_launcher.MODE_VARIABLE] = "python"
     if not hopper_gpu("sm90_timeline"):
         return 2
     device = torch.device("cuda")
@@ -108,10 +132,13 @@ def main(argv: list[str] | None = None) -> int:
         for tokens in args.tokens:
             case = problem.case(tokens)
             for mode in args.impls:
-                with PreparedCall(REGISTRY[mode].build(case), device, eager_calls=2) as call:
-                    spans = replay_spans(profile_replays(call, flush, args.replays))
-                for role, start, end, duration in spans:
-                    print(f"| {tokens} | {mode} | {role} | {start:.2f} | {end:.2f} | {duration:.2f} |", flush=True)
+                for variant in args.variants or [None]:
+                    kernels = variant_kernels(variant) if variant else contextlib.nullcontext()
+                    with kernels, PreparedCall(REGISTRY[mode].build(case), device, eager_calls=2) as call:
+                        spans = replay_spans(profile_replays(call, flush, args.replays))
+                    label = f"{mode} [{variant}]" if variant else mode
+                    for role, start, end, duration in spans:
+                        print(f"| {tokens} | {label} | {role} | {start:.2f} | {end:.2f} | {duration:.2f} |", flush=True)
     return 0
 
 

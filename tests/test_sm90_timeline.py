@@ -1,7 +1,9 @@
 """`benchmarks.sm90_timeline` (needs a GPU to run) reads kernel spans out of a profiler trace: checked here
 on a synthetic trace."""
 
-from benchmarks.sm90_timeline import kernel_role, replay_spans
+import pytest
+
+from benchmarks.sm90_timeline import kernel_role, main, replay_spans
 
 
 def _replay(first_ts, kernels):
@@ -28,3 +30,10 @@ def test_kernel_roles_come_from_the_kernel_class_names():
     assert kernel_role("kernel_cutlass_kernel_fp4moekernelssm90quantizeQuantizeSm90_object_at") == "Quantize"
     assert kernel_role("kernel_cutlass_kernel_fp4moekernelssm90moe_finalizeMoEFinalizeSm90_obj") == "Finalize"
     assert kernel_role("void something_else<float>()") == "void something_else<float>()"
+
+
+def test_an_unknown_probe_variant_is_refused_before_anything_runs(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--variants", "skeleton", "no_such_variant"])
+    assert exit_info.value.code == 2
+    assert "unknown variants ['no_such_variant']" in capsys.readouterr().err
