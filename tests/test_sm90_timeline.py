@@ -1,5 +1,5 @@
 """`benchmarks.sm90_timeline` (needs a GPU to run) reads kernel spans out of a profiler trace: checked here
-on a synthetic trace."""
+on a synthetic trace; and it refuses unknown probe variants before it looks for a GPU."""
 
 import pytest
 
