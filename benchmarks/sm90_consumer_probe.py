@@ -24,6 +24,8 @@ against the default's output.
   `no_activation_copies` issues no activation copies instead: what the gather costs the pipeline.
   `skeleton` issues neither and does no consumer work (`barriers_only` without the copies): what a call
   costs with nothing to stream or multiply (plan, launches, PDL waits, barriers, epilogues).
+  `skeleton_short_items` is the skeleton with every item cut to one weight copy's k tiles: against
+  `skeleton`, what the per-k-tile hand-offs cost apart from the kernels' setup.
 - `spinning_waits` (chosen with `--variants`) is no removal: every pipeline wait of the producer and the
   consumers polls with `mbarrier.test_wait` instead of `mbarrier_wait`'s `try_wait`, whose suspend hint lets
   the hardware suspend the thread until the phase completes or a time limit (`NANOSLEEP.SYNCS` in SASS):
@@ -289,6 +291,16 @@ class NoActivationCopies(MoEGemmSm90):
 class Skeleton(BarriersOnly, NoWeightCopies, NoActivationCopies):
     """No copies and no consumer work: every stage's barriers, the epilogues, the plan, the launches and
     their PDL waits. Its time is what a call costs with no bytes to stream and nothing to multiply."""
+
+
+class SkeletonShortItems(Skeleton):
+    """`skeleton` with every item cut to one weight copy's k tiles (`tiles_per_copy`): the same CTAs, items,
+    launches, waits and epilogues, next to no k loop. Against `skeleton`: what the pipeline's per-k-tile
+    hand-offs cost a call with nothing to stream or multiply, apart from the kernels' setup."""
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.k_iterations = self.tiles_per_copy
 
 
 @dsl_user_op
@@ -694,8 +706,9 @@ VARIANTS = {
     "no_gemm1_stores": NoGemm1Stores, "gemm2_vector_reduce": Gemm2VectorReduce,
     "half_gemm2_epilogue": HalfGemm2Epilogue, "gemm2_plain_stores": Gemm2PlainStores,
     "gemm2_math_only": Gemm2MathOnly, "no_alpha_loads": NoAlphaLoads, "no_weight_copies": NoWeightCopies,
-    "no_activation_copies": NoActivationCopies, "skeleton": Skeleton, "gemm1_k_splits_2": Gemm1KSplits,
-    "gemm1_k_splits_4": Gemm1KSplits4, "spinning_waits": SpinningWaits, "grouped_copies_2": GroupedWeightCopies,
+    "no_activation_copies": NoActivationCopies, "skeleton": Skeleton, "skeleton_short_items": SkeletonShortItems,
+    "gemm1_k_splits_2": Gemm1KSplits, "gemm1_k_splits_4": Gemm1KSplits4, "spinning_waits": SpinningWaits,
+    "grouped_copies_2": GroupedWeightCopies,
     "grouped_copies_1": GroupedWeightCopies1, "grouped_copies_4": GroupedWeightCopies4, "dynamic_k_chunks": DynamicKChunks,
     "thread_weight_copies": ThreadWeightCopies, "thread_weight_copies_barriers_only": ThreadWeightCopiesBarriersOnly,
     "gemm1_k_splits_7": Gemm1KSplits7, "two_k_streams": TwoKStreams, "four_k_streams": InterleavedKStreams,

@@ -1,9 +1,9 @@
 """The consumer probe's variants (`benchmarks.sm90_consumer_probe`, no GPU needed) remove what they say
 they remove: the consumer variants from the default GEMM1 of DeepSeek-V3 decode, and nothing of the
 producer (`no_weight_copies` the weight copies only, `no_activation_copies` the activation gather only,
-and nothing of the consumers; `skeleton` both and the consumers' work; `spinning_waits` only how the
-pipeline waits; `grouped_copies_*` only how many k tiles a weight copy takes; `dynamic_k_chunks` only
-which work units a CTA walks); the epilogue
+and nothing of the consumers; `skeleton` both and the consumers' work, `skeleton_short_items` also the
+items' k loops past one copy; `spinning_waits` only how the pipeline waits; `grouped_copies_*` only how
+many k tiles a weight copy takes; `dynamic_k_chunks` only which work units a CTA walks); the epilogue
 variants nothing of the code (they skip it at run time); the panel variants from the GEMM2 that
 quantizes its rows (per-token W4A4, T = 1), and nothing of its consumers or its weight stream."""
 
@@ -292,3 +292,24 @@ def test_the_copy_removing_variants_build_on_grouped_weight_copies(tmp_path):
     no_weights, skeleton = (sass(out / f"{name}.cubin") for name in names)
     assert "UBLKCP" not in no_weights and no_weights.count("LDGSTS.E") == 2 and "HMMA" in no_weights
     assert "UBLKCP" not in skeleton and "LDGSTS.E" not in skeleton and "HMMA" not in skeleton
+
+
+def test_the_short_item_skeleton_cuts_only_the_items_k_loop():
+    """`skeleton_short_items` keeps `skeleton`'s items (the same places, slices and copies per group) and cuts
+    each one's k loop to one weight copy: GLM's decode GEMM1 at T = 1 (48 k tiles of 128 per item, two per
+    copy) and its fused GEMM2 in two slices of K."""
+    from benchmarks import sm90_consumer_probe as probe
+
+    options = dict(
+        num_experts=256, prepared_k=6144, act_k=6144, tile_features=64, tile_rows=8, row_granule=8, tile_k=128,
+        stages=16, ctas_per_sm=2, max_ctas=264, top_k=8, tiles_per_copy=2,
+    )
+    for epilogue, rows, extra in (("gemm1", 1024, {}), ("gemm2_fused", 6144, {"activation": "none", "k_splits": 2})):
+        skeleton, short = (
+            probe.VARIANTS[name](epilogue=epilogue, prepared_rows=rows, out_features=rows, **options, **extra)
+            for name in ("skeleton", "skeleton_short_items")
+        )
+        assert skeleton.k_iterations == 48 // extra.get("k_splits", 1) and short.k_iterations == 2
+        assert (short.k_splits, short.tiles_per_copy, short.feature_blocks) == (
+            skeleton.k_splits, skeleton.tiles_per_copy, skeleton.feature_blocks
+        )
