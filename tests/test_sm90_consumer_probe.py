@@ -155,14 +155,19 @@ def test_each_panel_variant_drops_its_part_of_the_panel(tmp_path):
         assert text.count("HGMMA") == code["default"].count("HGMMA") > 0 and "UBLKCP.S.G" in text, name
 
 
+_GLM_DECODE_GEMM_OPTIONS = dict(
+    num_experts=256, prepared_k=6144, act_k=6144, tile_features=64, tile_rows=8, row_granule=8, tile_k=128,
+    stages=16, ctas_per_sm=2, max_ctas=264, top_k=8,
+)
+"""`MoEGemmSm90` options of GLM's decode GEMMs at T = 1 (64-feature CTAs, 8-row tiles, 48 k tiles of 128),
+less the rows, for the variants' constructor tests."""
+
+
 @pytest.mark.parametrize("name, splits", [("gemm1_k_splits_2", 2), ("gemm1_k_splits_4", 4)])
 def test_the_gemm1_split_variants_slice_gemm1_only(name, splits):
     from benchmarks import sm90_consumer_probe as probe
 
-    options = dict(
-        num_experts=256, prepared_rows=1024, prepared_k=6144, act_k=6144, tile_features=64, tile_rows=8,
-        row_granule=8, tile_k=128, stages=16, ctas_per_sm=2, max_ctas=264, top_k=8,
-    )
+    options = dict(_GLM_DECODE_GEMM_OPTIONS, prepared_rows=1024)
     gemm1 = probe.VARIANTS[name](epilogue="gemm1", out_features=512, **options)
     # GLM's GEMM1 at T = 1: 48 k tiles of 128 K per 64-feature item, now `splits` items of fewer.
     assert (gemm1.k_splits, gemm1.k_iterations) == (splits, 48 // splits)
@@ -300,10 +305,7 @@ def test_the_short_item_skeleton_cuts_only_the_items_k_loop():
     copy) and its fused GEMM2 in two slices of K."""
     from benchmarks import sm90_consumer_probe as probe
 
-    options = dict(
-        num_experts=256, prepared_k=6144, act_k=6144, tile_features=64, tile_rows=8, row_granule=8, tile_k=128,
-        stages=16, ctas_per_sm=2, max_ctas=264, top_k=8, tiles_per_copy=2,
-    )
+    options = dict(_GLM_DECODE_GEMM_OPTIONS, tiles_per_copy=2)
     for epilogue, rows, extra in (("gemm1", 1024, {}), ("gemm2_fused", 6144, {"activation": "none", "k_splits": 2})):
         skeleton, short = (
             probe.VARIANTS[name](epilogue=epilogue, prepared_rows=rows, out_features=rows, **options, **extra)
