@@ -1,7 +1,8 @@
 """A small `fused_moe` on the sm90 kernels (E=8, H=256, I=128, top-2, T in {1, 37, 300, 400}: plan tiles of
 8, 32, 128 and 192 rows; W4A16, per-tensor and per-token W4A4; fused and deterministic finalize), routed by
-the sm90 routing kernels (softmax over 8 experts; DeepSeek-V3 routing over 72 on the side): the case the
-memory and race checkers run,
+the sm90 routing kernels (softmax over 8 experts; DeepSeek-V3 routing over 72 on the side), and the aligned
+MoE on the same experts and routing (blocks of 8 and 64 rows: at T = 1 with 8-row blocks its one-kernel
+path, otherwise its composition): the case the memory and race checkers run,
 
     compute-sanitizer --tool memcheck --report-api-errors no python -m benchmarks.sm90_moe_small [--sms 2]
     compute-sanitizer --tool racecheck python -m benchmarks.sm90_moe_small [--sms 2]
@@ -11,8 +12,8 @@ lacks, and memcheck would report each failed lookup as an error; they are not ke
 
 `--sms N` sizes the launches for a GPU of N multiprocessors (the GPU itself runs them): with few, this
 small problem takes the configurations of large ones (256-feature CTAs for its 128-row tiles, each CTA
-walking several work items). Prints one line per call (mode, T, deterministic, output norm); exits 1 if
-the two finalize modes differ beyond FP32 summation order.
+walking several work items). Prints one line per call (mode, T, deterministic or block_m, output norm);
+exits 1 if the two finalize modes, or the aligned MoE's two block sizes, differ beyond FP32 summation order.
 """
 
 import argparse
@@ -28,6 +29,7 @@ from fp4moe.kernels.sm90 import moe_launch
 
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 8, 256, 128, 2
 MODES = {"w4a16": ("w4a16", False), "w4a4_tensor": ("w4a4", False), "w4a4_token": ("w4a4", True)}
+ALIGNED_BLOCKS = (8, 64)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +72,29 @@ def run() -> int:
                 print(mode, tokens, deterministic, float(out.float().norm()), flush=True)
                 outs.append(out.float())
             ok &= torch.allclose(outs[0], outs[1], rtol=1e-2, atol=1e-2)
+            if mode == "w4a16":
+                ok &= aligned_outputs_agree(ops, weights, x, topk_ids, topk_weights)
     return 0 if ok else 1
+
+
+def aligned_outputs_agree(ops, weights, x, topk_ids, topk_weights) -> bool:
+    """`aligned_moe_` on `x` (NVFP4 without a global scale) with each of `ALIGNED_BLOCKS`' route plans,
+    into an `out` that starts from `x` (the op adds to it); whether the block sizes agree."""
+    hidden, hidden_scales = ops.quantize(x, torch.ones(1, device=x.device), "linear", "off")
+    w1_alpha, w2_alpha = weights.alphas()
+    outs = []
+    for block_m in ALIGNED_BLOCKS:
+        sorted_token_ids, expert_ids, num_tokens_post_padded = ops.align_block_size(topk_ids, block_m, EXPERTS)
+        out = x.clone()
+        ops.aligned_moe_(
+            out, hidden, hidden_scales, weights.w1, weights.w1_scales, weights.w2, weights.w2_scales, w1_alpha,
+            w1_alpha, w2_alpha, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, 1.0, block_m,
+            weight_layout="sm90",
+        )
+        torch.cuda.synchronize()
+        print("aligned", x.shape[0], block_m, float(out.float().norm()), flush=True)
+        outs.append(out.float())
+    return torch.allclose(outs[0], outs[1], rtol=1e-2, atol=1e-2)
 
 
 if __name__ == "__main__":
