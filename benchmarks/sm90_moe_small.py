@@ -6,13 +6,19 @@ path, otherwise its composition): the case the memory and race checkers run,
 
     compute-sanitizer --tool memcheck --report-api-errors no python -m benchmarks.sm90_moe_small [--sms 2]
     compute-sanitizer --tool racecheck python -m benchmarks.sm90_moe_small [--sms 2]
+    compute-sanitizer --tool memcheck --report-api-errors no python -m benchmarks.sm90_moe_small \
+        --shapes glm deepseek_v3_ep32
 
 (`--report-api-errors no`: cuda-python's driver module looks up driver entry points that this driver
 lacks, and memcheck would report each failed lookup as an error; they are not kernel errors.)
 
 `--sms N` sizes the launches for a GPU of N multiprocessors (the GPU itself runs them): with few, this
 small problem takes the configurations of large ones (256-feature CTAs for its 128-row tiles, each CTA
-walking several work items). Prints one line per call (mode, T, deterministic or block_m, output norm);
+walking several work items). `--shapes` runs the benchmark harness's shapes (`benchmarks.moe_cases.SHAPES`)
+at decode sizes instead (T = 1, 2, 3, 8; every mode, both finalizes, the aligned MoE with 8-row blocks):
+the configurations only real sizes take, such as 64-feature decode CTAs copying two k tiles at a time,
+GEMM2 quantizing its own rows, CTAs of seven consumer groups and the aligned one-kernel path with
+64-feature slices. Prints one line per call (mode, T, deterministic or block_m, output norm);
 exits 1 if the two finalize modes, or the aligned MoE's two block sizes, differ beyond FP32 summation order.
 """
 
@@ -23,22 +29,26 @@ from unittest import mock
 
 import torch
 
-from benchmarks.moe_cases import random_moe_weights
+from benchmarks.moe_cases import QUANT_CONFIGS, SHAPES, MoEProblem, random_moe_weights
 from fp4moe import nvfp4
 from fp4moe.kernels.sm90 import moe_launch
 
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 8, 256, 128, 2
 MODES = {"w4a16": ("w4a16", False), "w4a4_tensor": ("w4a4", False), "w4a4_token": ("w4a4", True)}
 ALIGNED_BLOCKS = (8, 64)
+DECODE_TOKENS = (1, 2, 3, 8)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="A small fused_moe on the sm90 kernels, for compute-sanitizer.")
     parser.add_argument("--sms", type=int, help="size the launches for a GPU of this many multiprocessors")
+    parser.add_argument(
+        "--shapes", nargs="+", choices=list(SHAPES), help="the harness's shapes at decode sizes instead of the small case"
+    )
     args = parser.parse_args(argv)
     sized = mock.patch.object(moe_launch, "sm_count", lambda index: args.sms) if args.sms else contextlib.nullcontext()
     with sized:
-        return run()
+        return run_shapes(args.shapes) if args.shapes else run()
 
 
 def run() -> int:
@@ -77,15 +87,40 @@ def run() -> int:
     return 0 if ok else 1
 
 
+def run_shapes(shape_names, device: str = "cuda") -> int:
+    """Every mode with both finalizes and the aligned MoE (8-row blocks) on each shape at `DECODE_TOKENS`;
+    1 if a call's two finalizes differ beyond FP32 summation order."""
+    ops = torch.ops.fp4moe
+    ok = True
+    for name in shape_names:
+        problem = MoEProblem(SHAPES[name], max(DECODE_TOKENS), torch.device(device), seed=0)
+        for tokens in DECODE_TOKENS:
+            case = problem.case(tokens)
+            for config in QUANT_CONFIGS:
+                arguments = case.fused_moe_arguments(config)
+                outs = []
+                for deterministic in (False, True):
+                    out = ops.fused_moe(**{**arguments, "deterministic": deterministic})
+                    torch.cuda.synchronize()
+                    print(name, config.name, tokens, deterministic, float(out.float().norm()), flush=True)
+                    outs.append(out.float())
+                ok &= torch.allclose(outs[0], outs[1], rtol=1e-2, atol=1e-2)
+            out = torch.zeros_like(case.x)
+            ops.aligned_moe_(out, **case.aligned_moe_arguments(block_m=8))
+            torch.cuda.synchronize()
+            print(name, "aligned", tokens, 8, float(out.float().norm()), flush=True)
+    return 0 if ok else 1
+
+
 def aligned_outputs_agree(ops, weights, x, topk_ids, topk_weights) -> bool:
     """`aligned_moe_` on `x` (NVFP4 without a global scale) with each of `ALIGNED_BLOCKS`' route plans,
-    into an `out` that starts from `x` (the op adds to it); whether the block sizes agree."""
+    into a zeroed `out` (the op adds to it); whether the block sizes agree."""
     hidden, hidden_scales = ops.quantize(x, torch.ones(1, device=x.device), "linear", "off")
     w1_alpha, w2_alpha = weights.alphas()
     outs = []
     for block_m in ALIGNED_BLOCKS:
         sorted_token_ids, expert_ids, num_tokens_post_padded = ops.align_block_size(topk_ids, block_m, EXPERTS)
-        out = x.clone()
+        out = torch.zeros_like(x)
         ops.aligned_moe_(
             out, hidden, hidden_scales, weights.w1, weights.w1_scales, weights.w2, weights.w2_scales, w1_alpha,
             w1_alpha, w2_alpha, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, 1.0, block_m,
