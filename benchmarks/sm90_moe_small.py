@@ -16,10 +16,11 @@ lacks, and memcheck would report each failed lookup as an error; they are not ke
 small problem takes the configurations of large ones (256-feature CTAs for its 128-row tiles, each CTA
 walking several work items). `--shapes` runs the benchmark harness's shapes (`benchmarks.moe_cases.SHAPES`)
 at decode sizes instead (T = 1, 2, 4, 8: the rescan and aux-amax paths; every mode, both finalizes, the
-aligned MoE with 8-row blocks): the configurations only real sizes take, such as 64-feature decode CTAs copying two k tiles at a time,
-GEMM2 quantizing its own rows, CTAs of seven consumer groups and the aligned one-kernel path with
-64-feature slices. Prints one line per call (mode, T, deterministic or block_m, output norm);
-exits 1 if the two finalize modes, or the aligned MoE's two block sizes, differ beyond FP32 summation order.
+aligned MoE with 8-row blocks): the configurations only real sizes take, such as 64-feature decode CTAs
+copying two k tiles at a time, GEMM2 quantizing its own rows, CTAs of seven consumer groups and the aligned
+one-kernel path with 64-feature slices. Prints one line per call (mode, T, deterministic or block_m, output
+norm); exits 1 if the two finalize modes, or the aligned MoE's two block sizes, differ beyond FP32 summation
+order.
 """
 
 import argparse
