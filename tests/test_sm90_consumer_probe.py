@@ -201,8 +201,8 @@ def test_grouped_copies_expect_a_group_of_k_tiles_on_one_barrier_and_keep_the_re
     decode GEMM1 (CTAs of one 64-row block; the kernel's own `tiles_per_copy`): thread 0 expects one, two or
     four k tiles' weight bytes (4,608 each: 4 KB of codes, 512 B of scales) on the group's first `full`,
     still in one bulk copy of codes and one of scales, and arrives plainly on each later stage's `full`; the
-    activation copies and their arrivals come once per k tile of the group; the consumers' code is the
-    same."""
+    producer waits for each stage of the group to be free (one phase check per stage); the activation
+    copies and their arrivals come once per k tile of the group; the consumers' code is the same."""
     from fp4moe.kernels.sm90.moe_gemm import WEIGHT_COPY_K_TILES
 
     names = ("grouped_copies_1", "default", "grouped_copies_2", "grouped_copies_4")
@@ -215,6 +215,8 @@ def test_grouped_copies_expect_a_group_of_k_tiles_on_one_barrier_and_keep_the_re
             assert (f"0x{other * 4608:x} " in kernel) == (other == group), (name, other)
         plain = kernel.count("SYNCS.ARRIVE.TRANS64.A1T0") - single.count("SYNCS.ARRIVE.TRANS64.A1T0")
         assert plain == group - 1, name
+        waits = kernel.count("SYNCS.PHASECHK.TRANS64 ") - single.count("SYNCS.PHASECHK.TRANS64 ")
+        assert waits == group - 1, name
         for instruction in ("LDGSTS.E", "LDGSTSBAR"):
             assert kernel.count(instruction) == group * single.count(instruction) > 0, (name, instruction)
         for instruction in ("HMMA", "HMUL2.BF16_V2", "UBLKCP.S.G"):

@@ -886,8 +886,11 @@ class MoEGemmSm90:
         activation copies arriving on their stage's `full`.
 
         With `tiles_per_copy` = G > 1 the weights come G k tiles at a time, in one bulk copy each of codes
-        and scales into G consecutive stages (`copy_weights`), once the group's last stage is free
-        (consumers release stages in order, so the others are free too). The group's weight bytes complete
+        and scales into G consecutive stages (`copy_weights`), once the group's stages are free. Consumers
+        release stages in order, so the last stage's release would do; the producer waits for each stage's
+        all the same, so that no phase of a stage's `empty` completes unobserved (which
+        `compute-sanitizer --tool synccheck` reports as a missing wait), at no cost: by the time the last
+        stage is free the others are. The group's weight bytes complete
         on its first stage's `full`; each later stage's `full` takes thread 0's plain arrival in place of
         the expectation, and its k tile's activation copies. Consumers wait for the stages in order, so
         the first stage's `full` has covered a later stage's weights before they read them."""
@@ -901,7 +904,8 @@ class MoEGemmSm90:
             k_first = weights[-1]
             for g in cutlass.range(self.k_iterations // group, unroll=1):
                 k = g * group
-                cute.arch.mbarrier_wait(empty + stage + (group - 1), phase ^ 1)
+                for j in cutlass.range_constexpr(group):
+                    cute.arch.mbarrier_wait(empty + stage + j, phase ^ 1)
                 if cute.arch.thread_idx()[0] == 0:
                     self.copy_weights(k, stage, full, weights, tiles=group)
                 for j in cutlass.range_constexpr(group):
