@@ -72,17 +72,12 @@ def run() -> int:
                     fc2_input_scale=nvfp4.global_scale_from_amax(torch.tensor([64.0], device="cuda")),
                 )
             w1_alpha, w2_alpha = weights.alphas(scales.get("fc1_input_scale"), scales.get("fc2_input_scale"))
-            outs = []
-            for deterministic in (False, True):
-                out = ops.fused_moe(
-                    x, topk_ids, topk_weights, weights.w1, weights.w1_scales, w1_alpha, weights.w2, weights.w2_scales,
-                    w2_alpha, quant_mode=quant_mode, per_token_activation=per_token, weight_layout="sm90",
-                    deterministic=deterministic, **scales,
-                )
-                torch.cuda.synchronize()
-                print(mode, tokens, deterministic, float(out.float().norm()), flush=True)
-                outs.append(out.float())
-            ok &= torch.allclose(outs[0], outs[1], rtol=1e-2, atol=1e-2)
+            arguments = dict(
+                x=x, topk_ids=topk_ids, topk_weights=topk_weights, w1=weights.w1, w1_scales=weights.w1_scales,
+                w1_alpha=w1_alpha, w2=weights.w2, w2_scales=weights.w2_scales, w2_alpha=w2_alpha,
+                quant_mode=quant_mode, per_token_activation=per_token, weight_layout="sm90", **scales,
+            )
+            ok &= finalizes_agree(ops, arguments, mode, tokens)
             if mode == "w4a16":
                 ok &= aligned_outputs_agree(ops, weights, x, topk_ids, topk_weights)
     return 0 if ok else 1
@@ -98,19 +93,24 @@ def run_shapes(shape_names, device: str = "cuda") -> int:
         for tokens in DECODE_TOKENS:
             case = problem.case(tokens)
             for config in QUANT_CONFIGS:
-                arguments = case.fused_moe_arguments(config)
-                outs = []
-                for deterministic in (False, True):
-                    out = ops.fused_moe(**{**arguments, "deterministic": deterministic})
-                    torch.cuda.synchronize()
-                    print(name, config.name, tokens, deterministic, float(out.float().norm()), flush=True)
-                    outs.append(out.float())
-                ok &= torch.allclose(outs[0], outs[1], rtol=1e-2, atol=1e-2)
+                ok &= finalizes_agree(ops, case.fused_moe_arguments(config), name, config.name, tokens)
             out = torch.zeros_like(case.x)
             ops.aligned_moe_(out, **case.aligned_moe_arguments(block_m=8))
             torch.cuda.synchronize()
             print(name, "aligned", tokens, 8, float(out.float().norm()), flush=True)
     return 0 if ok else 1
+
+
+def finalizes_agree(ops, arguments: dict, *label) -> bool:
+    """`fused_moe` on `arguments` with the fused and the deterministic finalize, one line each (`label`, the
+    finalize, the output's norm); whether the two agree up to FP32 summation order."""
+    outs = []
+    for deterministic in (False, True):
+        out = ops.fused_moe(**{**arguments, "deterministic": deterministic})
+        torch.cuda.synchronize()
+        print(*label, deterministic, float(out.float().norm()), flush=True)
+        outs.append(out.float())
+    return torch.allclose(outs[0], outs[1], rtol=1e-2, atol=1e-2)
 
 
 def aligned_outputs_agree(ops, weights, x, topk_ids, topk_weights) -> bool:
