@@ -8,6 +8,7 @@ path, otherwise its composition): the case the memory and race checkers run,
     compute-sanitizer --tool racecheck python -m benchmarks.sm90_moe_small [--sms 2]
     compute-sanitizer --tool memcheck --report-api-errors no python -m benchmarks.sm90_moe_small \
         --shapes glm deepseek_v3_ep32
+    compute-sanitizer --tool synccheck python -m benchmarks.sm90_moe_small --shapes deepseek_v3 --tokens 1 2
 
 (`--report-api-errors no`: cuda-python's driver module looks up driver entry points that this driver
 lacks, and memcheck would report each failed lookup as an error; they are not kernel errors.)
@@ -15,7 +16,7 @@ lacks, and memcheck would report each failed lookup as an error; they are not ke
 `--sms N` sizes the launches for a GPU of N multiprocessors (the GPU itself runs them): with few, this
 small problem takes the configurations of large ones (256-feature CTAs for its 128-row tiles, each CTA
 walking several work items). `--shapes` runs the benchmark harness's shapes (`benchmarks.moe_cases.SHAPES`)
-at decode sizes instead (T = 1, 2, 4, 8: the rescan and aux-amax paths; every mode, both finalizes, the
+at decode sizes instead (T = 1, 2, 4, 8 unless `--tokens` names others: the rescan and aux-amax paths; every mode, both finalizes, the
 aligned MoE with 8-row blocks): the configurations only real sizes take, such as 64-feature decode CTAs
 copying two k tiles at a time, GEMM2 quantizing its own rows, CTAs of seven consumer groups and the aligned
 one-kernel path with 64-feature slices. Prints one line per call (mode, T, deterministic or block_m, output
@@ -46,10 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--shapes", nargs="+", choices=list(SHAPES), help="the harness's shapes at decode sizes instead of the small case"
     )
+    parser.add_argument(
+        "--tokens", nargs="+", type=int, default=list(DECODE_TOKENS), help="token counts of the shapes mode"
+    )
     args = parser.parse_args(argv)
+    if args.tokens != list(DECODE_TOKENS) and not args.shapes:
+        parser.error("--tokens applies to the shapes mode (--shapes)")
     sized = mock.patch.object(moe_launch, "sm_count", lambda index: args.sms) if args.sms else contextlib.nullcontext()
     with sized:
-        return run_shapes(args.shapes) if args.shapes else run()
+        return run_shapes(args.shapes, args.tokens) if args.shapes else run()
 
 
 def run() -> int:
@@ -83,14 +89,14 @@ def run() -> int:
     return 0 if ok else 1
 
 
-def run_shapes(shape_names, device: str = "cuda") -> int:
-    """Every mode with both finalizes and the aligned MoE (8-row blocks) on each shape at `DECODE_TOKENS`;
-    1 if a call's two finalizes differ beyond FP32 summation order."""
+def run_shapes(shape_names, token_counts=DECODE_TOKENS, device: str = "cuda") -> int:
+    """Every mode with both finalizes and the aligned MoE (8-row blocks) on each shape at each of
+    `token_counts`; 1 if a call's two finalizes differ beyond FP32 summation order."""
     ops = torch.ops.fp4moe
     ok = True
     for name in shape_names:
-        problem = MoEProblem(SHAPES[name], max(DECODE_TOKENS), torch.device(device), seed=0)
-        for tokens in DECODE_TOKENS:
+        problem = MoEProblem(SHAPES[name], max(token_counts), torch.device(device), seed=0)
+        for tokens in token_counts:
             case = problem.case(tokens)
             for config in QUANT_CONFIGS:
                 ok &= finalizes_agree(ops, case.fused_moe_arguments(config), name, config.name, tokens)

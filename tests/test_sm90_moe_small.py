@@ -22,8 +22,7 @@ def test_the_shapes_mode_calls_every_mode_both_finalizes_and_the_aligned_moe(mon
         SHAPES["qwen3_30b_a3b"], name="tiny", num_experts=16, top_k=4, hidden_size=256, intermediate_size=128
     )
     monkeypatch.setitem(small.SHAPES, "tiny", tiny)
-    monkeypatch.setattr(small, "DECODE_TOKENS", (1, 4))
-    assert small.run_shapes(["tiny"], device="cpu") == 0
+    assert small.run_shapes(["tiny"], (1, 4), device="cpu") == 0
     lines = capsys.readouterr().out.splitlines()
     calls = [line.split()[:4] for line in lines]
     expected = [
@@ -48,6 +47,8 @@ def test_the_aligned_moe_agrees_across_its_block_sizes(capsys, no_cuda_sync):
     assert float(norms[0][3]) > 0
 
 
-def test_an_unknown_shape_is_refused():
+@pytest.mark.parametrize("argv", [["--shapes", "no_such_shape"], ["--tokens", "1"]])
+def test_bad_arguments_are_refused(argv):
+    """An unknown shape; token counts without the shapes mode (the small case has its own)."""
     with pytest.raises(SystemExit):
-        small.main(["--shapes", "no_such_shape"])
+        small.main(argv)
