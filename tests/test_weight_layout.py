@@ -91,3 +91,27 @@ def test_scale_expansion_and_the_scaled_product_are_exact_for_every_code_and_sca
     product = (decoded[:, None] * expanded[None, :]).bfloat16().float()  # mul.rn.bf16x2
     exact = values[:, None] * scales[None, :] * 2.0 ** -gemm_device.WEIGHT_DECODE_EXPONENT
     assert torch.equal(product, exact)
+
+
+@pytest.mark.gpu
+def test_preparing_on_the_gpu_holds_one_experts_temporaries_at_a_time():
+    """`prepare_sm90` of 24 experts shaped like DeepSeek-V3's w1 (2 x 2048 rows, K = 7168) on the GPU: the
+    same bytes as on the CPU (first and last expert), and a peak allocation over its inputs of the prepared
+    weights plus one expert's temporaries (on the CPU about 19 bytes per weight value), not temporaries that
+    pile up with the experts. (A whole DeepSeek-V3 layer, 256 experts, is prepared on the card.)"""
+    experts, rows, k = 24, 4096, 7168
+    codes, scales = random_weights(experts, rows, k, seed=11)
+    codes, scales = codes.cuda(), scales.cuda()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    prepared = weight_layout.prepare_sm90(codes, scales, gated=True)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    prepared_bytes = sum(t.numel() for t in prepared)
+    one_expert_temporaries = 24 * rows * k
+    assert prepared_bytes < peak <= prepared_bytes + one_expert_temporaries, (peak, prepared_bytes)
+    for e in (0, experts - 1):
+        on_cpu = weight_layout.prepare_sm90(codes[e : e + 1].cpu(), scales[e : e + 1].cpu(), gated=True)
+        for on_gpu, expected in zip(prepared, on_cpu, strict=True):
+            assert torch.equal(on_gpu[e : e + 1].cpu(), expected)
