@@ -139,6 +139,27 @@ def random_moe_weights(
     return MoEWeights(w1, w1_scales, w1_gs, w2, w2_scales, w2_gs, "swiglu")
 
 
+def aligned_moe_arguments(
+    weights: MoEWeights, x, topk_ids, topk_weights, block_m: int, local_experts: int, local_expert_offset: int = 0,
+    global_num_experts: int | None = None,
+) -> dict:
+    """Every argument of `aligned_moe_` but `out`, for the MoE layer of `weights` on `x` routed by `topk_ids`:
+    `x` quantized to NVFP4 without a global scale (the aligned MoE's `hidden`), the W4A16 alphas as
+    `scale_gate = scale_up` and `scale_down`, the route plan of `align_block_size` (built here, as an engine
+    builds it before the layer) and a routed scaling factor of 1 (the routing weights carry any)."""
+    w1_alpha, w2_alpha = weights.alphas()
+    hidden, hidden_scales = ops.quantize(x, torch.ones(1, device=x.device), "linear", "off")
+    plan = ops.align_block_size(topk_ids, block_m, local_experts, local_expert_offset)
+    return dict(
+        hidden=hidden, hidden_scales=hidden_scales,
+        w1=weights.w1, w1_scales=weights.w1_scales, w2=weights.w2, w2_scales=weights.w2_scales,
+        scale_gate=w1_alpha, scale_up=w1_alpha, scale_down=w2_alpha,
+        sorted_token_ids=plan[0], expert_ids=plan[1], num_tokens_post_padded=plan[2],
+        topk_weights=topk_weights, routed_scaling_factor=1.0, block_m=block_m, weight_layout=weights.layout,
+        global_num_experts=global_num_experts,
+    )
+
+
 @dataclass(frozen=True)
 class MoECase:
     """The first `num_tokens` tokens of a problem, with the host-side counts that judge its timings
@@ -234,23 +255,12 @@ class MoEProblem:
         )
 
     def aligned_moe_arguments(self, x, topk_ids, topk_weights, block_m: int, prepared: bool = True) -> dict:
-        """Every argument of `aligned_moe_` but `out`, for the same layer: `x` quantized to NVFP4 without
-        a global scale (the aligned MoE's `hidden`), the experts (prepared, as the kernels read them, or
-        linear), the W4A16 alphas as `scale_gate = scale_up` and `scale_down`, the route plan of
-        `align_block_size` (built here, as an engine builds it before the layer), a routed scaling
-        factor of 1 (the routing weights already carry the shape's) and the router's expert count as the
-        size hint `global_num_experts`, as `fused_moe_arguments` passes it."""
-        w = self.prepared_weights if prepared else self.weights
-        w1_alpha, w2_alpha = w.alphas()
-        hidden, hidden_scales = ops.quantize(x, torch.ones(1, device=x.device), "linear", "off")
-        plan = ops.align_block_size(topk_ids, block_m, self.shape.local_experts, self.shape.local_expert_offset)
-        return dict(
-            hidden=hidden, hidden_scales=hidden_scales,
-            w1=w.w1, w1_scales=w.w1_scales, w2=w.w2, w2_scales=w.w2_scales,
-            scale_gate=w1_alpha, scale_up=w1_alpha, scale_down=w2_alpha,
-            sorted_token_ids=plan[0], expert_ids=plan[1], num_tokens_post_padded=plan[2],
-            topk_weights=topk_weights, routed_scaling_factor=1.0, block_m=block_m, weight_layout=w.layout,
-            global_num_experts=self.shape.num_experts,
+        """`aligned_moe_arguments` for the same layer: the experts prepared (as the kernels read them) or
+        linear, the local experts of the shape, the router's expert count as the size hint
+        `global_num_experts`, as `fused_moe_arguments` passes it."""
+        return aligned_moe_arguments(
+            self.prepared_weights if prepared else self.weights, x, topk_ids, topk_weights, block_m,
+            self.shape.local_experts, self.shape.local_expert_offset, self.shape.num_experts,
         )
 
     @functools.cached_property

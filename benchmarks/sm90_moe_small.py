@@ -31,7 +31,7 @@ from unittest import mock
 
 import torch
 
-from benchmarks.moe_cases import QUANT_CONFIGS, SHAPES, MoEProblem, random_moe_weights
+from benchmarks.moe_cases import QUANT_CONFIGS, SHAPES, MoEProblem, aligned_moe_arguments, random_moe_weights
 from fp4moe import nvfp4
 from fp4moe.kernels.sm90 import moe_launch
 
@@ -120,19 +120,12 @@ def finalizes_agree(ops, arguments: dict, *label) -> bool:
 
 
 def aligned_outputs_agree(ops, weights, x, topk_ids, topk_weights) -> bool:
-    """`aligned_moe_` on `x` (NVFP4 without a global scale) with each of `ALIGNED_BLOCKS`' route plans,
+    """`aligned_moe_` on `x` with each of `ALIGNED_BLOCKS`' route plans (`moe_cases.aligned_moe_arguments`),
     into a zeroed `out` (the op adds to it); whether the block sizes agree."""
-    hidden, hidden_scales = ops.quantize(x, torch.ones(1, device=x.device), "linear", "off")
-    w1_alpha, w2_alpha = weights.alphas()
     outs = []
     for block_m in ALIGNED_BLOCKS:
-        sorted_token_ids, expert_ids, num_tokens_post_padded = ops.align_block_size(topk_ids, block_m, EXPERTS)
         out = torch.zeros_like(x)
-        ops.aligned_moe_(
-            out, hidden, hidden_scales, weights.w1, weights.w1_scales, weights.w2, weights.w2_scales, w1_alpha,
-            w1_alpha, w2_alpha, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, 1.0, block_m,
-            weight_layout="sm90",
-        )
+        ops.aligned_moe_(out, **aligned_moe_arguments(weights, x, topk_ids, topk_weights, block_m, EXPERTS))
         torch.cuda.synchronize()
         print("aligned", x.shape[0], block_m, float(out.float().norm()), flush=True)
         outs.append(out.float())
