@@ -16,12 +16,12 @@ lacks, and memcheck would report each failed lookup as an error; they are not ke
 `--sms N` sizes the launches for a GPU of N multiprocessors (the GPU itself runs them): with few, this
 small problem takes the configurations of large ones (256-feature CTAs for its 128-row tiles, each CTA
 walking several work items). `--shapes` runs the benchmark harness's shapes (`benchmarks.moe_cases.SHAPES`)
-at decode sizes instead (T = 1, 2, 4, 8 unless `--tokens` names others: the rescan and aux-amax paths; every mode, both finalizes, the
-aligned MoE with 8-row blocks): the configurations only real sizes take, such as 64-feature decode CTAs
-copying two k tiles at a time, GEMM2 quantizing its own rows, CTAs of seven consumer groups and the aligned
-one-kernel path with 64-feature slices. Prints one line per call (mode, T, deterministic or block_m, output
-norm); exits 1 if the two finalize modes, or the aligned MoE's two block sizes, differ beyond FP32 summation
-order.
+at decode sizes instead (T = 1, 2, 4, 8 unless `--tokens` names others: the rescan and aux-amax paths;
+every mode, both finalizes, the aligned MoE with 8-row blocks): the configurations only real sizes take,
+such as 64-feature decode CTAs copying two k tiles at a time, GEMM2 quantizing its own rows, CTAs of seven
+consumer groups and the aligned one-kernel path with 64-feature slices. Prints one line per call (mode, T,
+deterministic or block_m, output norm); exits 1 if the two finalize modes, or the aligned MoE's two block
+sizes, differ beyond FP32 summation order.
 """
 
 import argparse
@@ -39,6 +39,9 @@ EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 8, 256, 128, 2
 MODES = {"w4a16": ("w4a16", False), "w4a4_tensor": ("w4a4", False), "w4a4_token": ("w4a4", True)}
 ALIGNED_BLOCKS = (8, 64)
 DECODE_TOKENS = (1, 2, 4, 8)
+AGREEMENT = dict(rtol=1e-2, atol=1e-2)
+"""How closely two outputs of one layer that differ only in FP32 summation order (the finalize, the aligned
+MoE's block size) agree."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,14 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         "--shapes", nargs="+", choices=list(SHAPES), help="the harness's shapes at decode sizes instead of the small case"
     )
     parser.add_argument(
-        "--tokens", nargs="+", type=int, default=list(DECODE_TOKENS), help="token counts of the shapes mode"
+        "--tokens", nargs="+", type=int, help=f"token counts of the shapes mode (default: {list(DECODE_TOKENS)})"
     )
     args = parser.parse_args(argv)
-    if args.tokens != list(DECODE_TOKENS) and not args.shapes:
+    if args.tokens and not args.shapes:
         parser.error("--tokens applies to the shapes mode (--shapes)")
     sized = mock.patch.object(moe_launch, "sm_count", lambda index: args.sms) if args.sms else contextlib.nullcontext()
     with sized:
-        return run_shapes(args.shapes, args.tokens) if args.shapes else run()
+        return run_shapes(args.shapes, args.tokens or DECODE_TOKENS) if args.shapes else run()
 
 
 def run() -> int:
@@ -116,7 +119,7 @@ def finalizes_agree(ops, arguments: dict, *label) -> bool:
         torch.cuda.synchronize()
         print(*label, deterministic, float(out.float().norm()), flush=True)
         outs.append(out.float())
-    return torch.allclose(outs[0], outs[1], rtol=1e-2, atol=1e-2)
+    return torch.allclose(outs[0], outs[1], **AGREEMENT)
 
 
 def aligned_outputs_agree(ops, weights, x, topk_ids, topk_weights) -> bool:
@@ -129,7 +132,7 @@ def aligned_outputs_agree(ops, weights, x, topk_ids, topk_weights) -> bool:
         torch.cuda.synchronize()
         print("aligned", x.shape[0], block_m, float(out.float().norm()), flush=True)
         outs.append(out.float())
-    return torch.allclose(outs[0], outs[1], rtol=1e-2, atol=1e-2)
+    return torch.allclose(outs[0], outs[1], **AGREEMENT)
 
 
 if __name__ == "__main__":
