@@ -12,8 +12,8 @@ import fp4moe  # noqa: F401  (registers torch.ops.fp4moe)
 def pytest_configure(config):
     # Each xdist worker would otherwise start one OpenMP thread per core for torch's CPU ops: N workers
     # oversubscribe the cores N times over, and the threads' spin-waits at every small op's barrier turn a
-    # 0.3 s test into minutes (a GPU suite at -n 15 on 16 cores: 35 tests past 90 s instead of 13 s). An
-    # explicit OMP_NUM_THREADS is the user's choice and stays.
+    # test of a fraction of a second into minutes (the runs log has the measurement). An explicit
+    # OMP_NUM_THREADS is the user's choice and stays.
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
