@@ -16,7 +16,8 @@ def pytest_configure(config):
     # OMP_NUM_THREADS is the user's choice and stays.
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // int(workers)))
 
 
 def pytest_collection_modifyitems(config, items):

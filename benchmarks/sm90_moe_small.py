@@ -14,10 +14,10 @@ path, otherwise its composition): the case the memory and race checkers run,
 (`--report-api-errors no`: cuda-python's driver module looks up driver entry points that this driver
 lacks, and memcheck would report each failed lookup as an error; they are not kernel errors. racecheck at
 the harness's sizes checks only the GEMM and aligned kernels (`--kernel-name`, substrings of the kernels'
-names): checking torch's kernels too outlasts ten minutes, and with no fp4moe kernel checked the tool stops
-at the aligned MoE's first call with "failed to handle a hardware exception", which a run without the tool
-and memcheck do not show. DeepSeek-V3 (`--shapes deepseek_v3`) does not fit an 80 GB card under any of the
-tools: in a process under compute-sanitizer each expert's preparation leaves its temporaries allocated, about
+names): checking torch's kernels too outlasts ten minutes, and with the aligned kernels left unchecked the tool
+stops at the aligned MoE's first call with "failed to handle a hardware exception", which a run without the tool
+and memcheck do not show. DeepSeek-V3 (`--shapes deepseek_v3`) does not fit an 80 GB card under memcheck or
+synccheck: in a process under compute-sanitizer each expert's preparation leaves its temporaries allocated, about
 0.3 GB per expert, where without the tool the preparation peaks at 13 GB.)
 
 `--sms N` sizes the launches for a GPU of N multiprocessors (the GPU itself runs them): with few, this
