@@ -10,15 +10,18 @@ path, otherwise its composition): the case the memory and race checkers run,
         --shapes glm deepseek_v3_ep32
     compute-sanitizer --tool racecheck --kernel-name kns=Gemm --kernel-name kns=Aligned \
         python -m benchmarks.sm90_moe_small --shapes glm deepseek_v3_ep32 qwen3_30b_a3b
+    compute-sanitizer --tool synccheck python -m benchmarks.sm90_moe_small --shapes deepseek_v3 --tokens 1 \
+        --prepare-on-cpu
 
 (`--report-api-errors no`: cuda-python's driver module looks up driver entry points that this driver
 lacks, and memcheck would report each failed lookup as an error; they are not kernel errors. racecheck at
 the harness's sizes checks only the GEMM and aligned kernels (`--kernel-name`, substrings of the kernels'
 names): checking torch's kernels too outlasts ten minutes, and with the aligned kernels left unchecked the tool
 stops at the aligned MoE's first call with "failed to handle a hardware exception", which a run without the tool
-and memcheck do not show. DeepSeek-V3 (`--shapes deepseek_v3`) does not fit an 80 GB card under memcheck or
-synccheck: in a process under compute-sanitizer each expert's preparation leaves its temporaries allocated, about
-0.3 GB per expert, where without the tool the preparation peaks at 13 GB.)
+and memcheck do not show. In a process under compute-sanitizer each expert's preparation on the GPU leaves its temporaries allocated (about
+0.3 GB per DeepSeek-V3 expert, where without the tool the whole preparation peaks at 13 GB), so DeepSeek-V3's
+experts fit an 80 GB card there only prepared on the CPU (`--prepare-on-cpu`, about a second per expert and
+thread).)
 
 `--sms N` sizes the launches for a GPU of N multiprocessors (the GPU itself runs them): with few, this
 small problem takes the configurations of large ones (256-feature CTAs for its 128-row tiles, each CTA
@@ -60,12 +63,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tokens", nargs="+", type=int, help=f"token counts of the shapes mode (default: {list(DECODE_TOKENS)})"
     )
+    parser.add_argument(
+        "--prepare-on-cpu", action="store_true",
+        help="prepare the shapes' experts on the CPU and copy them to the GPU (under compute-sanitizer, preparing "
+        "on the GPU leaves each expert's temporaries allocated, and DeepSeek-V3's do not fit)",
+    )
     args = parser.parse_args(argv)
-    if args.tokens and not args.shapes:
-        parser.error("--tokens applies to the shapes mode (--shapes)")
+    for option, given in (("--tokens", args.tokens), ("--prepare-on-cpu", args.prepare_on_cpu)):
+        if given and not args.shapes:
+            parser.error(f"{option} applies to the shapes mode (--shapes)")
     sized = mock.patch.object(moe_launch, "sm_count", lambda index: args.sms) if args.sms else contextlib.nullcontext()
     with sized:
-        return run_shapes(args.shapes, args.tokens or DECODE_TOKENS) if args.shapes else run()
+        if args.shapes:
+            return run_shapes(args.shapes, args.tokens or DECODE_TOKENS, prepare_on_cpu=args.prepare_on_cpu)
+        return run()
 
 
 def run() -> int:
@@ -99,13 +110,18 @@ def run() -> int:
     return 0 if ok else 1
 
 
-def run_shapes(shape_names, token_counts=DECODE_TOKENS, device: str = "cuda") -> int:
+def run_shapes(shape_names, token_counts=DECODE_TOKENS, device: str = "cuda", prepare_on_cpu: bool = False) -> int:
     """Every mode with both finalizes and the aligned MoE (8-row blocks) on each shape at each of
-    `token_counts`; 1 if a call's two finalizes differ beyond FP32 summation order."""
+    `token_counts`; 1 if a call's two finalizes differ beyond FP32 summation order. `prepare_on_cpu`: the
+    experts' prepared layout is made on the CPU and copied to `device` (the same bytes)."""
     ops = torch.ops.fp4moe
     ok = True
     for name in shape_names:
         problem = MoEProblem(SHAPES[name], max(token_counts), torch.device(device), seed=0)
+        if prepare_on_cpu:
+            print(f"[sm90_moe_small] preparing {name}'s {problem.weights.num_experts} experts on the CPU",
+                  file=sys.stderr, flush=True)
+            problem.prepared_weights = problem.weights.to("cpu").prepared().to(problem.device)
         for tokens in token_counts:
             case = problem.case(tokens)
             for config in QUANT_CONFIGS:

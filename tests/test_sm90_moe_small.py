@@ -47,8 +47,21 @@ def test_the_aligned_moe_agrees_across_its_block_sizes(capsys, no_cuda_sync):
     assert float(norms[0][3]) > 0
 
 
-@pytest.mark.parametrize("argv", [["--shapes", "no_such_shape"], ["--tokens", "1"]])
+def test_the_shapes_mode_with_experts_prepared_on_the_cpu_prints_the_same_calls(monkeypatch, capsys, no_cuda_sync):
+    tiny = dataclasses.replace(
+        SHAPES["qwen3_30b_a3b"], name="tiny", num_experts=16, top_k=4, hidden_size=256, intermediate_size=128
+    )
+    monkeypatch.setitem(small.SHAPES, "tiny", tiny)
+    assert small.run_shapes(["tiny"], (1,), device="cpu") == 0
+    directly = capsys.readouterr()
+    assert small.run_shapes(["tiny"], (1,), device="cpu", prepare_on_cpu=True) == 0
+    on_the_cpu = capsys.readouterr()
+    assert on_the_cpu.out == directly.out and len(directly.out.splitlines()) == 7
+    assert "preparing tiny's 16 experts on the CPU" in on_the_cpu.err
+
+
+@pytest.mark.parametrize("argv", [["--shapes", "no_such_shape"], ["--tokens", "1"], ["--prepare-on-cpu"]])
 def test_bad_arguments_are_refused(argv):
-    """An unknown shape; token counts without the shapes mode (the small case has its own)."""
+    """An unknown shape; token counts or CPU preparation without the shapes mode (the small case has its own)."""
     with pytest.raises(SystemExit):
         small.main(argv)
