@@ -8,7 +8,10 @@ stage chain cut after each stage, and each stage alone on inputs made before the
 - `plan`, `plan > gemm1`, `plan > gemm1 > gemm2`, `chain` (the whole call: plan > GEMM1 > GEMM2 >
   finalize, launched as `fused_moe` launches them) and the `fused_moe` op itself (control: equal to
   `chain` but for the op's dispatch);
-- `gemm1 alone`, `gemm2 alone`, `finalize alone`.
+- `gemm1 alone`, `gemm2 alone`, `finalize alone`;
+- `chain without the plan`: GEMM1 > GEMM2 > finalize on a plan made before the graph (GEMM2 then adds into
+  an accumulator no kernel zeroes, so only its time means anything): against `chain`, the most that a
+  GEMM1 which did not wait for the plan kernel could gain (the plan still has to run, beside it).
 
 With PDL a kernel's prologue overlaps its predecessor's tail, so a stage's cost in the chain (the
 difference of two cuts) can differ from its time alone: the differences show what each kernel boundary
@@ -91,6 +94,7 @@ def stage_calls(problem: MoEProblem, tokens: int) -> dict:
         "gemm1 alone": lambda: gemm1(made_plan),
         "gemm2 alone": lambda: gemm2(made_plan, made_intermediate),
         "finalize alone": lambda: finalize(made_accumulator),
+        "chain without the plan": lambda: finalize(gemm2(made_plan, gemm1(made_plan))),
     }, case.bytes_moved
 
 
