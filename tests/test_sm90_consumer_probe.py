@@ -5,7 +5,8 @@ and nothing of the consumers; `skeleton` both and the consumers' work, `skeleton
 items' k loops past one copy; `spinning_waits` only how the pipeline waits; `grouped_copies_*` only how
 many k tiles a weight copy takes; `dynamic_k_chunks` only which work units a CTA walks); the epilogue
 variants nothing of the code (they skip it at run time); the panel variants from the GEMM2 that
-quantizes its rows (per-token W4A4, T = 1), and nothing of its consumers or its weight stream."""
+quantizes its rows (per-token W4A4, T = 1), and nothing of its consumers or its weight stream; the staging
+variants add only prefetches, sleeps and cache policies."""
 
 import re
 import textwrap
@@ -317,3 +318,46 @@ def test_the_short_item_skeleton_cuts_only_the_items_k_loop():
         assert (short.k_splits, short.tiles_per_copy, short.feature_blocks) == (
             skeleton.k_splits, skeleton.tiles_per_copy, skeleton.feature_blocks
         )
+
+
+_GEMM2_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    from benchmarks import sm90_consumer_probe as probe
+    out, names = Path(sys.argv[1]), json.loads(sys.argv[2])["names"]
+    _, _, configs2 = probe.gemm_configurations(1, 132)
+    for name in names:
+        compiled = probe.compile_variant(name, "gemm2_fused", configs2[0][0])
+        (out / f"{name}.cubin").write_bytes(compiled.__cubin__)
+    """
+)
+
+
+def test_the_staging_variants_add_paced_hinted_prefetches_and_change_only_cache_policies(tmp_path):
+    """DeepSeek-V3's fused GEMM2 at T = 1 (seven 64-row blocks per CTA): `weights_evict_first` gives every
+    weight copy a cache policy (`desc[...]`) and nothing else; `gemm2_staged` adds one more bulk prefetch of
+    codes and one of scales per block (the staged k tiles, evict-last), each block's followed by a
+    `NANOSLEEP`; `gemm2_staged_unhinted` the same prefetches with no policy anywhere; `gemm2_staged_unpaced`
+    no sleep. The consumers' code is the default's in all."""
+    names = ("default", "weights_evict_first", "gemm2_staged", "gemm2_staged_unhinted", "gemm2_staged_unpaced")
+    out = compile_in_subprocess(_GEMM2_SCRIPT, {"names": names}, tmp_path)
+    kernels = {name: sass(out / f"{name}.cubin") for name in names}
+
+    def lines(name, instruction):
+        return [line for line in kernels[name].splitlines() if instruction in line]
+
+    default_prefetches = len(lines("default", "UBLKPF.L2"))
+    assert default_prefetches > 0 and lines("default", "UBLKCP.S.G")
+    for name in names:
+        copies, prefetches = lines(name, "UBLKCP.S.G"), lines(name, "UBLKPF.L2")
+        hinted_copies = name not in ("default", "gemm2_staged_unhinted")
+        assert all(("desc[" in line) == hinted_copies for line in copies), name
+        staged = name.startswith("gemm2_staged")
+        assert len(prefetches) == default_prefetches + (14 if staged else 0), name
+        hinted_prefetches = sum("desc[" in line for line in prefetches)
+        assert hinted_prefetches == (14 if staged and hinted_copies else 0), name
+        sleeps = len(re.findall(r"NANOSLEEP ", kernels[name]))
+        assert sleeps == (7 if name in ("gemm2_staged", "gemm2_staged_unhinted") else 0), name
+        for instruction in ("HGMMA", "HMUL2.BF16_V2", "LDS.128"):
+            assert kernels[name].count(instruction) == kernels["default"].count(instruction) > 0, (name, instruction)
