@@ -65,7 +65,8 @@ against the default's output.
   DeepSeek-V3's GEMM1 leaves idle at T = 1) put the first 8 k tiles of every GEMM2 CTA's first item into L2
   while GEMM1 runs, paced, evict-last, with both GEMMs' weight copies evict-first (`StagedGemm2`): whether
   GEMM2 starting from L2 shortens the call. Its controls: `weights_evict_first` (the copies' policy alone),
-  `gemm2_staged_unhinted` (no cache policies), `gemm2_staged_16` (16 k tiles), `gemm2_staged_unpaced`.
+  `gemm2_staged_unhinted` (no cache policies), `gemm2_staged_16` (16 k tiles), `gemm2_staged_unpaced` and
+  `gemm2_staged_slow` (no pause, or three times the pause, between blocks).
 - `panel_no_scan`, `panel_no_quantize`, `panel_none` (chosen with `--variants`) change only a GEMM that
   quantizes its own activation rows (per-token W4A4 on the rescan path, DeepSeek-V3 at T = 1-3): every
   row's maximum taken as 1 instead of scanned, the rows stored unquantized, or no panel work at all.
@@ -727,7 +728,7 @@ class StagedGemm2(EvictFirstWeights):
 
     staged_k_tiles = 8
     early_ctas = 4
-    pace_ns = 64
+    pace_ns = 32
 
     @cute.jit
     def prefetch_first_items(self, mTileExpert, mCodes, mScales, mLiveTiles):
@@ -760,6 +761,12 @@ class StagedGemm2Unhinted(StagedGemm2):
 
 class StagedGemm2Sixteen(StagedGemm2):
     staged_k_tiles = 16
+
+
+class StagedGemm2Slow(StagedGemm2):
+    """About 0.45 TB/s from the four early CTAs: the whole staging takes about as long as GEMM1."""
+
+    pace_ns = 96
 
 
 class StagedGemm2Unpaced(StagedGemm2):
@@ -813,6 +820,7 @@ VARIANTS = {
     "four_k_streams_barriers_only": InterleavedKStreamsBarriersOnly, "rotated_k_walk": RotatedKWalk,
     "weights_evict_first": EvictFirstWeights, "gemm2_staged": StagedGemm2, "gemm2_staged_unhinted": StagedGemm2Unhinted,
     "gemm2_staged_16": StagedGemm2Sixteen, "gemm2_staged_unpaced": StagedGemm2Unpaced,
+    "gemm2_staged_slow": StagedGemm2Slow,
 }
 CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]
 """The variants of the consumers' k step, timed by default. The `panel_*` variants change only GEMMs
@@ -908,7 +916,7 @@ def run(tokens: int, weights, flushes, replays: int, g, variants) -> None:
 SAME_RESULT_VARIANTS = frozenset((
     "spinning_waits", "grouped_copies_1", "grouped_copies_2", "grouped_copies_4", "thread_weight_copies",
     "two_k_streams", "four_k_streams", "rotated_k_walk", "gemm2_vector_reduce", "weights_evict_first",
-    "gemm2_staged", "gemm2_staged_unhinted", "gemm2_staged_16", "gemm2_staged_unpaced",
+    "gemm2_staged", "gemm2_staged_unhinted", "gemm2_staged_16", "gemm2_staged_unpaced", "gemm2_staged_slow",
 ))
 """Variants that change how the GEMMs work, not what they compute. With `--whole-call` and `default`
 among the variants, each one's output is compared with the default's (`moe_checks.relative_error`, after

@@ -338,9 +338,12 @@ def test_the_staging_variants_add_paced_hinted_prefetches_and_change_only_cache_
     """DeepSeek-V3's fused GEMM2 at T = 1 (seven 64-row blocks per CTA): `weights_evict_first` gives every
     weight copy a cache policy (`desc[...]`) and nothing else; `gemm2_staged` adds one more bulk prefetch of
     codes and one of scales per block (the staged k tiles, evict-last), each block's followed by a
-    `NANOSLEEP`; `gemm2_staged_unhinted` the same prefetches with no policy anywhere; `gemm2_staged_unpaced`
-    no sleep. The consumers' code is the default's in all."""
-    names = ("default", "weights_evict_first", "gemm2_staged", "gemm2_staged_unhinted", "gemm2_staged_unpaced")
+    `NANOSLEEP` (`gemm2_staged_slow` the same, longer); `gemm2_staged_unhinted` the same prefetches with no
+    policy anywhere; `gemm2_staged_unpaced` no sleep. The consumers' code is the default's in all."""
+    names = (
+        "default", "weights_evict_first", "gemm2_staged", "gemm2_staged_unhinted", "gemm2_staged_unpaced",
+        "gemm2_staged_slow",
+    )
     out = compile_in_subprocess(_GEMM2_SCRIPT, {"names": names}, tmp_path)
     kernels = {name: sass(out / f"{name}.cubin") for name in names}
 
@@ -358,6 +361,6 @@ def test_the_staging_variants_add_paced_hinted_prefetches_and_change_only_cache_
         hinted_prefetches = sum("desc[" in line for line in prefetches)
         assert hinted_prefetches == (14 if staged and hinted_copies else 0), name
         sleeps = len(re.findall(r"NANOSLEEP ", kernels[name]))
-        assert sleeps == (7 if name in ("gemm2_staged", "gemm2_staged_unhinted") else 0), name
+        assert sleeps == (7 if name in ("gemm2_staged", "gemm2_staged_unhinted", "gemm2_staged_slow") else 0), name
         for instruction in ("HGMMA", "HMUL2.BF16_V2", "LDS.128"):
             assert kernels[name].count(instruction) == kernels["default"].count(instruction) > 0, (name, instruction)
