@@ -709,10 +709,8 @@ class EvictFirstWeights(MoEGemmSm90):
     evicts_streams_first = True
 
     def produce(self, *operands):
-        if self.evicts_streams_first:
-            with mock.patch.object(dev, "bulk_copy_to_shared", bulk_copy_to_shared_evict_first):
-                MoEGemmSm90.produce(self, *operands)
-        else:
+        hinted = mock.patch.object(dev, "bulk_copy_to_shared", bulk_copy_to_shared_evict_first)
+        with hinted if self.evicts_streams_first else contextlib.nullcontext():
             MoEGemmSm90.produce(self, *operands)
 
 

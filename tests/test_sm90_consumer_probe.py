@@ -20,13 +20,17 @@ _SCRIPT = textwrap.dedent(
     import json, sys
     from pathlib import Path
     from benchmarks import sm90_consumer_probe as probe
-    out, names = Path(sys.argv[1]), json.loads(sys.argv[2])["names"]
-    _, configs1, _ = probe.gemm_configurations(1, 132)
-    for name in names:
-        compiled = probe.compile_variant(name, "gemm1", configs1[0][0])
+    out, spec = Path(sys.argv[1]), json.loads(sys.argv[2])
+    _, configs1, configs2 = probe.gemm_configurations(1, 132)
+    epilogue = spec.get("epilogue", "gemm1")
+    key = (configs1 if epilogue == "gemm1" else configs2)[0][0]
+    for name in spec["names"]:
+        compiled = probe.compile_variant(name, epilogue, key)
         (out / f"{name}.cubin").write_bytes(compiled.__cubin__)
     """
 )
+"""DeepSeek-V3's decode GEMM1 at T = 1 (or, with `epilogue` "gemm2_fused", its fused GEMM2) built from each
+variant of `names`."""
 
 
 GEMM1_VARIANTS = (
@@ -320,19 +324,6 @@ def test_the_short_item_skeleton_cuts_only_the_items_k_loop():
         )
 
 
-_GEMM2_SCRIPT = textwrap.dedent(
-    """
-    import json, sys
-    from pathlib import Path
-    from benchmarks import sm90_consumer_probe as probe
-    out, names = Path(sys.argv[1]), json.loads(sys.argv[2])["names"]
-    _, _, configs2 = probe.gemm_configurations(1, 132)
-    for name in names:
-        compiled = probe.compile_variant(name, "gemm2_fused", configs2[0][0])
-        (out / f"{name}.cubin").write_bytes(compiled.__cubin__)
-    """
-)
-
 
 def test_the_staging_variants_add_paced_hinted_prefetches_and_change_only_cache_policies(tmp_path):
     """DeepSeek-V3's fused GEMM2 at T = 1 (seven 64-row blocks per CTA): `weights_evict_first` gives every
@@ -344,7 +335,7 @@ def test_the_staging_variants_add_paced_hinted_prefetches_and_change_only_cache_
         "default", "weights_evict_first", "gemm2_staged", "gemm2_staged_unhinted", "gemm2_staged_unpaced",
         "gemm2_staged_slow",
     )
-    out = compile_in_subprocess(_GEMM2_SCRIPT, {"names": names}, tmp_path)
+    out = compile_in_subprocess(_SCRIPT, {"names": names, "epilogue": "gemm2_fused"}, tmp_path)
     kernels = {name: sass(out / f"{name}.cubin") for name in names}
 
     def lines(name, instruction):

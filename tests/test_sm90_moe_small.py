@@ -15,13 +15,18 @@ def no_cuda_sync(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
 
 
-def test_the_shapes_mode_calls_every_mode_both_finalizes_and_the_aligned_moe(monkeypatch, capsys, no_cuda_sync):
-    """A tiny Qwen-style layer (16 experts, top-4) at T = 1 (rescan path) and 4 (aux-amax path): one line
-    per call, the finalizes agreeing."""
+@pytest.fixture
+def tiny_shape(monkeypatch):
+    """A tiny Qwen-style layer (16 experts, top-4) among the shapes, as "tiny"."""
     tiny = dataclasses.replace(
         SHAPES["qwen3_30b_a3b"], name="tiny", num_experts=16, top_k=4, hidden_size=256, intermediate_size=128
     )
     monkeypatch.setitem(small.SHAPES, "tiny", tiny)
+
+
+def test_the_shapes_mode_calls_every_mode_both_finalizes_and_the_aligned_moe(tiny_shape, capsys, no_cuda_sync):
+    """The tiny layer at T = 1 (rescan path) and 4 (aux-amax path): one line per call, the finalizes
+    agreeing."""
     assert small.run_shapes(["tiny"], (1, 4), device="cpu") == 0
     lines = capsys.readouterr().out.splitlines()
     calls = [line.split()[:4] for line in lines]
@@ -47,11 +52,7 @@ def test_the_aligned_moe_agrees_across_its_block_sizes(capsys, no_cuda_sync):
     assert float(norms[0][3]) > 0
 
 
-def test_the_shapes_mode_with_experts_prepared_on_the_cpu_prints_the_same_calls(monkeypatch, capsys, no_cuda_sync):
-    tiny = dataclasses.replace(
-        SHAPES["qwen3_30b_a3b"], name="tiny", num_experts=16, top_k=4, hidden_size=256, intermediate_size=128
-    )
-    monkeypatch.setitem(small.SHAPES, "tiny", tiny)
+def test_the_shapes_mode_with_experts_prepared_on_the_cpu_prints_the_same_calls(tiny_shape, capsys, no_cuda_sync):
     assert small.run_shapes(["tiny"], (1,), device="cpu") == 0
     directly = capsys.readouterr()
     assert small.run_shapes(["tiny"], (1,), device="cpu", prepare_on_cpu=True) == 0
