@@ -427,6 +427,20 @@ def test_gemm2_prefetches_its_first_k_tiles_before_it_waits(compiled):
     assert counted_items == {1, 2}, "items of one k tile and of several are both checked"
 
 
+def test_decode_tiles_copy_their_weights_evict_first(compiled):
+    """`moe_gemm.EVICT_FIRST_TILE_ROWS`: every weight bulk copy of a GEMM whose tiles hold at most that
+    many rows carries an L2 cache policy (`desc[...]`), none of a taller tile's; the aligned one-kernel
+    path keeps the default policy for both GEMMs' weights."""
+    for i, (_epilogue, key, *_rest) in enumerate(GEMM_VARIANTS):
+        copies = [line for line in _sass(compiled, f"gemm_{i}").splitlines() if "UBLKCP.S.G" in line]
+        evict_first = key[4] <= moe_gemm.EVICT_FIRST_TILE_ROWS
+        assert copies and all(("desc[" in line) == evict_first for line in copies), GEMM_VARIANTS[i]
+    assert {key[4] <= moe_gemm.EVICT_FIRST_TILE_ROWS for _, key, *_ in GEMM_VARIANTS} == {True, False}
+    for i, variant in enumerate(ALIGNED_FUSED_VARIANTS):
+        copies = [line for line in _sass(compiled, f"aligned_fused_{i}").splitlines() if "UBLKCP.S.G" in line]
+        assert copies and not any("desc[" in line for line in copies), variant
+
+
 def test_inline_wgmmas_advance_one_64_bit_descriptor(compiled):
     """Decode tiles (`moe_gemm.INLINE_WGMMA_TILE_ROWS`) and tiles of two weight blocks per consumer issue
     their k loop's `wgmma`s as inline PTX whose descriptors are one warp-uniform 64-bit base per k tile

@@ -79,6 +79,9 @@ class AlignedFusedSm90(MoEGemmSm90):
             top_k=top_k, nvfp4_out=True, up_alpha=True, warp_mma=True,
         )
         assert self.k64_per_tile == 2 and self.cta_row_blocks == 1
+        # Both GEMMs' weights under the default L2 policy: the decode GEMMs' evict-first copies
+        # (`EVICT_FIRST_TILE_ROWS`) were measured on the grouped GEMMs, not in this kernel.
+        self.weights_evict_first = False
         self.hidden = hidden
         self.slices = intermediate // SLICE_FEATURES
         self.max_clusters = max_clusters

@@ -51,11 +51,21 @@ def _asm(result_type, ptx: str, constraints: str, operands, side_effects: bool, 
 # Copies
 # ---------------------------------------------------------------------------------------------------
 @dsl_user_op
-def bulk_copy_to_shared(smem_address, gmem_address, num_bytes, mbarrier_address, *, loc=None, ip=None) -> None:
-    """A 1-D bulk copy (copy engine) of `num_bytes` (a multiple of 16) completing on an mbarrier."""
+def bulk_copy_to_shared(
+    smem_address, gmem_address, num_bytes, mbarrier_address, *, evict_first: bool = False, loc=None, ip=None
+) -> None:
+    """A 1-D bulk copy (copy engine) of `num_bytes` (a multiple of 16) completing on an mbarrier; with
+    `evict_first` (static) under an L2 evict-first policy: the copied lines are the first that L2 gives up
+    when it needs room."""
+    copy = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+    ptx = (
+        "{ .reg .b64 policy; createpolicy.fractional.L2::evict_first.b64 policy, 1.0; "
+        f"{copy}.L2::cache_hint [$0], [$1], $2, [$3], policy; }}"
+        if evict_first else f"{copy} [$0], [$1], $2, [$3];"
+    )
     _asm(
         None,
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+        ptx,
         "r,l,r,r",
         (Int32(smem_address), Int64(gmem_address), Int32(num_bytes), Int32(mbarrier_address)),
         True, loc, ip,

@@ -118,23 +118,38 @@ def groups_weight_copies(
     )
 
 
-def copy_weight_tiles(mCodes, mScales, storage, tile_index, slot, slot_code_bytes, slot_scale_bytes, slots, barrier):
+def copy_weight_tiles(
+    mCodes, mScales, storage, tile_index, slot, slot_code_bytes, slot_scale_bytes, slots, barrier, evict_first=False
+):
     """Thread 0: one bulk copy of prepared weight codes and one of their scales, from 64 K tile `tile_index`
     (counted over all experts' blocks) on, into `slots` consecutive slots of the shared storage's `codes`
     and `scales` (of `slot_code_bytes` and `slot_scale_bytes` each) from slot `slot`, completing on
-    `barrier` (an address). Plain Python, run while the kernel is traced."""
+    `barrier` (an address); `evict_first`: under an L2 evict-first policy (`EVICT_FIRST_TILE_ROWS`). Plain
+    Python, run while the kernel is traced."""
     dev.bulk_copy_to_shared(
         storage.codes.data_ptr().toint() + slot * slot_code_bytes,
         mCodes.iterator.toint() + tile_index * weight_layout.CODE_BYTES,
         slots * slot_code_bytes,
         barrier,
+        evict_first=evict_first,
     )
     dev.bulk_copy_to_shared(
         storage.scales.data_ptr().toint() + slot * slot_scale_bytes,
         mScales.iterator.toint() + tile_index * weight_layout.SCALE_BYTES,
         slots * slot_scale_bytes,
         barrier,
+        evict_first=evict_first,
     )
+
+
+EVICT_FIRST_TILE_ROWS = 32
+"""Tiles of at most this many rows (decode) copy their weights under an L2 evict-first policy
+(`copy_weight_tiles`). There an expert's rows fit one tile or few, so each weight line is read once and
+of no use in L2 after its copy, while the lines that are read again (activation rows, GEMM1's
+intermediate, the k tiles GEMM1 and GEMM2 prefetch into L2 before their waits) would otherwise be
+pushed out by the stream. Whole decode calls measured 1.5-2.4% faster that way (DeepSeek-V3 at T = 1-32,
+GLM at T = 2-256), none more than 1% slower; prefill tiles, whose experts' weight tiles serve several
+row tiles from L2, measured up to 0.8% slower under it (runs log)."""
 
 
 def staged_row_bytes(tile_rows: int) -> int:
@@ -320,7 +335,8 @@ class MoEGemmSm90:
 
     - warpgroup 0 — producer. Per k tile and stage: all four warps wait for the stage to be free
       (`empty`); thread 0 issues one 1-D bulk copy per 64-row block for the prepared weight codes and
-      one for their scales (`full` expects their bytes); every thread issues its `cp.async` copies of
+      one for their scales (`full` expects their bytes; in decode tiles evict-first in L2,
+      `EVICT_FIRST_TILE_ROWS`); every thread issues its `cp.async` copies of
       the tile's used activation rows into the swizzled K-major B tile (columns past K zero-filled
       without a read; padding rows not copied, their epilogue values zeroed), whose completion also
       arrives on `full`
@@ -438,6 +454,7 @@ class MoEGemmSm90:
         self.tile_k = tile_k
         self.stages = stages
         self.loads_ahead = tile_rows <= LOADS_AHEAD_TILE_ROWS
+        self.weights_evict_first = tile_rows <= EVICT_FIRST_TILE_ROWS
         self.shares_scales = tile_rows <= SHARED_SCALES_TILE_ROWS
         self.inline_wgmma = tile_rows <= INLINE_WGMMA_TILE_ROWS or blocks_per_consumer(tile_features, tile_rows) == 2
         assert not warp_mma or (tile_rows <= WARP_MMA_TILE_ROWS and not quantizes_rows)
@@ -956,7 +973,10 @@ class MoEGemmSm90:
         for g in cutlass.range_constexpr(self.cta_row_blocks):
             tile_index = self.weight_tile(first_block + g, k_first + k)
             smem_slot = stage * self.cta_row_blocks + g
-            copy_weight_tiles(mCodes, mScales, storage, tile_index, smem_slot, self.code_bytes, self.scale_bytes, tiles, barrier)
+            copy_weight_tiles(
+                mCodes, mScales, storage, tile_index, smem_slot, self.code_bytes, self.scale_bytes, tiles, barrier,
+                self.weights_evict_first,
+            )
 
     @cute.jit
     def copy_k_tile(self, k, stage, k_first, mAct, copies):
