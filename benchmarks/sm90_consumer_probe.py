@@ -61,12 +61,8 @@ against the default's output.
   time with their values and addresses computed (`Gemm2ReductionReplaced`): whether the atomicity, the
   stores or the instructions cost. `no_alpha_loads` takes every item's `alpha` as a constant instead of
   loading its expert's (in prefill tiles after the k loop, before the epilogue).
-- `gemm2_staged` (chosen with `--variants`) is no removal: the GEMM2 CTAs resident first (on the SMs that
-  DeepSeek-V3's GEMM1 leaves idle at T = 1) put the first 8 k tiles of every GEMM2 CTA's first item into L2
-  while GEMM1 runs, paced, evict-last, with both GEMMs' weight copies evict-first (`StagedGemm2`): whether
-  GEMM2 starting from L2 shortens the call. Its controls: `weights_evict_first` (the copies' policy alone),
-  `gemm2_staged_unhinted` (no cache policies), `gemm2_staged_16` (16 k tiles), `gemm2_staged_unpaced` and
-  `gemm2_staged_slow` (no pause, or three times the pause, between blocks).
+- `weights_evict_normal` (chosen with `--variants`) is no removal: the decode tiles' weight copies under
+  the default L2 policy instead of evict-first (`NormalPolicyWeights`), the control of that choice.
 - `panel_no_scan`, `panel_no_quantize`, `panel_none` (chosen with `--variants`) change only a GEMM that
   quantizes its own activation rows (per-token W4A4 on the rescan path, DeepSeek-V3 at T = 1-3): every
   row's maximum taken as 1 instead of scanned, the rows stored unquantized, or no panel work at all.
@@ -674,101 +670,13 @@ class DynamicKChunks(MoEGemmSm90):
                 item = slots[number % 2]
 
 
-@dsl_user_op
-def bulk_copy_to_shared_evict_first(smem_address, gmem_address, num_bytes, mbarrier_address, *, loc=None, ip=None):
-    """`gemm_device.bulk_copy_to_shared` under an L2 evict-first policy: the streamed weights, read once, are
-    the first lines L2 gives up when it needs room."""
-    ptx = (
-        "{ .reg .b64 policy; createpolicy.fractional.L2::evict_first.b64 policy, 1.0; "
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
-        "[$0], [$1], $2, [$3], policy; }"
-    )
-    operands = (Int32(smem_address), Int64(gmem_address), Int32(num_bytes), Int32(mbarrier_address))
-    dev._asm(None, ptx, "r,l,r,r", operands, True, loc, ip)
+class NormalPolicyWeights(MoEGemmSm90):
+    """No removal: every weight copy under the default L2 policy, also in the decode tiles that copy theirs
+    evict-first (`moe_gemm.EVICT_FIRST_TILE_ROWS`): the control of that choice."""
 
-
-@dsl_user_op
-def prefetch_to_l2_evict_last(gmem_address, num_bytes, *, loc=None, ip=None) -> None:
-    """`gemm_device.prefetch_to_l2` under an L2 evict-last policy: lines that should outlast a stream."""
-    ptx = (
-        "{ .reg .b64 policy; createpolicy.fractional.L2::evict_last.b64 policy, 1.0; "
-        "cp.async.bulk.prefetch.L2.global.L2::cache_hint [$0], $1, policy; }"
-    )
-    dev._asm(None, ptx, "l,r", (Int64(gmem_address), Int32(num_bytes)), True, loc, ip)
-
-
-@dsl_user_op
-def sleep_ns(nanoseconds: int, *, loc=None, ip=None) -> None:
-    dev._asm(None, f"nanosleep.u32 {nanoseconds};", "", (), True, loc, ip)
-
-
-class EvictFirstWeights(MoEGemmSm90):
-    """No removal: every weight copy of both GEMMs under an L2 evict-first policy (the control of
-    `StagedGemm2`). `produce` is a plain method, run while the kernel is traced."""
-
-    evicts_streams_first = True
-
-    def produce(self, *operands):
-        hinted = mock.patch.object(dev, "bulk_copy_to_shared", bulk_copy_to_shared_evict_first)
-        with hinted if self.evicts_streams_first else contextlib.nullcontext():
-            MoEGemmSm90.produce(self, *operands)
-
-
-class StagedGemm2(EvictFirstWeights):
-    """No removal: GEMM2's first `staged_k_tiles` k tiles of every CTA's first item put into L2 while GEMM1
-    still runs, by the GEMM2 CTAs that become resident first (the `early_ctas` of lowest index, on the SMs
-    GEMM1 leaves idle: DeepSeek-V3 at T = 1 runs 128 GEMM1 CTAs on 132 SMs), paced by a `nanosleep` of
-    `pace_ns` after each 64-row block's prefetch, so that they take the DRAM time GEMM1 leaves unused
-    rather than GEMM1's. With `evicts_streams_first` the staged lines are prefetched evict-last and both
-    GEMMs' weight copies evict-first, so that GEMM1's stream does not push them out of L2 before GEMM2
-    reads them. Whether GEMM2, the slower stream per byte, starts from L2 instead of DRAM for its first
-    bytes, and what that returns; an unpaced burst of every CTA's whole share was 9% slower (runs log)."""
-
-    staged_k_tiles = 8
-    early_ctas = 4
-    pace_ns = 32
-
-    @cute.jit
-    def prefetch_first_items(self, mTileExpert, mCodes, mScales, mLiveTiles):
-        MoEGemmSm90.prefetch_first_items(self, mTileExpert, mCodes, mScales, mLiveTiles)
-        first, end, step = self.item_bounds(mTileExpert, mLiveTiles)
-        if first < self.early_ctas:
-            # Item c is CTA c's first (`item_bounds`): each early CTA stages every `early_ctas`-th CTA's.
-            for item in cutlass.range(first, cutlass.min(end, step), self.early_ctas, unroll=1):
-                tile, feature_block, k_first = self.item_place(item)
-                expert = self.tile_expert(mTileExpert, tile)
-                if expert >= 0:
-                    self.stage_weights(mCodes, mScales, self.weight_block(expert, feature_block), k_first)
-
-    def stage_weights(self, mCodes, mScales, first_block, k_first):
-        """The paced prefetches of one item's first `staged_k_tiles` k tiles. Plain Python, run while the
-        kernel is traced."""
-        k_tiles = min(self.staged_k_tiles, self.k_iterations)
-        prefetch = prefetch_to_l2_evict_last if self.evicts_streams_first else dev.prefetch_to_l2
-        for g in range(self.cta_row_blocks):
-            tile_index = self.weight_tile(first_block + g, k_first)
-            prefetch(mCodes.iterator.toint() + tile_index * weight_layout.CODE_BYTES, k_tiles * self.code_bytes)
-            prefetch(mScales.iterator.toint() + tile_index * weight_layout.SCALE_BYTES, k_tiles * self.scale_bytes)
-            if self.pace_ns:
-                sleep_ns(self.pace_ns)
-
-
-class StagedGemm2Unhinted(StagedGemm2):
-    evicts_streams_first = False
-
-
-class StagedGemm2Sixteen(StagedGemm2):
-    staged_k_tiles = 16
-
-
-class StagedGemm2Slow(StagedGemm2):
-    """About 0.45 TB/s from the four early CTAs: the whole staging takes about as long as GEMM1."""
-
-    pace_ns = 96
-
-
-class StagedGemm2Unpaced(StagedGemm2):
-    pace_ns = 0
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.weights_evict_first = False
 
 
 class PanelNoScan(MoEGemmSm90):
@@ -816,9 +724,7 @@ VARIANTS = {
     "thread_weight_copies": ThreadWeightCopies, "thread_weight_copies_barriers_only": ThreadWeightCopiesBarriersOnly,
     "gemm1_k_splits_7": Gemm1KSplits7, "two_k_streams": TwoKStreams, "four_k_streams": InterleavedKStreams,
     "four_k_streams_barriers_only": InterleavedKStreamsBarriersOnly, "rotated_k_walk": RotatedKWalk,
-    "weights_evict_first": EvictFirstWeights, "gemm2_staged": StagedGemm2, "gemm2_staged_unhinted": StagedGemm2Unhinted,
-    "gemm2_staged_16": StagedGemm2Sixteen, "gemm2_staged_unpaced": StagedGemm2Unpaced,
-    "gemm2_staged_slow": StagedGemm2Slow,
+    "weights_evict_normal": NormalPolicyWeights,
 }
 CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]
 """The variants of the consumers' k step, timed by default. The `panel_*` variants change only GEMMs
@@ -913,8 +819,7 @@ def run(tokens: int, weights, flushes, replays: int, g, variants) -> None:
 
 SAME_RESULT_VARIANTS = frozenset((
     "spinning_waits", "grouped_copies_1", "grouped_copies_2", "grouped_copies_4", "thread_weight_copies",
-    "two_k_streams", "four_k_streams", "rotated_k_walk", "gemm2_vector_reduce", "weights_evict_first",
-    "gemm2_staged", "gemm2_staged_unhinted", "gemm2_staged_16", "gemm2_staged_unpaced", "gemm2_staged_slow",
+    "two_k_streams", "four_k_streams", "rotated_k_walk", "gemm2_vector_reduce", "weights_evict_normal",
 ))
 """Variants that change how the GEMMs work, not what they compute. With `--whole-call` and `default`
 among the variants, each one's output is compared with the default's (`moe_checks.relative_error`, after
