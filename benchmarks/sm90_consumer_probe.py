@@ -63,6 +63,9 @@ against the default's output.
   loading its expert's (in prefill tiles after the k loop, before the epilogue).
 - `weights_evict_normal` (chosen with `--variants`) is no removal: the decode tiles' weight copies under
   the default L2 policy instead of evict-first (`NormalPolicyWeights`), the control of that choice.
+  `gemm2_prefetch_4` and `gemm2_prefetch_8` (GEMM2 prefetching its first 4 or 8 k tiles before its wait,
+  `Gemm2PrefetchMore`) and `routed_prefetch_8mb` (GEMM1's routed prefetch within 8 MB, `RoutedPrefetchMore`)
+  ask whether longer prefetches pay under those evict-first copies.
 - `panel_no_scan`, `panel_no_quantize`, `panel_none` (chosen with `--variants`) change only a GEMM that
   quantizes its own activation rows (per-token W4A4 on the rescan path, DeepSeek-V3 at T = 1-3): every
   row's maximum taken as 1 instead of scanned, the rows stored unquantized, or no panel work at all.
@@ -104,7 +107,7 @@ from benchmarks.timing import L2_FLUSHES, PreparedCall, time_interleaved
 from fp4moe import provenance, weight_layout
 from fp4moe.kernels import host_launcher
 from fp4moe.kernels.sm90 import gemm_device as dev
-from fp4moe.kernels.sm90 import moe_launch
+from fp4moe.kernels.sm90 import moe_gemm, moe_launch
 from fp4moe.kernels.sm90.moe_gemm import (
     PANEL_BARRIER, PANEL_WARPS, WARP_SIZE, WARPGROUP_THREADS, MoEGemmSm90, groups_weight_copies,
 )
@@ -679,6 +682,34 @@ class NormalPolicyWeights(MoEGemmSm90):
         self.weights_evict_first = False
 
 
+class Gemm2PrefetchMore(MoEGemmSm90):
+    """No removal: GEMM2 prefetches its first `prefetch_k_tiles` k tiles into L2 before its wait (at most
+    its stages) instead of `moe_gemm.GEMM2_PREFETCH_K_TILES`: whether a longer head start pays now that
+    the decode tiles' weight copies are evict-first and no longer push the prefetched lines out (larger
+    prefetches did not pay under the default policy, runs log). `prefetch_first_items` is a plain method,
+    run while the kernel is traced."""
+
+    prefetch_k_tiles = 4
+
+    def prefetch_first_items(self, *operands):
+        with mock.patch.object(moe_gemm, "GEMM2_PREFETCH_K_TILES", self.prefetch_k_tiles):
+            MoEGemmSm90.prefetch_first_items(self, *operands)
+
+
+class Gemm2PrefetchStages(Gemm2PrefetchMore):
+    prefetch_k_tiles = 8
+
+
+class RoutedPrefetchMore(MoEGemmSm90):
+    """No removal: GEMM1's prefetch of the routed experts' first k tiles within 8 MB instead of
+    `moe_gemm.ROUTED_PREFETCH_BYTES` (4 MB), the same question for GEMM1's head start. A plain method, run
+    while the kernel is traced."""
+
+    def prefetch_routed_weights(self, *operands):
+        with mock.patch.object(moe_gemm, "ROUTED_PREFETCH_BYTES", 8 << 20):
+            MoEGemmSm90.prefetch_routed_weights(self, *operands)
+
+
 class PanelNoScan(MoEGemmSm90):
     """A GEMM that quantizes its rows (per-token W4A4, `quantizes_rows`) takes every row's maximum as 1
     instead of scanning the rows: the panel without its first pass over the rows."""
@@ -724,7 +755,8 @@ VARIANTS = {
     "thread_weight_copies": ThreadWeightCopies, "thread_weight_copies_barriers_only": ThreadWeightCopiesBarriersOnly,
     "gemm1_k_splits_7": Gemm1KSplits7, "two_k_streams": TwoKStreams, "four_k_streams": InterleavedKStreams,
     "four_k_streams_barriers_only": InterleavedKStreamsBarriersOnly, "rotated_k_walk": RotatedKWalk,
-    "weights_evict_normal": NormalPolicyWeights,
+    "weights_evict_normal": NormalPolicyWeights, "gemm2_prefetch_4": Gemm2PrefetchMore,
+    "gemm2_prefetch_8": Gemm2PrefetchStages, "routed_prefetch_8mb": RoutedPrefetchMore,
 }
 CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]
 """The variants of the consumers' k step, timed by default. The `panel_*` variants change only GEMMs
@@ -820,6 +852,7 @@ def run(tokens: int, weights, flushes, replays: int, g, variants) -> None:
 SAME_RESULT_VARIANTS = frozenset((
     "spinning_waits", "grouped_copies_1", "grouped_copies_2", "grouped_copies_4", "thread_weight_copies",
     "two_k_streams", "four_k_streams", "rotated_k_walk", "gemm2_vector_reduce", "weights_evict_normal",
+    "gemm2_prefetch_4", "gemm2_prefetch_8", "routed_prefetch_8mb",
 ))
 """Variants that change how the GEMMs work, not what they compute. With `--whole-call` and `default`
 among the variants, each one's output is compared with the default's (`moe_checks.relative_error`, after

@@ -27,6 +27,7 @@ _SCRIPT = textwrap.dedent(
     for name in spec["names"]:
         compiled = probe.compile_variant(name, epilogue, key)
         (out / f"{name}.cubin").write_bytes(compiled.__cubin__)
+        (out / f"{name}.ptx").write_text(compiled.__ptx__)
     """
 )
 """DeepSeek-V3's decode GEMM1 at T = 1 (or, with `epilogue` "gemm2_fused", its fused GEMM2) built from each
@@ -195,6 +196,7 @@ _GLM_SCRIPT = textwrap.dedent(
         with probe.variant_kernels(name):
             kernel = sweep.compile_gemm1(configs1[0], glm, prefetches_routed=routed)
         (out / f"{name}.cubin").write_bytes(kernel.__cubin__)
+        (out / f"{name}.ptx").write_text(kernel.__ptx__)
     """
 )
 """GLM's decode GEMM1 at T = 1 (`sm90_gemm_sweep.compile_gemm1`) built from each variant of `names`;
@@ -338,3 +340,40 @@ def test_decode_weight_copies_are_evict_first_and_the_control_takes_the_default_
     assert not any("desc[" in line for line in copies["weights_evict_normal"])
     for instruction in ("UBLKPF.L2", "HGMMA", "HMUL2.BF16_V2", "LDS.128", "RED"):
         assert kernels["weights_evict_normal"].count(instruction) == kernels["default"].count(instruction) > 0, instruction
+
+
+def _prefetch_sizes(ptx: str) -> list[int]:
+    """The byte counts of a kernel's bulk L2 prefetches, each a register set by the `mov` before it."""
+    sizes = {register: int(value) for register, value in re.findall(r"mov\.b32\s+(%r\d+), (\d+);", ptx)}
+    return sorted(sizes[register] for register in re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], (%r\d+);", ptx))
+
+
+def test_longer_gemm2_prefetches_scale_only_their_byte_counts(tmp_path):
+    """DeepSeek-V3's fused GEMM2 at T = 1 (64 K per k tile): `gemm2_prefetch_4` and `gemm2_prefetch_8`
+    issue the default's prefetches (two k tiles: 4 KB of codes and 512 B of scales per block) with two and
+    four times the bytes, and nothing else changes."""
+    names = ("default", "gemm2_prefetch_4", "gemm2_prefetch_8")
+    out = compile_in_subprocess(_SCRIPT, {"names": names, "epilogue": "gemm2_fused"}, tmp_path)
+    ptx = {name: (out / f"{name}.ptx").read_text() for name in names}
+    default = _prefetch_sizes(ptx["default"])
+    assert default and set(default) == {512, 4096}
+    for name, factor in (("gemm2_prefetch_4", 2), ("gemm2_prefetch_8", 4)):
+        assert _prefetch_sizes(ptx[name]) == [size * factor for size in default], name
+        kernel, reference = sass(out / f"{name}.cubin"), sass(out / "default.cubin")
+        for instruction in ("UBLKPF.L2", "UBLKCP.S.G", "HGMMA", "HMUL2.BF16_V2"):
+            assert kernel.count(instruction) == reference.count(instruction) > 0, (name, instruction)
+
+
+def test_the_larger_routed_prefetch_changes_only_its_budget(tmp_path):
+    """GLM's decode GEMM1 at T = 1 with the routed prefetch: `routed_prefetch_8mb` divides 8 MB instead of
+    `moe_gemm.ROUTED_PREFETCH_BYTES` among the (pair, feature block) combinations."""
+    from fp4moe.kernels.sm90.moe_gemm import ROUTED_PREFETCH_BYTES
+
+    names = ("default", "routed_prefetch_8mb")
+    out = compile_in_subprocess(_GLM_SCRIPT, {"names": names, "prefetches_routed": True}, tmp_path)
+    ptx = {name: (out / f"{name}.ptx").read_text() for name in names}
+    assert ROUTED_PREFETCH_BYTES == 4 << 20
+    assert str(4 << 20) in ptx["default"] and str(8 << 20) not in ptx["default"]
+    assert str(8 << 20) in ptx["routed_prefetch_8mb"] and str(4 << 20) not in ptx["routed_prefetch_8mb"]
+    kernel, reference = (sass(out / f"{name}.cubin") for name in names)
+    assert kernel.count("UBLKPF.L2") == reference.count("UBLKPF.L2") > 0
