@@ -62,7 +62,8 @@ against the default's output.
   stores or the instructions cost. `no_alpha_loads` takes every item's `alpha` as a constant instead of
   loading its expert's (in prefill tiles after the k loop, before the epilogue).
 - `weights_evict_normal` (chosen with `--variants`) is no removal: the decode tiles' weight copies under
-  the default L2 policy instead of evict-first (`NormalPolicyWeights`), the control of that choice.
+  the default L2 policy instead of evict-first (`NormalPolicyWeights`), the control of that choice;
+  `weights_evict_first_all` every tile's copies evict-first, the prefill tiles' too.
   `gemm2_prefetch_4` and `gemm2_prefetch_8` (GEMM2 prefetching its first 4 or 8 k tiles before its wait,
   `Gemm2PrefetchMore`) and `routed_prefetch_8mb` (GEMM1's routed prefetch within 8 MB, `RoutedPrefetchMore`)
   ask whether longer prefetches pay under those evict-first copies.
@@ -682,6 +683,15 @@ class NormalPolicyWeights(MoEGemmSm90):
         self.weights_evict_first = False
 
 
+class EvictFirstWeightsEverywhere(MoEGemmSm90):
+    """No removal: every tile's weight copies evict-first, the taller tiles' too (beyond
+    `moe_gemm.EVICT_FIRST_TILE_ROWS`): whether that threshold sits where it should (T = 512-4096)."""
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.weights_evict_first = True
+
+
 class Gemm2PrefetchMore(MoEGemmSm90):
     """No removal: GEMM2 prefetches its first `prefetch_k_tiles` k tiles into L2 before its wait (at most
     its stages) instead of `moe_gemm.GEMM2_PREFETCH_K_TILES`: whether a longer head start pays now that
@@ -755,7 +765,8 @@ VARIANTS = {
     "thread_weight_copies": ThreadWeightCopies, "thread_weight_copies_barriers_only": ThreadWeightCopiesBarriersOnly,
     "gemm1_k_splits_7": Gemm1KSplits7, "two_k_streams": TwoKStreams, "four_k_streams": InterleavedKStreams,
     "four_k_streams_barriers_only": InterleavedKStreamsBarriersOnly, "rotated_k_walk": RotatedKWalk,
-    "weights_evict_normal": NormalPolicyWeights, "gemm2_prefetch_4": Gemm2PrefetchMore,
+    "weights_evict_normal": NormalPolicyWeights, "weights_evict_first_all": EvictFirstWeightsEverywhere,
+    "gemm2_prefetch_4": Gemm2PrefetchMore,
     "gemm2_prefetch_8": Gemm2PrefetchStages, "routed_prefetch_8mb": RoutedPrefetchMore,
 }
 CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]
@@ -852,7 +863,7 @@ def run(tokens: int, weights, flushes, replays: int, g, variants) -> None:
 SAME_RESULT_VARIANTS = frozenset((
     "spinning_waits", "grouped_copies_1", "grouped_copies_2", "grouped_copies_4", "thread_weight_copies",
     "two_k_streams", "four_k_streams", "rotated_k_walk", "gemm2_vector_reduce", "weights_evict_normal",
-    "gemm2_prefetch_4", "gemm2_prefetch_8", "routed_prefetch_8mb",
+    "weights_evict_first_all", "gemm2_prefetch_4", "gemm2_prefetch_8", "routed_prefetch_8mb",
 ))
 """Variants that change how the GEMMs work, not what they compute. With `--whole-call` and `default`
 among the variants, each one's output is compared with the default's (`moe_checks.relative_error`, after

@@ -21,7 +21,7 @@ _SCRIPT = textwrap.dedent(
     from pathlib import Path
     from benchmarks import sm90_consumer_probe as probe
     out, spec = Path(sys.argv[1]), json.loads(sys.argv[2])
-    _, configs1, configs2 = probe.gemm_configurations(1, 132)
+    _, configs1, configs2 = probe.gemm_configurations(spec.get("tokens", 1), 132)
     epilogue = spec.get("epilogue", "gemm1")
     key = (configs1 if epilogue == "gemm1" else configs2)[0][0]
     for name in spec["names"]:
@@ -30,8 +30,8 @@ _SCRIPT = textwrap.dedent(
         (out / f"{name}.ptx").write_text(compiled.__ptx__)
     """
 )
-"""DeepSeek-V3's decode GEMM1 at T = 1 (or, with `epilogue` "gemm2_fused", its fused GEMM2) built from each
-variant of `names`."""
+"""DeepSeek-V3's decode GEMM1 at T = 1 (or at `tokens`; with `epilogue` "gemm2_fused", its fused GEMM2) built
+from each variant of `names`."""
 
 
 GEMM1_VARIANTS = (
@@ -340,6 +340,19 @@ def test_decode_weight_copies_are_evict_first_and_the_control_takes_the_default_
     assert not any("desc[" in line for line in copies["weights_evict_normal"])
     for instruction in ("UBLKPF.L2", "HGMMA", "HMUL2.BF16_V2", "LDS.128", "RED"):
         assert kernels["weights_evict_normal"].count(instruction) == kernels["default"].count(instruction) > 0, instruction
+
+
+def test_the_everywhere_variant_copies_prefill_weights_evict_first_too(tmp_path):
+    """DeepSeek-V3's GEMM1 at T = 4096 (128-row tiles, above `moe_gemm.EVICT_FIRST_TILE_ROWS`): the default's
+    weight copies carry no cache policy, `weights_evict_first_all`'s carry one each."""
+    names = ("default", "weights_evict_first_all")
+    out = compile_in_subprocess(_SCRIPT, {"names": names, "tokens": 4096}, tmp_path)
+    copies = {
+        name: [line for line in sass(out / f"{name}.cubin").splitlines() if "UBLKCP.S.G" in line] for name in names
+    }
+    assert copies["default"] and not any("desc[" in line for line in copies["default"])
+    assert len(copies["weights_evict_first_all"]) == len(copies["default"])
+    assert all("desc[" in line for line in copies["weights_evict_first_all"])
 
 
 def _prefetch_sizes(ptx: str) -> list[int]:
