@@ -147,9 +147,10 @@ EVICT_FIRST_TILE_ROWS = 32
 (`copy_weight_tiles`). There an expert's rows fit one tile or few, so each weight line is read once and
 of no use in L2 after its copy, while the lines that are read again (activation rows, GEMM1's
 intermediate, the k tiles GEMM1 and GEMM2 prefetch into L2 before their waits) would otherwise be
-pushed out by the stream. Whole decode calls measured 1.5-2.4% faster that way (DeepSeek-V3 at T = 1-32,
-GLM at T = 2-256), none more than 0.3 us slower (GLM and Qwen3-30B-A3B at T = 1); prefill tiles, whose experts' weight tiles serve several
-row tiles from L2, measured up to 0.8% slower under it (runs log)."""
+pushed out by the stream. Whole decode calls on an H100 measured up to 2.6% faster that way (DeepSeek-V3
+0.5-1.5% at T = 1 and 1.7-2.4% at T = 2-32, level at T = 64-256; GLM and Qwen3-30B-A3B 0.7-2.6% at
+T = 2-256), none more than 0.3 us slower (GLM and Qwen3-30B-A3B at T = 1); prefill tiles, whose experts'
+weight tiles serve several row tiles from L2, measured up to 0.8% slower under it (runs log)."""
 
 
 def staged_row_bytes(tile_rows: int) -> int:
