@@ -675,21 +675,20 @@ class DynamicKChunks(MoEGemmSm90):
 
 
 class NormalPolicyWeights(MoEGemmSm90):
-    """No removal: every weight copy under the default L2 policy, also in the decode tiles that copy theirs
-    evict-first (`moe_gemm.EVICT_FIRST_TILE_ROWS`): the control of that choice."""
+    """No removal: every tile's weight copies under one L2 policy whatever its height: the default one here
+    (`weights_evict_normal`, the control of `moe_gemm.EVICT_FIRST_TILE_ROWS`), evict-first in
+    `EvictFirstWeightsEverywhere` (`weights_evict_first_all`, the prefill tiles' copies too: whether that
+    threshold sits where it should, T = 512-4096)."""
+
+    evict_first = False
 
     def __init__(self, **options):
         super().__init__(**options)
-        self.weights_evict_first = False
+        self.weights_evict_first = self.evict_first
 
 
-class EvictFirstWeightsEverywhere(MoEGemmSm90):
-    """No removal: every tile's weight copies evict-first, the taller tiles' too (beyond
-    `moe_gemm.EVICT_FIRST_TILE_ROWS`): whether that threshold sits where it should (T = 512-4096)."""
-
-    def __init__(self, **options):
-        super().__init__(**options)
-        self.weights_evict_first = True
+class EvictFirstWeightsEverywhere(NormalPolicyWeights):
+    evict_first = True
 
 
 class Gemm2PrefetchMore(MoEGemmSm90):
