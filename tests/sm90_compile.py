@@ -44,3 +44,9 @@ def sass(cubin: Path) -> str:
     if nvdisasm is None:
         pytest.skip("nvdisasm is not installed (pip install nvidia-cuda-nvdisasm)")
     return subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
+def bulk_copies(sass_text: str) -> list[str]:
+    """The SASS lines of a kernel's global-to-shared bulk copies (`UBLKCP.S.G`): in the MoE GEMMs, the
+    weight copies; a cache policy shows as a `desc[...]` operand."""
+    return [line for line in sass_text.splitlines() if "UBLKCP.S.G" in line]

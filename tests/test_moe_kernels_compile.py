@@ -14,7 +14,7 @@ from fp4moe import dispatch, nvfp4
 from fp4moe.kernels.sm90 import moe_gemm, moe_launch
 from fp4moe.kernels.sm90.quantize_launch import per_token_numerator
 from fp4moe.kernels.sm90.moe_gemm import blocks_per_consumer, variant_rows
-from tests.sm90_compile import compile_in_subprocess, sass
+from tests.sm90_compile import bulk_copies, compile_in_subprocess, sass
 
 PER_TOKEN_NUMERATOR = per_token_numerator(nvfp4.DEFAULT_GLOBAL_SCALE_INV)
 
@@ -432,12 +432,12 @@ def test_decode_tiles_copy_their_weights_evict_first(compiled):
     many rows carries an L2 cache policy (`desc[...]`), none of a taller tile's; the aligned one-kernel
     path keeps the default policy for both GEMMs' weights."""
     for i, (_epilogue, key, *_rest) in enumerate(GEMM_VARIANTS):
-        copies = [line for line in _sass(compiled, f"gemm_{i}").splitlines() if "UBLKCP.S.G" in line]
+        copies = bulk_copies(_sass(compiled, f"gemm_{i}"))
         evict_first = key[4] <= moe_gemm.EVICT_FIRST_TILE_ROWS
         assert copies and all(("desc[" in line) == evict_first for line in copies), GEMM_VARIANTS[i]
     assert {key[4] <= moe_gemm.EVICT_FIRST_TILE_ROWS for _, key, *_ in GEMM_VARIANTS} == {True, False}
     for i, variant in enumerate(ALIGNED_FUSED_VARIANTS):
-        copies = [line for line in _sass(compiled, f"aligned_fused_{i}").splitlines() if "UBLKCP.S.G" in line]
+        copies = bulk_copies(_sass(compiled, f"aligned_fused_{i}"))
         assert copies and not any("desc[" in line for line in copies), variant
 
 

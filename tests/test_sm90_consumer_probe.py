@@ -5,15 +5,15 @@ and nothing of the consumers; `skeleton` both and the consumers' work, `skeleton
 items' k loops past one copy; `spinning_waits` only how the pipeline waits; `grouped_copies_*` only how
 many k tiles a weight copy takes; `dynamic_k_chunks` only which work units a CTA walks); the epilogue
 variants nothing of the code (they skip it at run time); the panel variants from the GEMM2 that
-quantizes its rows (per-token W4A4, T = 1), and nothing of its consumers or its weight stream; the staging
-variants add only prefetches, sleeps and cache policies."""
+quantizes its rows (per-token W4A4, T = 1), and nothing of its consumers or its weight stream; the
+weight-policy and prefetch variants only the weight copies' cache policy or the prefetches' byte counts."""
 
 import re
 import textwrap
 
 import pytest
 
-from tests.sm90_compile import compile_in_subprocess, sass
+from tests.sm90_compile import bulk_copies, compile_in_subprocess, sass
 
 _SCRIPT = textwrap.dedent(
     """
@@ -326,7 +326,6 @@ def test_the_short_item_skeleton_cuts_only_the_items_k_loop():
         )
 
 
-
 def test_decode_weight_copies_are_evict_first_and_the_control_takes_the_default_policy(tmp_path):
     """DeepSeek-V3's fused GEMM2 at T = 1 (8-row tiles, `moe_gemm.EVICT_FIRST_TILE_ROWS`): every weight
     copy carries a cache policy (`desc[...]`); `weights_evict_normal` the same copies with none, and its
@@ -334,7 +333,7 @@ def test_decode_weight_copies_are_evict_first_and_the_control_takes_the_default_
     names = ("default", "weights_evict_normal")
     out = compile_in_subprocess(_SCRIPT, {"names": names, "epilogue": "gemm2_fused"}, tmp_path)
     kernels = {name: sass(out / f"{name}.cubin") for name in names}
-    copies = {name: [line for line in kernels[name].splitlines() if "UBLKCP.S.G" in line] for name in names}
+    copies = {name: bulk_copies(kernels[name]) for name in names}
     assert copies["default"] and all("desc[" in line for line in copies["default"])
     assert len(copies["weights_evict_normal"]) == len(copies["default"])
     assert not any("desc[" in line for line in copies["weights_evict_normal"])
@@ -347,9 +346,7 @@ def test_the_everywhere_variant_copies_prefill_weights_evict_first_too(tmp_path)
     weight copies carry no cache policy, `weights_evict_first_all`'s carry one each."""
     names = ("default", "weights_evict_first_all")
     out = compile_in_subprocess(_SCRIPT, {"names": names, "tokens": 4096}, tmp_path)
-    copies = {
-        name: [line for line in sass(out / f"{name}.cubin").splitlines() if "UBLKCP.S.G" in line] for name in names
-    }
+    copies = {name: bulk_copies(sass(out / f"{name}.cubin")) for name in names}
     assert copies["default"] and not any("desc[" in line for line in copies["default"])
     assert len(copies["weights_evict_first_all"]) == len(copies["default"])
     assert all("desc[" in line for line in copies["weights_evict_first_all"])
