@@ -78,10 +78,7 @@ class AlignedFusedSm90(MoEGemmSm90):
             max_ctas=CLUSTER_CTAS * max_clusters,
             top_k=top_k, nvfp4_out=True, up_alpha=True, warp_mma=True,
         )
-        assert self.k64_per_tile == 2 and self.cta_row_blocks == 1
-        # Both GEMMs' weights under the default L2 policy: the decode GEMMs' evict-first copies
-        # (`EVICT_FIRST_TILE_ROWS`) were measured on the grouped GEMMs, not in this kernel.
-        self.weights_evict_first = False
+        assert self.k64_per_tile == 2 and self.cta_row_blocks == 1 and self.weights_evict_first
         self.hidden = hidden
         self.slices = intermediate // SLICE_FEATURES
         self.max_clusters = max_clusters
@@ -239,7 +236,8 @@ class AlignedFusedSm90(MoEGemmSm90):
     @cute.jit
     def copy_down_weights(self, mCodes2, mScales2, storage, full, stage, first_block, piece):
         """Thread 0: the 64-K tile `piece` (the item's slice) of `w2`'s row blocks `first_block` and the next
-        into `stage`'s two 64-K slots, completing on `full`."""
+        into `stage`'s two 64-K slots, completing on `full`, evict-first in L2 as `w1`'s tiles
+        (`moe_gemm.EVICT_FIRST_TILE_ROWS`)."""
         cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.code_bytes + self.scale_bytes)
         barrier = (full + stage).toint()
         for slot in cutlass.range_constexpr(self.k64_per_tile):
@@ -247,6 +245,7 @@ class AlignedFusedSm90(MoEGemmSm90):
             copy_weight_tiles(
                 mCodes2, mScales2, storage, Int64((first_block + slot) * self.down_k_tiles64 + piece),
                 stage * self.k64_per_tile + slot, weight_layout.CODE_BYTES, weight_layout.SCALE_BYTES, 1, barrier,
+                self.weights_evict_first,
             )
 
     # -----------------------------------------------------------------------------------------------

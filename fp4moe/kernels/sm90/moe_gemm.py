@@ -150,7 +150,9 @@ intermediate, the k tiles GEMM1 and GEMM2 prefetch into L2 before their waits) w
 pushed out by the stream. Whole decode calls on an H100 measured up to 2.6% faster that way (DeepSeek-V3
 0.5-1.5% at T = 1 and 1.7-2.4% at T = 2-32, level at T = 64-256; GLM and Qwen3-30B-A3B 0.7-2.6% at
 T = 2-256), none more than 0.3 us slower (GLM and Qwen3-30B-A3B at T = 1); prefill tiles, whose experts'
-weight tiles serve several row tiles from L2, measured up to 0.8% slower under it (runs log)."""
+weight tiles serve several row tiles from L2, measured up to 0.8% slower under it, and 64-row tiles
+(DeepSeek-V3 and GLM at T = 512-2048) within 0.7% either way. The aligned one-kernel path's 8-row tiles
+take it in both GEMMs (`aligned_fused`), measured level there (runs log)."""
 
 
 def staged_row_bytes(tile_rows: int) -> int:
