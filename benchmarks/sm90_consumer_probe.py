@@ -64,9 +64,10 @@ against the default's output.
 - `weights_evict_normal` (chosen with `--variants`) is no removal: the decode tiles' weight copies under
   the default L2 policy instead of evict-first (`NormalPolicyWeights`), the control of that choice;
   `weights_evict_first_all` every tile's copies evict-first, the prefill tiles' too.
-  `gemm2_prefetch_4` and `gemm2_prefetch_8` (GEMM2 prefetching its first 4 or 8 k tiles before its wait,
-  `Gemm2PrefetchMore`) and `routed_prefetch_8mb` (GEMM1's routed prefetch within 8 MB, `RoutedPrefetchMore`)
-  ask whether longer prefetches pay under those evict-first copies.
+  `gemm2_prefetch_2`, `gemm2_prefetch_4` and `gemm2_prefetch_8` (every GEMM2 prefetching its first 2, 4 or
+  8 k tiles before its wait, `Gemm2Prefetch2`; the default takes 8 in CTAs of seven consumer groups, else
+  2) and `routed_prefetch_8mb` (GEMM1's routed prefetch within 8 MB, `RoutedPrefetchMore`) ask whether
+  longer prefetches pay under those evict-first copies.
 - `panel_no_scan`, `panel_no_quantize`, `panel_none` (chosen with `--variants`) change only a GEMM that
   quantizes its own activation rows (per-token W4A4 on the rescan path, DeepSeek-V3 at T = 1-3): every
   row's maximum taken as 1 instead of scanned, the rows stored unquantized, or no panel work at all.
@@ -691,21 +692,23 @@ class EvictFirstWeightsEverywhere(NormalPolicyWeights):
     evict_first = True
 
 
-class Gemm2PrefetchMore(MoEGemmSm90):
-    """No removal: GEMM2 prefetches its first `prefetch_k_tiles` k tiles into L2 before its wait (at most
-    its stages) instead of `moe_gemm.GEMM2_PREFETCH_K_TILES`: whether a longer head start pays now that
-    the decode tiles' weight copies are evict-first and no longer push the prefetched lines out (larger
-    prefetches did not pay under the default policy, runs log). `prefetch_first_items` is a plain method,
-    run while the kernel is traced."""
+class Gemm2Prefetch2(MoEGemmSm90):
+    """No removal: every GEMM2 prefetches its first `prefetch_k_tiles` k tiles into L2 before its wait (at
+    most its stages) instead of `MoEGemmSm90.gemm2_prefetch_k_tiles`' count for its CTA (8 in CTAs of seven
+    consumer groups, else 2): the control of that choice, and whether a longer head start pays in other
+    GEMM2s."""
 
+    prefetch_k_tiles = 2
+
+    def gemm2_prefetch_k_tiles(self) -> int:
+        return self.prefetch_k_tiles
+
+
+class Gemm2Prefetch4(Gemm2Prefetch2):
     prefetch_k_tiles = 4
 
-    def prefetch_first_items(self, *operands):
-        with mock.patch.object(moe_gemm, "GEMM2_PREFETCH_K_TILES", self.prefetch_k_tiles):
-            MoEGemmSm90.prefetch_first_items(self, *operands)
 
-
-class Gemm2PrefetchStages(Gemm2PrefetchMore):
+class Gemm2Prefetch8(Gemm2Prefetch2):
     prefetch_k_tiles = 8
 
 
@@ -765,8 +768,8 @@ VARIANTS = {
     "gemm1_k_splits_7": Gemm1KSplits7, "two_k_streams": TwoKStreams, "four_k_streams": InterleavedKStreams,
     "four_k_streams_barriers_only": InterleavedKStreamsBarriersOnly, "rotated_k_walk": RotatedKWalk,
     "weights_evict_normal": NormalPolicyWeights, "weights_evict_first_all": EvictFirstWeightsEverywhere,
-    "gemm2_prefetch_4": Gemm2PrefetchMore,
-    "gemm2_prefetch_8": Gemm2PrefetchStages, "routed_prefetch_8mb": RoutedPrefetchMore,
+    "gemm2_prefetch_2": Gemm2Prefetch2, "gemm2_prefetch_4": Gemm2Prefetch4,
+    "gemm2_prefetch_8": Gemm2Prefetch8, "routed_prefetch_8mb": RoutedPrefetchMore,
 }
 CONSUMER_VARIANTS = ["default", "no_decode", "no_mma", "barriers_only"]
 """The variants of the consumers' k step, timed by default. The `panel_*` variants change only GEMMs
@@ -862,7 +865,7 @@ def run(tokens: int, weights, flushes, replays: int, g, variants) -> None:
 SAME_RESULT_VARIANTS = frozenset((
     "spinning_waits", "grouped_copies_1", "grouped_copies_2", "grouped_copies_4", "thread_weight_copies",
     "two_k_streams", "four_k_streams", "rotated_k_walk", "gemm2_vector_reduce", "weights_evict_normal",
-    "weights_evict_first_all", "gemm2_prefetch_4", "gemm2_prefetch_8", "routed_prefetch_8mb",
+    "weights_evict_first_all", "gemm2_prefetch_2", "gemm2_prefetch_4", "gemm2_prefetch_8", "routed_prefetch_8mb",
 ))
 """Variants that change how the GEMMs work, not what they compute. With `--whole-call` and `default`
 among the variants, each one's output is compared with the default's (`moe_checks.relative_error`, after

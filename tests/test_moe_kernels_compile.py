@@ -411,20 +411,25 @@ def test_gemm2_prefetches_its_first_k_tiles_before_it_waits(compiled):
     """`moe_gemm.MoEGemmSm90.prefetch_first_items`: GEMM2 issues its bulk L2 prefetches (`UBLKPF`) before
     its `griddepcontrol.wait` (`ACQBULK`) and none after it: one of codes and one of scales per 64-row
     weight block of the CTA and item, for as many of its first items as hold `GEMM2_PREFETCH_K_TILES`
-    k tiles (at most its stages). Items of one k tile (a 128-wide K) take two."""
-    counted_items = set()
+    k tiles (`SEVEN_GROUP_PREFETCH_K_TILES` in CTAs of seven consumer groups; at most its stages). Items
+    of one k tile (a 128-wide K) take two."""
+    counted_items, seven_groups = set(), False
     for i, (epilogue, key, *rest) in enumerate(GEMM_VARIANTS):
         if epilogue == "gemm1":
             continue
         sass = _sass(compiled, f"gemm_{i}")
         _experts, _rows, prepared_k, tile_features, _tile_rows, _granule, tile_k, stages, *_ = key
         k_splits = rest[9] if len(rest) > 9 else 1
-        items = -(-min(stages, moe_gemm.GEMM2_PREFETCH_K_TILES) // (prepared_k // tile_k // k_splits))
+        seven = tile_features == moe_launch.SEVEN_GROUP_FEATURES
+        seven_groups |= seven
+        k_tiles = moe_gemm.SEVEN_GROUP_PREFETCH_K_TILES if seven else moe_gemm.GEMM2_PREFETCH_K_TILES
+        items = -(-min(stages, k_tiles) // (prepared_k // tile_k // k_splits))
         counted_items.add(items)
         wait = sass.find("ACQBULK")
         assert wait > 0 and "UBLKPF" not in sass[wait:], key
         assert sass[:wait].count("UBLKPF.L2") == 2 * (tile_features // 64) * items, key
     assert counted_items == {1, 2}, "items of one k tile and of several are both checked"
+    assert seven_groups, "a GEMM2 of seven consumer groups is checked"
 
 
 def test_decode_tiles_copy_their_weights_evict_first(compiled):

@@ -358,17 +358,18 @@ def _prefetch_sizes(ptx: str) -> list[int]:
     return sorted(sizes[register] for register in re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], (%r\d+);", ptx))
 
 
-def test_longer_gemm2_prefetches_scale_only_their_byte_counts(tmp_path):
-    """DeepSeek-V3's fused GEMM2 at T = 1 (64 K per k tile): `gemm2_prefetch_4` and `gemm2_prefetch_8`
-    issue the default's prefetches (two k tiles: 4 KB of codes and 512 B of scales per block) with two and
-    four times the bytes, and nothing else changes."""
-    names = ("default", "gemm2_prefetch_4", "gemm2_prefetch_8")
+def test_gemm2_prefetch_variants_scale_only_their_byte_counts(tmp_path):
+    """DeepSeek-V3's fused GEMM2 at T = 1 (CTAs of seven consumer groups, 64 K per k tile): the default
+    prefetches `moe_gemm.SEVEN_GROUP_PREFETCH_K_TILES` (8) k tiles, 16 KB of codes and 2 KB of scales per
+    block, as `gemm2_prefetch_8` does; `gemm2_prefetch_2` and `gemm2_prefetch_4` issue the same prefetches
+    with a quarter and half the bytes, and nothing else changes."""
+    names = ("default", "gemm2_prefetch_2", "gemm2_prefetch_4", "gemm2_prefetch_8")
     out = compile_in_subprocess(_SCRIPT, {"names": names, "epilogue": "gemm2_fused"}, tmp_path)
     ptx = {name: (out / f"{name}.ptx").read_text() for name in names}
     default = _prefetch_sizes(ptx["default"])
-    assert default and set(default) == {512, 4096}
-    for name, factor in (("gemm2_prefetch_4", 2), ("gemm2_prefetch_8", 4)):
-        assert _prefetch_sizes(ptx[name]) == [size * factor for size in default], name
+    assert default and set(default) == {2048, 16384}
+    for name, factor in (("gemm2_prefetch_2", 4), ("gemm2_prefetch_4", 2), ("gemm2_prefetch_8", 1)):
+        assert [size * factor for size in _prefetch_sizes(ptx[name])] == default, name
         kernel, reference = sass(out / f"{name}.cubin"), sass(out / "default.cubin")
         for instruction in ("UBLKPF.L2", "UBLKCP.S.G", "HGMMA", "HMUL2.BF16_V2"):
             assert kernel.count(instruction) == reference.count(instruction) > 0, (name, instruction)

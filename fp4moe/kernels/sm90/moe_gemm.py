@@ -84,6 +84,14 @@ GEMM2_PREFETCH_K_TILES = 2
 (`prefetch_first_items`; at most the stages). Two keep DRAM busy across the gap between the launches
 until GEMM2's producer issues its own loads; prefetching all the stages competes with GEMM1's last wave
 for DRAM and measured slower at decode (A/B in the runs log)."""
+SEVEN_GROUP_PREFETCH_K_TILES = 8
+"""`GEMM2_PREFETCH_K_TILES` for GEMM2 CTAs of seven consumer groups (`moe_launch.SEVEN_GROUP_FEATURES`,
+DeepSeek-V3 at T = 1). Such a CTA takes a whole SM, so it becomes resident only once GEMM1's CTA on that
+SM has ended: its prefetch fills DRAM during GEMM1's last wave rather than competing with GEMM1's stream,
+and the decode GEMM1's evict-first weights (`EVICT_FIRST_TILE_ROWS`) leave the prefetched lines in L2.
+Whole W4A16 calls of DeepSeek-V3 at T = 1 measured 1.0-1.2 us (1.3-1.5%) faster on an H100; 8 k tiles in
+GEMM2s of smaller CTAs, which become resident beside GEMM1's, measured up to 6% slower (the 32-expert
+shard and GLM at T = 1) and within 2% either way elsewhere (runs log)."""
 EARLY_ROWS_TILE_ROWS = 16
 """Tiles of at most this many rows (decode) load their epilogue's plan entries and router weights
 before the MMAs, which hide the loads' latency; larger tiles would hold too many registers. Their rows
@@ -641,16 +649,22 @@ class MoEGemmSm90:
                 num_pairs, full, empty, group - 1, mLiveTiles,
             )
 
+    def gemm2_prefetch_k_tiles(self) -> int:
+        """How many k tiles `prefetch_first_items` asks for (at most the stages): `SEVEN_GROUP_PREFETCH_K_TILES`
+        in CTAs of seven consumer groups, else `GEMM2_PREFETCH_K_TILES`. Plain Python, run while the
+        kernel is traced."""
+        return SEVEN_GROUP_PREFETCH_K_TILES if self.consumer_groups == 7 else GEMM2_PREFETCH_K_TILES
+
     @cute.jit
     def prefetch_first_items(self, mTileExpert, mCodes, mScales, mLiveTiles):
         """GEMM2, before it waits for its predecessor (GEMM1, whose last wave it may overlap through
-        PDL): the weights of the CTA's first `GEMM2_PREFETCH_K_TILES` k tiles (its first item's, and the
+        PDL): the weights of the CTA's first `gemm2_prefetch_k_tiles` k tiles (its first item's, and the
         next items' where items are shorter: split K) into L2, so that the weight stream does not stop
         between the two GEMMs. The plan was written a launch before GEMM1 and is complete by the time
         GEMM2 starts; a plan read too early (a caller launching GEMM2 right after the plan) only
         prefetches other bytes, as the prefetch is a hint and nothing computes with it."""
         first, end, step = self.item_bounds(mTileExpert, mLiveTiles)
-        prefetched = min(self.stages, GEMM2_PREFETCH_K_TILES)
+        prefetched = min(self.stages, self.gemm2_prefetch_k_tiles())
         for i in cutlass.range_constexpr(-(-prefetched // self.k_iterations)):
             item = first + i * step
             k_tiles = min(self.k_iterations, prefetched - i * self.k_iterations)
