@@ -85,13 +85,14 @@ GEMM2_PREFETCH_K_TILES = 2
 until GEMM2's producer issues its own loads; prefetching all the stages competes with GEMM1's last wave
 for DRAM and measured slower at decode (A/B in the runs log)."""
 SEVEN_GROUP_PREFETCH_K_TILES = 8
-"""`GEMM2_PREFETCH_K_TILES` for GEMM2 CTAs of seven consumer groups (`moe_launch.SEVEN_GROUP_FEATURES`,
-DeepSeek-V3 at T = 1). Such a CTA takes a whole SM, so it becomes resident only once GEMM1's CTA on that
-SM has ended: its prefetch fills DRAM during GEMM1's last wave rather than competing with GEMM1's stream,
-and the decode GEMM1's evict-first weights (`EVICT_FIRST_TILE_ROWS`) leave the prefetched lines in L2.
-Whole W4A16 calls of DeepSeek-V3 at T = 1 measured 1.0-1.2 us (1.3-1.5%) faster on an H100; 8 k tiles in
-GEMM2s of smaller CTAs, which become resident beside GEMM1's, measured up to 6% slower (the 32-expert
-shard and GLM at T = 1) and within 2% either way elsewhere (runs log)."""
+"""`GEMM2_PREFETCH_K_TILES` for GEMM2 CTAs of seven consumer groups (`moe_launch.SEVEN_GROUP_FEATURES`: the
+fused GEMM2 of DeepSeek-V3 at T = 1, its per-pair GEMM2s at T = 1-2). A rule by measurement on an H100:
+whole DeepSeek-V3 calls at T = 1 ran 0.9-2.8% faster in every mode (W4A16, both W4A4 modes, the
+deterministic finalize, the aligned MoE) and level at T = 2. Eight k tiles in every GEMM2 measured up to 6%
+slower elsewhere (the 32-expert shard at T = 1-2, GLM at T = 1), level on DeepSeek-V3 at T = 2-32 and up to
+2% faster on GLM at T = 2, so no wider rule (by CTAs per SM, say) fits those cells (runs log). Such a CTA
+takes a whole SM and becomes resident as GEMM1's CTAs on its SM end; the decode GEMM1's evict-first weights
+(`EVICT_FIRST_TILE_ROWS`) leave the prefetched lines in L2."""
 EARLY_ROWS_TILE_ROWS = 16
 """Tiles of at most this many rows (decode) load their epilogue's plan entries and router weights
 before the MMAs, which hide the loads' latency; larger tiles would hold too many registers. Their rows
