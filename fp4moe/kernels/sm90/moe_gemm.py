@@ -128,7 +128,7 @@ def groups_weight_copies(
 
 
 def copy_weight_tiles(
-    mCodes, mScales, storage, tile_index, slot, slot_code_bytes, slot_scale_bytes, slots, barrier, evict_first=False
+    mCodes, mScales, storage, tile_index, slot, slot_code_bytes, slot_scale_bytes, slots, barrier, evict_first
 ):
     """Thread 0: one bulk copy of prepared weight codes and one of their scales, from 64 K tile `tile_index`
     (counted over all experts' blocks) on, into `slots` consecutive slots of the shared storage's `codes`
