@@ -164,14 +164,13 @@ def time_fused_moe(tokens_list, experts: int, replays: int = 50) -> None:
         torch.cuda.synchronize()
         first = time.perf_counter() - start
         if tokens <= 64 and not deterministic:
-            rows = slice(None)
             expected = pipeline.fused_moe(
                 *args, None, None, "w4a16", False, "swiglu", None, None, None, False, False, 0, None, None, "sm90",
                 None, reference=True,
             )
-            error = relative_error(out[rows], expected[rows])
+            check = f"rel err {relative_error(out, expected):.1e}"
         else:
-            error = float("nan")
+            check = "not checked (the reference runs at T <= 64, fused finalize)"
         (median,) = graph_median_us(lambda: ops.fused_moe(*args, **kwargs), replays=replays)
         touched = int(topk_ids.unique().numel())
         moved = touched * bytes_per_expert + 2 * 2 * tokens * hidden
@@ -179,7 +178,7 @@ def time_fused_moe(tokens_list, experts: int, replays: int = 50) -> None:
         print(
             f"T={tokens:5d}{' deterministic' if deterministic else ''}: {median:9.1f} us  "
             f"{moved / median / 1e3:7.0f} GB/s  {flops / median / 1e6:6.0f} TFLOP/s"
-            f"  rel err {error:.1e}  first call {first * 1e3:.0f} ms",
+            f"  {check}  first call {first * 1e3:.0f} ms",
             flush=True,
         )
     time_intermediate_quantization(weights, [t for t in tokens_list if t >= 64], hidden, experts, g)
