@@ -135,5 +135,6 @@ def fused_moe(
         intermediate, intermediate_scales, intermediate_per_token_scale, permuted_to_pair, tile_expert,
         w2, w2_scales, w2_alpha, weight_layout, None if apply_router_weight_on_input else topk_weights,
         num_tokens, top_k, hidden, accumulator, expected_pairs=choice.expected_local_pairs, quantize=gemm2_quantizes,
+        plan_complete=True,  # GEMM1, between them, waited for the plan's kernel before it released its successor
     )
     return stages["finalize"].finalize(expert_rows, pair_to_permuted if deterministic else None, num_tokens, top_k)

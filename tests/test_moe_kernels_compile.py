@@ -61,8 +61,10 @@ GEMM_VARIANTS = [
     ("gemm2_expanded", (256, 7168, 2048, 448, 8, 8, 64, 13, 1, 132), 2048, 7168, 8, "none", (None, None, None), True),
     # Per-token W4A4 on the rescan path at decode: GEMM2 quantizes its bf16 rows into activation panels
     # itself (`moe_gemm.MoEGemmSm90(quantizes_rows=True)`), in CTAs of seven consumer groups (DeepSeek-V3 at
-    # T = 1) and in two CTAs per SM; stages of weights only (`moe_launch.quantizing_shape_key`).
-    ("gemm2_fused", (256, 7168, 2048, 448, 8, 8, 64, 12, 1, 132), 2048, 7168, 8, "none", (None, None, None), False, False, False, False, 2, 32, 0, False, PER_TOKEN_NUMERATOR),
+    # T = 1) and in two CTAs per SM; stages of weights only (`moe_launch.quantizing_shape_key`). The first
+    # reads its first plan entries before its wait, as `fused_moe` launches it (`reads_plan_before_wait`).
+    ("gemm2_fused", (256, 7168, 2048, 448, 8, 8, 64, 12, 1, 132), 2048, 7168, 8, "none", (None, None, None), False, False, False, False, 2, 32, 0, False, PER_TOKEN_NUMERATOR,
+     False, False, False, True),
     ("gemm2_expanded", (8, 256, 128, 128, 8, 8, 128, 11, 2, 264), 128, 256, 2, "none", (None, None, None), True, False, False, False, 1, 32, 0, False, PER_TOKEN_NUMERATOR),
 ]
 
@@ -118,6 +120,12 @@ def _prefetches_routed(rest) -> bool:
     """Whether a `GEMM_VARIANTS` entry (after its key) is a GEMM1 that prefetches from the routing
     (`compile_gemm`'s `prefetches_routed`, after `tiling_invariant`)."""
     return len(rest) > 16 and rest[16]
+
+
+def _reads_plan_before_wait(rest) -> bool:
+    """Whether a `GEMM_VARIANTS` entry (after its key) is a quantizing GEMM2 that reads its first plan entries
+    before its wait (`compile_gemm`'s `reads_plan_before_wait`, after `prefetches_routed`)."""
+    return len(rest) > 17 and rest[17]
 
 
 def _warp_mma(key, rest) -> bool:
@@ -430,6 +438,22 @@ def test_gemm2_prefetches_its_first_k_tiles_before_it_waits(compiled):
         assert sass[:wait].count("UBLKPF.L2") == 2 * (tile_features // 64) * items, key
     assert counted_items == {1, 2}, "items of one k tile and of several are both checked"
     assert seven_groups, "a GEMM2 of seven consumer groups is checked"
+
+
+def test_quantizing_gemm2_launched_after_gemm1_reads_its_first_plan_entries_before_it_waits(compiled):
+    """`moe_gemm.MoEGemmSm90(reads_plan_before_wait=True)`: before its producer's `griddepcontrol.wait`
+    (`ACQBULK`) the kernel reads its first item's expert and its tile's pairs through L2
+    (`LDG.E.STRONG.GPU`, `ld.global.cg`); a quantizing GEMM2 without it reads nothing but its L2 prefetch's
+    plan entry (`LDG.E`) before its wait."""
+    variants = [(i, v) for i, v in enumerate(GEMM_VARIANTS) if _quantizes(v[2:])]
+    assert sorted(_reads_plan_before_wait(v[2:]) for _, v in variants) == [False, True]
+    for i, variant in variants:
+        before_wait = _sass(compiled, f"gemm_{i}").split("ACQBULK")[0]
+        strong_loads = before_wait.count("LDG.E.STRONG.GPU")
+        if _reads_plan_before_wait(variant[2:]):
+            assert strong_loads == 1 + variant[1][4], variant  # the expert, then a pair per tile row
+        else:
+            assert strong_loads == 0, variant
 
 
 def test_decode_tiles_copy_their_weights_evict_first(compiled):

@@ -638,6 +638,60 @@ def test_gemm2_quantizing_its_rows_matches_the_reference_pipeline(tokens, monkey
     assert_moe_close(run_prepared(p, deterministic=False), out)
 
 
+PLAN_BEFORE_WAIT_CASES = {
+    # (tokens, SMs or None for the GPU's): one item per CTA; two SMs, where each CTA walks many items and
+    # its later items' panel warps read their pairs after the wait.
+    "one-item-per-cta": (1, None),
+    "many-panels-per-cta": (3, 2),
+}
+
+
+@pytest.mark.parametrize("case", PLAN_BEFORE_WAIT_CASES)
+def test_quantizing_gemm2_reading_its_plan_before_its_wait_is_bitwise_the_one_that_waits_first(case, monkeypatch):
+    # `fused_moe` launches GEMM2 once the plan is complete, so a GEMM2 quantizing its rows reads its first
+    # item's expert and pairs before its PDL wait (`reads_plan_before_wait`). The reads moved change no
+    # value: the deterministic pipeline is bitwise the call whose GEMM2 reads its plan after the wait.
+    from fp4moe.kernels import host_launcher
+    from fp4moe.kernels.sm90 import moe_launch
+
+    tokens, sms = PLAN_BEFORE_WAIT_CASES[case]
+    if sms is not None:
+        monkeypatch.setattr(moe_launch, "sm_count", lambda device_index: sms)
+    monkeypatch.setattr(moe_launch, "MIN_QUANTIZING_K_TILES", 1)
+    p = make_problem(tokens=tokens, hidden=256, intermediate=2048, num_experts=16, top_k=4, mode="w4a4_per_token",
+                     device="cuda", seed=95 + tokens, deterministic=True)
+    compile_gemm, gemm2 = moe_launch.compile_gemm, moe_launch.gemm2
+    reads_before_wait = []
+
+    def recorded_compile(*args, **options):
+        """The launch layer's compilation, with whether each quantizing GEMM2 reads its plan early noted."""
+        if options.get("per_token_numerator") is not None:
+            reads_before_wait.append(options["reads_plan_before_wait"])
+        return compile_gemm(*args, **options)
+
+    def fresh_calls():
+        """From here on calls are recorded afresh (each goes through the launch layer)."""
+        torch.cuda.synchronize()
+        host_launcher.forget_recorded_calls()
+        reads_before_wait.clear()
+
+    monkeypatch.setattr(moe_launch, "compile_gemm", recorded_compile)
+    try:
+        fresh_calls()
+        early = run_prepared(p)
+        assert reads_before_wait == [True]
+        assert_moe_close(early, loop_reference(p))
+        assert_moe_close(run_prepared(p, deterministic=False), loop_reference(p))
+        monkeypatch.setattr(moe_launch, "gemm2", lambda *args, **kwargs: gemm2(*args, **{**kwargs, "plan_complete": False}))
+        fresh_calls()
+        waits_first = run_prepared(p)
+        assert reads_before_wait == [False]
+        assert_bitwise_equal(early, waits_first)
+    finally:
+        torch.cuda.synchronize()
+        host_launcher.forget_recorded_calls()
+
+
 def test_skewed_routing_all_tokens_on_one_expert_and_every_expert_once():
     p = make_problem(tokens=300, top_k=2, num_experts=8, hidden=128, intermediate=64, mode="w4a16", device="cuda", seed=7)
     p.topk_ids[:, 0] = 5

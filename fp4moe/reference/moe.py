@@ -247,12 +247,14 @@ def moe_gemm2(
 def gemm2(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w2, w2_scales, w2_alpha, layout,
     router_weights, num_tokens, top_k, hidden, accumulator, *, expected_pairs=None, quantize=None,
+    plan_complete=False,
 ):
     """The pipeline's GEMM2 stage: adds every live row's FP32 output into `accumulator` [T, hidden] at
     its token (fused finalize), or, without one, returns the FP32 [T*k, hidden] per-pair rows (zeros
     for non-local pairs). `expected_pairs` is unused, as in `gemm1`. `quantize` = ("per_token",
     global_scale_inv): `a` is bf16 and is first quantized per token (the rescan path, linear scales, no
-    4-over-6), as the pipeline's intermediate quantization would."""
+    4-over-6), as the pipeline's intermediate quantization would. `plan_complete` (the plan's kernel has
+    completed when this stage starts) is a launch hint for the kernels, unused here."""
     if quantize is not None:
         mode, global_scale_inv = quantize
         if mode != "per_token" or a_scales is not None or a_per_token_scale is not None:

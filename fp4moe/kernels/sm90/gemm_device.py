@@ -182,6 +182,14 @@ def load_global_v4(gmem_address, loads, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def load_global_cg_s32(gmem_address, *, loc=None, ip=None) -> Int32:
+    """One 32-bit word from global memory through L2 only (`.cg`): a plan entry read before the kernel's
+    PDL wait, where a line of this SM's L1 may still hold the previous call's. Side-effecting, so that
+    it stays where it is written."""
+    return Int32(_asm(T.i32(), "ld.global.cg.b32 $0, [$1];", "=r,l", (Int64(gmem_address),), True, loc, ip))
+
+
+@dsl_user_op
 def bf16x2(low, high, *, loc=None, ip=None) -> Uint32:
     """Two FP32 values rounded to bf16 and packed, `low` in the low half."""
     ptx = "cvt.rn.bf16x2.f32 $0, $2, $1;"

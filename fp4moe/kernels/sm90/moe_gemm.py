@@ -400,6 +400,9 @@ class MoEGemmSm90:
     and hand the panel and the rows' per-token scales to the consumers through `rows_full` /
     `rows_empty`. Per k tile the consumers read the panel's tile instead of a stage's. Quantizing in
     the k loop instead costs the consumers' instruction issue more than the hop it saves (runs log).
+    Launched after GEMM1 in `fused_moe` (`reads_plan_before_wait`: the plan is complete then), its
+    producer reads the first item's expert and the panel warps its tile's pairs before the PDL wait,
+    through L2, so that the row scan's loads are the first thing after it.
     """
 
     def __init__(
@@ -438,6 +441,7 @@ class MoEGemmSm90:
         fast_sigmoid: bool = False,
         prefetches_routed: bool = False,
         tiles_per_copy: int = 1,
+        reads_plan_before_wait: bool = False,
     ):
         assert epilogue in EPILOGUES
         assert tile_features in (64, 128, 256, 448) and prepared_rows % tile_features == 0
@@ -503,6 +507,8 @@ class MoEGemmSm90:
         assert quantizes_rows == (per_token_numerator is not None)
         self.quantizes_rows = quantizes_rows
         self.per_token_numerator = per_token_numerator
+        assert not reads_plan_before_wait or (quantizes_rows and epilogue != "gemm1")
+        self.reads_plan_before_wait = reads_plan_before_wait
         self.row_scaled = row_scaled or quantizes_rows
         staged = 2 * tile_rows if self.staged_rows else 1
         # Staged rows' scales, or a quantizing producer's per-token scales (`quantize_panel`).
@@ -632,7 +638,8 @@ class MoEGemmSm90:
         if const_expr(self.prefetches_routed):
             if tidx < WARP_SIZE:
                 self.prefetch_routed_weights(mRouting, routing_offset, mCodes, mScales)
-        wait_for_predecessor_and_release_successor()
+        if const_expr(not self.reads_plan_before_wait):
+            wait_for_predecessor_and_release_successor()
         num_pairs = self.pair_count(mAct, mOut)
         if group == 0:
             cute.arch.setmaxregister_decrease(producer_registers(self.tile_rows, self.quantizes_rows))
@@ -641,6 +648,8 @@ class MoEGemmSm90:
                 (mRouterWeights, mRowScales), mLiveTiles,
             )
         else:
+            if const_expr(self.reads_plan_before_wait):  # the producer waits once it has read the plan
+                wait_for_predecessor_and_release_successor()
             cute.arch.setmaxregister_increase(
                 consumer_registers(self.tile_features, self.tile_rows, self.ctas_per_sm, self.quantizes_rows)
             )
@@ -755,15 +764,19 @@ class MoEGemmSm90:
         return block_item // self.feature_blocks, block_item % self.feature_blocks, (item % self.k_splits) * self.k_iterations
 
     @cute.jit
-    def tile_expert(self, mTileExpert, tile):
+    def tile_expert(self, mTileExpert, tile, before_wait=False):
         """The expert of a plan tile; -1 when the tile is unused (entries outside [0, E) are unused
-        tiles: the plan contract)."""
-        expert = mTileExpert[tile]
+        tiles: the plan contract). `before_wait`: read before the PDL wait, through L2
+        (`reads_plan_before_wait`)."""
+        if const_expr(before_wait):
+            expert = dev.load_global_cg_s32(mTileExpert.iterator.toint() + Int64(tile) * 4)
+        else:
+            expert = mTileExpert[tile]
         if (expert < 0) | (expert >= self.num_experts):
             expert = Int32(-1)
         return expert
 
-    def upcoming_expert(self, mTileExpert, item, end, step):
+    def upcoming_expert(self, mTileExpert, item, end, step, before_wait=False):
         """The expert of the item after `item` (of the last item when none follows), for tiles without
         staged rows; None for the others. Those tiles load it at the top of an item, so that its
         latency hides behind the item's k loop instead of stalling the next item's start (decode items
@@ -775,7 +788,7 @@ class MoEGemmSm90:
         if self.staged_rows:
             return None
         tile, _, _ = self.item_place(cutlass.min(item + step, end - 1))
-        return self.tile_expert(mTileExpert, tile)
+        return self.tile_expert(mTileExpert, tile, before_wait)
 
     def item_expert(self, mTileExpert, item, carried):
         """The expert of `item`: `carried` (`upcoming_expert`'s, from the previous iteration) for tiles
@@ -803,7 +816,15 @@ class MoEGemmSm90:
     ):
         iteration = Int32(0)  # k tiles this CTA has loaded so far: the pipeline's stage and phase
         first, end, step = self.item_bounds(mTileExpert, mLiveTiles)
-        upcoming = self.upcoming_expert(mTileExpert, first - step, end, step)
+        upcoming = self.upcoming_expert(mTileExpert, first - step, end, step, self.reads_plan_before_wait)
+        pairs = None
+        if const_expr(self.quantizes_rows):
+            pairs = self.panel_pairs()
+            if const_expr(self.reads_plan_before_wait):
+                assert mLiveTiles is None  # a live-tile count is the predecessor's output
+                if (cute.arch.thread_idx()[0] >= WARP_SIZE) & (first < end):  # the panel warps
+                    self.read_panel_pairs(pairs, mPermutedToPair, self.item_place(first)[0], before_wait=True)
+                wait_for_predecessor_and_release_successor()
         for item in cutlass.range(first, end, step, unroll=1):
             tile, feature_block, k_first = self.item_place(item)
             expert = self.item_expert(mTileExpert, item, upcoming)
@@ -816,7 +837,8 @@ class MoEGemmSm90:
                         self.load_item_weights(mCodes, mScales, full, empty, storage, feature_block, expert, k_first, iteration)
                     else:
                         self.quantize_panel(
-                            storage, b_layout, mAct, mPermutedToPair, num_pairs, tile, k_first, iteration // self.k_iterations
+                            storage, b_layout, mAct, mPermutedToPair, num_pairs, tile, k_first, iteration // self.k_iterations,
+                            pairs, item != first if const_expr(self.reads_plan_before_wait) else None,
                         )
                 else:
                     self.produce_item(
@@ -1013,9 +1035,14 @@ class MoEGemmSm90:
                 self.copy_row_chunk(stage_smem + i * row_step_bytes, column_address, row_chunks[i], row_used[i], column_bytes)
 
     @cute.jit
-    def quantize_panel(self, storage, b_layout, mAct, mPermutedToPair, num_pairs, tile, k_first, item_number):
+    def quantize_panel(
+        self, storage, b_layout, mAct, mPermutedToPair, num_pairs, tile, k_first, item_number, pairs, later_item=None
+    ):
         """Producer warps 1-3: the item's rows, quantized per token, into panel `item_number % 2`
-        (`quantizes_rows`), once the consumers have released it (`rows_empty`).
+        (`quantizes_rows`), once the consumers have released it (`rows_empty`). The tile's pairs are read
+        once into the registers `pairs` (`read_panel_pairs`), for the scan and the fill; with
+        `reads_plan_before_wait` they hold the CTA's first item's already, and `later_item` says whether
+        this item is a later one.
 
         First each row holding a pair is scanned for its maximum magnitude (NaN ignored, from +0: the
         per-token quantizer's rescan): its 16-byte chunks spread over the 96 threads, `ROW_SCAN_LOADS`
@@ -1028,11 +1055,31 @@ class MoEGemmSm90:
         are: only their own accumulator columns read them. The stores are fenced for the `wgmma`s'
         async proxy before the warps arrive on `rows_full`."""
         buffer = item_number % 2
+        if const_expr(later_item is None):
+            self.read_panel_pairs(pairs, mPermutedToPair, tile)
+        elif later_item:
+            self.read_panel_pairs(pairs, mPermutedToPair, tile)
         cute.arch.mbarrier_wait(storage.rows_empty.data_ptr() + buffer, ((item_number // 2) & 1) ^ 1)
-        self.scan_panel_rows(storage, mAct, mPermutedToPair, num_pairs, tile, buffer)
-        self.fill_panel(storage, b_layout, mAct, mPermutedToPair, num_pairs, tile, k_first, item_number)
+        self.scan_panel_rows(storage, mAct, pairs, num_pairs, tile, buffer)
+        self.fill_panel(storage, b_layout, mAct, pairs, num_pairs, tile, k_first, item_number)
         cute.arch.fence_view_async_shared()
         cute.arch.mbarrier_arrive(storage.rows_full.data_ptr() + buffer)
+
+    def panel_pairs(self):
+        """Registers for the pairs of a plan tile's rows (`read_panel_pairs`). Plain Python, run while the
+        kernel is traced."""
+        return cute.make_rmem_tensor(self.tile_rows, Int32)
+
+    @cute.jit
+    def read_panel_pairs(self, pairs, mPermutedToPair, tile, before_wait=False):
+        """The pair of each row of plan tile `tile` into `pairs` (`panel_pairs`), all loads in flight at
+        once; `before_wait`: read before the PDL wait, through L2 (`reads_plan_before_wait`)."""
+        for n in cutlass.range_constexpr(self.tile_rows):
+            row = tile * self.tile_rows + n
+            if const_expr(before_wait):
+                pairs[n] = dev.load_global_cg_s32(mPermutedToPair.iterator.toint() + Int64(row) * 4)
+            else:
+                pairs[n] = mPermutedToPair[row]
 
     def panel_operands(self, storage, mAct):
         """What both parts of `quantize_panel` work with: (the thread's index among the panel warps, their
@@ -1045,14 +1092,15 @@ class MoEGemmSm90:
         )
 
     @cute.jit
-    def scan_panel_rows(self, storage, mAct, mPermutedToPair, num_pairs, tile, buffer):
-        """`quantize_panel`'s first part: each used row's maximum magnitude, per panel warp, into the
-        shared `row_maxima` of panel `buffer`, then the panel warps' barrier."""
+    def scan_panel_rows(self, storage, mAct, pairs, num_pairs, tile, buffer):
+        """`quantize_panel`'s first part: each used row's (of `pairs`, `read_panel_pairs`) maximum
+        magnitude, per panel warp, into the shared `row_maxima` of panel `buffer`, then the panel warps'
+        barrier."""
         thread, threads, maxima, act, row_bytes = self.panel_operands(storage, mAct)
         warp = thread // WARP_SIZE
         row_chunks = self.act_k // CHUNK_ELEMENTS
         for n in cutlass.range_constexpr(self.tile_rows):
-            pair = mPermutedToPair[tile * self.tile_rows + n]
+            pair = pairs[n]
             if (pair >= 0) & (pair < num_pairs):  # the same row on every panel thread
                 row_address = act + Int64(self.source_row(pair, tile, n)) * row_bytes + Int64(thread) * 16
                 magnitudes = Uint32(0)
@@ -1074,9 +1122,10 @@ class MoEGemmSm90:
         cute.arch.barrier(barrier_id=PANEL_BARRIER, number_of_threads=threads)
 
     @cute.jit
-    def fill_panel(self, storage, b_layout, mAct, mPermutedToPair, num_pairs, tile, k_first, item_number):
+    def fill_panel(self, storage, b_layout, mAct, pairs, num_pairs, tile, k_first, item_number):
         """`quantize_panel`'s second part: from the rows' maxima (`scan_panel_rows`), their per-token
-        scales for the epilogue and the item's chunks of each used row, quantized, into the panel."""
+        scales for the epilogue and the item's chunks of each used row (of `pairs`), quantized, into the
+        panel."""
         thread, threads, maxima, act, row_bytes = self.panel_operands(storage, mAct)
         buffer = item_number % 2
         _, _, scales, offset = self.staged_view(storage, item_number)
@@ -1086,7 +1135,7 @@ class MoEGemmSm90:
         first_column = k_first * self.tile_k
         numerator = Float32(self.per_token_numerator)
         for n in cutlass.range_constexpr(self.tile_rows):
-            pair = mPermutedToPair[tile * self.tile_rows + n]
+            pair = pairs[n]
             if (pair >= 0) & (pair < num_pairs):
                 row_max = maxima[(buffer * self.tile_rows + n) * PANEL_WARPS]
                 for w in cutlass.range_constexpr(1, PANEL_WARPS):

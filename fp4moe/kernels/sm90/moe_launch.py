@@ -319,7 +319,7 @@ def compile_gemm(
     swiglu: tuple, router_weighted: bool, row_scaled: bool = False, float32_out: bool = False,
     aux_amax: bool = False, k_splits: int = 1, epilogue_rows: int = EPILOGUE_ROWS, output_scales: int = 0,
     up_alpha: bool = False, per_token_numerator: float | None = None, live_tiles: bool = False,
-    tiling_invariant: bool = False, prefetches_routed: bool = False,
+    tiling_invariant: bool = False, prefetches_routed: bool = False, reads_plan_before_wait: bool = False,
 ):
     """The grouped GEMM of `MoEGemmSm90`'s static configuration, compiled once per process (and cached
     on disk). `output_scales`: GEMM1 writes its intermediate quantized to NVFP4 and dequantized
@@ -333,7 +333,9 @@ def compile_gemm(
     says so, unless `tiling_invariant`: the bits must not depend on the tile shapes (the deterministic
     pipeline, whose tiles the expected pairs may change), and `wgmma` gives the same bits whatever they are.
     `prefetches_routed`: GEMM1 takes the routing and prefetches the routed experts' first weights before
-    it waits for the plan (`moe_gemm.MoEGemmSm90.prefetch_routed_weights`). CTAs of one 64-row block copy
+    it waits for the plan (`moe_gemm.MoEGemmSm90.prefetch_routed_weights`). `reads_plan_before_wait`: a GEMM2
+    that quantizes its rows, launched once the plan is complete, reads its first item's plan entries
+    before it waits for its predecessor (`moe_gemm.MoEGemmSm90`). CTAs of one 64-row block copy
     their weights `moe_gemm.WEIGHT_COPY_K_TILES` k tiles at a time where `moe_gemm.groups_weight_copies`
     allows."""
     experts, rows, k, tile_features, tile_rows, granule, tile_k, stages, ctas_per_sm, max_ctas = shape_key
@@ -353,6 +355,7 @@ def compile_gemm(
         output_scaled=output_scales > 0 and epilogue != "gemm1", quantizes_rows=per_token_numerator is not None,
         per_token_numerator=per_token_numerator, warp_mma=warp_mma, fast_sigmoid=fast_sigmoid,
         prefetches_routed=prefetches_routed, tiles_per_copy=tiles_per_copy,
+        reads_plan_before_wait=reads_plan_before_wait,
     )
     codes, scales = prepared_weight_tensors(experts, rows, k)
     act = make_fake_tensor(
@@ -373,7 +376,7 @@ def compile_gemm(
     key = (
         "moe_gemm", epilogue, shape_key, act_k, out_features, top_k, activation, swiglu, router_weighted, row_scaled,
         float32_out, aux_amax, k_splits, epilogue_rows, output_scales, up_alpha, per_token_numerator, live_tiles,
-        warp_mma, fast_sigmoid, prefetches_routed, tiles_per_copy,
+        warp_mma, fast_sigmoid, prefetches_routed, tiles_per_copy, reads_plan_before_wait,
     )
     routing = (_i32(_dynamic()), cutlass.Int32(0)) if prefetches_routed else (None, None)
     return compile_kernel(
@@ -716,6 +719,7 @@ def gemm1_values(
 def gemm2(
     a, a_scales, a_per_token_scale, permuted_to_pair, tile_expert, w2, w2_scales, w2_alpha, layout,
     router_weights, num_tokens, top_k, hidden, accumulator, *, expected_pairs=None, quantize=None,
+    plan_complete=False,
 ):
     """GEMM2 (`fp4moe.reference.moe.gemm2`'s contract) on a bf16 (W4A16) or NVFP4 (W4A4) intermediate:
     adds into the FP32 `accumulator` [T, hidden] (fused finalize), or, without one, returns the FP32
@@ -723,7 +727,10 @@ def gemm2(
     them). `quantize` = ("per_token", global_scale_inv): the intermediate is bf16 and GEMM2 quantizes
     it to NVFP4 per token itself (`quantizing_shape_key`; decode plan tiles), as the rescan path of the
     per-token quantizer would. The per-pair rows (the deterministic finalize's) do not depend on the tiling
-    (`compile_gemm`'s `tiling_invariant`)."""
+    (`compile_gemm`'s `tiling_invariant`). `plan_complete`: the kernel that wrote the plan has completed
+    by the time this GEMM2 launches (a kernel that waited for it, GEMM1, stands between them), so a GEMM2
+    that quantizes its rows reads its first plan entries before it waits for its predecessor
+    (`compile_gemm`'s `reads_plan_before_wait`)."""
     w2, w2_scales = _prepared(w2, w2_scales, layout, gated=False)
     epilogue = "gemm2_fused" if accumulator is not None else "gemm2_expanded"
     out = accumulator if accumulator is not None else a.new_empty((num_tokens * top_k, hidden), dtype=torch.float32)
@@ -747,7 +754,7 @@ def gemm2(
     kernel = compile_gemm(
         epilogue, key, a.shape[1], hidden, top_k, "none", (None, None, None), router_weights is not None,
         row_scaled=a_per_token_scale is not None, k_splits=k_splits, per_token_numerator=numerator,
-        tiling_invariant=accumulator is None,
+        tiling_invariant=accumulator is None, reads_plan_before_wait=plan_complete and quantize is not None,
     )
     launch_gemm(kernel, w2, w2_scales, a, permuted_to_pair, tile_expert, w2_alpha, router_weights, out, a_per_token_scale)
     return out

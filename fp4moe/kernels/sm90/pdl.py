@@ -8,7 +8,10 @@ and its memory is visible, and no global memory is written, nor read for computi
 reads before it are GEMM2's plan entries and a decode GEMM1's routing, for L2 prefetches of weights,
 hints that cannot change a result: `moe_gemm.MoEGemmSm90.prefetch_first_items` and
 `prefetch_routed_weights`; the activation quantizer below and the aligned MoE's `nvfp4_decode`, whose
-predecessors share no memory with them, wait last). Right after the wait a kernel
+predecessors share no memory with them, wait last; and the per-token quantizing GEMM2 that `fused_moe`
+launches after GEMM1, which reads its first item's plan entries through L2 before its wait,
+`moe_gemm.MoEGemmSm90`'s `reads_plan_before_wait`: the plan's kernel completed before GEMM1, which
+waits for it before releasing its successor, let GEMM2 launch). Right after the wait a kernel
 signals `griddepcontrol.launch_dependents`, so a PDL-launched successor may start during this
 kernel's last wave (it waits in turn). Predecessors that are not PDL-aware trigger at completion, and
 the wait then costs nothing.
