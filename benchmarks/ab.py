@@ -12,7 +12,8 @@ by `python -m benchmarks.precompile` run from the same tree, for the same cells)
 every other round so that drift within the lease falls on each. `compare` prints, per (shape, T,
 implementation), the mean over the rounds of each tree's median (or `--statistic trimmed_mean`: mean of
 the replays without the fastest and slowest tenth) and the ratio base / other of every round (above 1: the
-other tree is faster), and the cells whose status is not `ok`. Rounds of the same kernels differ by a few
+other tree is faster) that both finished, the cells whose status is not `ok`, and each tree that finished
+other rounds than the base (a run cut by its time limit). Rounds of the same kernels differ by a few
 percent within a lease: read the ratios across rounds and beside cells whose kernels the trees share. A
 cell whose replays fall into two clusters (its `min_s` and `max_s` far apart, the median near one or the
 other from round to round) is better compared by its trimmed mean; say which statistic decides before the run.
@@ -105,7 +106,20 @@ def compare(out: Path, base: str, others: list[str], statistic: str = "median") 
         lines.append(line)
     for tree, statuses in [(base, base_statuses)] + [(tree, loaded[tree][1]) for tree in others]:
         lines += [f"{tree}: {' '.join(map(str, key))} status {status}" for key, status in sorted(statuses.items())]
+    base_rounds = finished_rounds(base_times)
+    for tree, (times, _) in loaded.items():
+        if finished_rounds(times) != base_rounds:
+            lines.append(
+                f"{tree}: rounds {' '.join(finished_rounds(times)) or 'none'} of {base}'s {' '.join(base_rounds)}: "
+                f"its ratios are over the rounds both finished, {base}'s times over all of its own"
+            )
     return lines
+
+
+def finished_rounds(times: dict) -> list[str]:
+    """The rounds (`r1`, `r2`, ...) of which a tree's results hold at least one cell (`load`'s times): a
+    run cut by a time limit leaves a tree with fewer than the others."""
+    return sorted({r for rounds in times.values() for r in rounds}, key=lambda r: int(r[1:]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,3 +54,17 @@ def test_a_failed_run_is_counted_and_the_others_go_on(tmp_path):
     (bad / "benchmarks" / "moe.py").write_text("raise SystemExit(3)")
     assert ab.run([good, bad], 1, tmp_path / "out", tmp_path / "caches", ["--smoke"]) == 1
     assert json.loads(next((tmp_path / "out" / "main").glob("r1/*.json")).read_text())["shapes"]
+
+
+def test_a_tree_with_fewer_rounds_is_compared_over_the_rounds_both_finished_and_named(tmp_path):
+    trees = [_tree(tmp_path, "main", 2e-6), _tree(tmp_path, "change", 1e-6)]
+    out = tmp_path / "out"
+    assert ab.run(trees, 2, out, tmp_path / "caches", ["--smoke"]) == 0
+    assert ab.compare(out, "main", ["change"])[1:] == []
+    for result in (out / "change" / "r2").iterdir():  # as a time limit cutting the second round leaves it
+        result.unlink()
+    lines = ab.compare(out, "main", ["change"])
+    assert "ratio 2.000 [2.000]" in lines[0]
+    assert lines[1] == (
+        "change: rounds r1 of main's r1 r2: its ratios are over the rounds both finished, main's times over all of its own"
+    )
