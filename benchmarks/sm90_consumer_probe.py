@@ -727,7 +727,7 @@ class PanelNoScan(MoEGemmSm90):
     instead of scanning the rows: the panel without its first pass over the rows."""
 
     @cute.jit
-    def scan_panel_rows(self, storage, mAct, mPermutedToPair, num_pairs, tile, buffer):
+    def scan_panel_rows(self, storage, mAct, pairs, num_pairs, tile, buffer):
         thread, threads, maxima, _, _ = self.panel_operands(storage, mAct)
         if cute.arch.lane_idx() == 0:
             for n in cutlass.range_constexpr(self.tile_rows):
@@ -747,7 +747,9 @@ class PanelNone(MoEGemmSm90):
     """No panel work at all: the producer warps release each panel to the consumers at once."""
 
     @cute.jit
-    def quantize_panel(self, storage, b_layout, mAct, mPermutedToPair, num_pairs, tile, k_first, item_number):
+    def quantize_panel(
+        self, storage, b_layout, mAct, mPermutedToPair, num_pairs, tile, k_first, item_number, pairs, later_item=None
+    ):
         buffer = item_number % 2
         cute.arch.mbarrier_wait(storage.rows_empty.data_ptr() + buffer, ((item_number // 2) & 1) ^ 1)
         cute.arch.mbarrier_arrive(storage.rows_full.data_ptr() + buffer)
