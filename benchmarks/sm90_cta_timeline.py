@@ -3,13 +3,19 @@ launched back to back with PDL in a CUDA graph, every CTA stamping `%globaltimer
 
     python -m benchmarks.sm90_cta_timeline [--shape glm] [--tokens 1,2] [--replays 30]
     python -m benchmarks.sm90_cta_timeline [--shape glm] --tokens 1,2 --compile-only      # no GPU needed
+    python -m benchmarks.sm90_cta_timeline --shape deepseek_v3_ep32 --tokens 1,2,3 --per-token
 
 For diagnosis only. `--shape` is one of the MoE harness's (`benchmarks.moe_cases.SHAPES`; DeepSeek-V3 by
 default): its sizes and local experts, with softmax routing (`benchmarks.sm90_gemm_sweep.routed_tokens`).
 The kernels are `fused_moe`'s GEMM configurations for that shape (`benchmarks.sm90_gemm_sweep`'s first,
 the one `fused_moe` picks; with per-warp `mma.sync` where `moe_launch.uses_warp_mma` says so, as in GLM's
 T = 1 GEMM1) with four timestamps and two wait sums per CTA written to a buffer passed where a per-token
-scale would be (the kernels are compiled with `row_scaled` and ignore it as a scale):
+scale would be (the kernels are compiled with `row_scaled` and ignore it as a scale). With `--per-token`
+GEMM2 is per-token W4A4's where `fused_moe` has it quantize its bf16 rows itself (T < 4 on DeepSeek-V3 and
+its 32-expert shard; its panel warps' work is then part of the producer's time and the consumers' waits
+on `full`; it reads its plan after its wait, which the stamps take as one per CTA, where `fused_moe`'s
+reads its first entries before it); GEMM1 stays W4A16's, whose time and end are per-token W4A4's up to
+its epilogue's scale:
 
 - `entry`: the CTA's first instruction after its shared-memory set-up (and GEMM2's L2 prefetch), before
   its PDL wait: when the CTA became resident;
@@ -48,11 +54,19 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from benchmarks.moe_cases import SHAPES, MoEShape
 from benchmarks.sm90_consumer_probe import gemm_class_kernels
-from benchmarks.sm90_gemm_sweep import compile_gemm1, compile_gemm2, gemm_configurations, hopper_weights, routed_tokens
+from benchmarks.sm90_gemm_sweep import (
+    compile_gemm1,
+    compile_gemm2,
+    fused_moe_gemm_shapes,
+    gemm_configurations,
+    hopper_weights,
+    routed_tokens,
+)
 from benchmarks.timing import l2_flush_bytes
+from fp4moe import dispatch, nvfp4
 from fp4moe.kernels.sm90 import compiler
 from fp4moe.kernels.sm90 import gemm_device as dev
-from fp4moe.kernels.sm90 import moe_gemm, moe_launch, pdl
+from fp4moe.kernels.sm90 import moe_gemm, moe_launch, pdl, quantize_launch
 from fp4moe.kernels.sm90.moe_gemm import WARPGROUP_THREADS, MoEGemmSm90
 
 STAMPS = ("entry", "waited", "produced", "ended")
@@ -141,15 +155,17 @@ def _summing_waits(mStamps, role: int):
 
 
 class CtaTimed(MoEGemmSm90):
-    """The GEMM with each CTA's stamps written to `mRowScales` (compiled with `row_scaled`, not applied).
+    """The GEMM with each CTA's stamps written to `mRowScales` (compiled with `row_scaled`, not applied;
+    a GEMM that quantizes its rows per token reads no `mRowScales`: it applies the scales it computes).
     The stamps wrap `produce` and `consume`, which every mainloop runs under (`wgmma` and per-warp
     `mma.sync` alike, `MoEGemmSm90.mainloop`), so every configuration stamps the same four points and sums
     the same waits. `produce` and `consume` are plain methods, run while the kernel is traced, within
     `_summing_waits`."""
 
     def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.row_scaled = False
+        quantizes_rows = kwargs["quantizes_rows"]
+        super().__init__(**{**kwargs, "row_scaled": False})
+        self.row_scaled = quantizes_rows
 
     @cute.jit
     def stamp(self, mStamps, slot, value):
@@ -200,13 +216,35 @@ def timed_kernels():
         yield
 
 
-def compile_pair(shape: MoEShape, tokens: int, sms: int, timed: bool):
+def compile_pair(shape: MoEShape, tokens: int, sms: int, timed: bool, per_token: bool = False):
     """(GEMM1, fused GEMM2) as `fused_moe` configures them for `tokens` tokens of `shape` on a GPU of `sms`
-    multiprocessors; `timed`: the stamping kind."""
+    multiprocessors; `timed`: the stamping kind; `per_token`: GEMM2 as per-token W4A4's, quantizing its rows
+    itself (`quantizing_gemm2_key`)."""
     _, configs1, configs2 = gemm_configurations(tokens, sms, shape)
-    assert max(configs1[0][0][-1], configs2[0][0][-1]) <= MAX_CTAS, "more CTAs than the stamp buffers hold"
+    config2, numerator = configs2[0], None
+    if per_token:
+        config2, numerator = (quantizing_gemm2_key(shape, tokens, sms), *config2[1:]), PER_TOKEN_NUMERATOR
+    assert max(configs1[0][0][-1], config2[0][-1]) <= MAX_CTAS, "more CTAs than the stamp buffers hold"
     with timed_kernels() if timed else contextlib.nullcontext():
-        return compile_gemm1(configs1[0], shape, row_scaled=timed), compile_gemm2(configs2[0], shape, row_scaled=timed)
+        return (
+            compile_gemm1(configs1[0], shape, row_scaled=timed),
+            compile_gemm2(config2, shape, row_scaled=timed, per_token_numerator=numerator),
+        )
+
+
+PER_TOKEN_NUMERATOR = quantize_launch.per_token_numerator(nvfp4.DEFAULT_GLOBAL_SCALE_INV)
+"""The per-token quantization's numerator that `fused_moe` gives GEMM2 (`moe_launch.gemm2`'s `quantize`)."""
+
+
+def quantizing_gemm2_key(shape: MoEShape, tokens: int, sms: int) -> tuple:
+    """The compile key of the fused GEMM2 that quantizes per-token W4A4's rows itself for `tokens` tokens of
+    `shape`: `fused_moe`'s on the rescan path (T below `dispatch.AUX_AMAX_MIN_TOKENS`) where
+    `moe_launch.quantizes_in_gemm2` says so (stages beside its panels, `moe_launch.quantizing_shape_key`);
+    raises elsewhere, where a quantizer kernel does that work."""
+    _, _, (gemm2, k_splits) = fused_moe_gemm_shapes(tokens, sms, shape)
+    if tokens >= dispatch.AUX_AMAX_MIN_TOKENS or not moe_launch.quantizes_in_gemm2(gemm2, k_splits):
+        raise ValueError(f"per-token W4A4 quantizes {shape.name}'s intermediate at T = {tokens} in a kernel of its own")
+    return moe_launch.quantizing_shape_key(gemm2, k_splits)
 
 
 def order_statistic(ordered, q: float) -> float:
@@ -219,7 +257,7 @@ def quantiles(values) -> str:
     return " ".join(f"{order_statistic(v, q):6.1f}" for q in (0.0, 0.1, 0.5, 0.9, 1.0))
 
 
-def run(shape: MoEShape, tokens: int, weights, replays: int, g) -> None:
+def run(shape: MoEShape, tokens: int, weights, replays: int, g, per_token: bool = False) -> None:
     w1_alpha, w2_alpha = weights.alphas()
     x, _, topk_weights, _, _, _, permuted_to_pair, tile_expert = routed_tokens(tokens, g, shape)
     inter = torch.randn(permuted_to_pair.shape[0], shape.intermediate_size, generator=g, device="cuda")
@@ -241,7 +279,7 @@ def run(shape: MoEShape, tokens: int, weights, replays: int, g) -> None:
 
     graphs = {}
     for timed in (False, True):
-        kernels = compile_pair(shape, tokens, sms, timed)
+        kernels = compile_pair(shape, tokens, sms, timed, per_token)
         chain(kernels, timed)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -352,6 +390,10 @@ def main() -> int:
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--compile-only", action="store_true", help="compile the stamping GEMMs; no GPU needed")
     parser.add_argument("--sms", type=int, default=132, help="with --compile-only: the GPU's multiprocessors")
+    parser.add_argument(
+        "--per-token", action="store_true",
+        help="GEMM2 as per-token W4A4's, quantizing its rows itself (T < 4 where fused_moe has it do so)",
+    )
     args = parser.parse_args()
     shape = SHAPES[args.shape]
     token_counts = [int(t) for t in args.tokens.split(",")]
@@ -359,7 +401,7 @@ def main() -> int:
         for tokens in token_counts:
             before = compiler.compilations
             for timed in (False, True):
-                compile_pair(shape, tokens, args.sms, timed)
+                compile_pair(shape, tokens, args.sms, timed, args.per_token)
             # Kernels found in the disk cache (`FP4MOE_KERNEL_CACHE`) are loaded, not compiled.
             print(f"{shape.name} T={tokens}: {compiler.compilations - before} compiled", flush=True)
         return 0
@@ -367,9 +409,10 @@ def main() -> int:
     if problem is None:
         return 2
     weights, g = problem
-    print(f"shape {shape.name}, softmax routing", flush=True)
+    gemm2 = "per-token W4A4's GEMM2, quantizing its rows" if args.per_token else "W4A16's GEMM2"
+    print(f"shape {shape.name}, softmax routing, W4A16's GEMM1, {gemm2}", flush=True)
     for tokens in token_counts:
-        run(shape, tokens, weights, args.replays, g)
+        run(shape, tokens, weights, args.replays, g, args.per_token)
     return 0
 
 

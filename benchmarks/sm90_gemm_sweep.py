@@ -172,6 +172,13 @@ def gemm_configurations(
     each list led by the configuration `fused_moe` picks: the plan tile and the local pairs the tiles are
     sized for are `moe_dispatch`'s (told the router's experts, so that an expert-parallel shard expects
     its share of the pairs), the GEMM shapes `moe_launch`'s from them, on a GPU of `sms` multiprocessors."""
+    tile_m, shape1, (shape2, k_splits) = fused_moe_gemm_shapes(tokens, sms, shape)
+    return tile_m, configurations(shape1), configurations(shape2, k_splits)
+
+
+def fused_moe_gemm_shapes(tokens: int, sms: int, shape: MoEShape = DEEPSEEK_V3) -> tuple:
+    """(the plan tile, GEMM1's `GemmShape`, the fused GEMM2's `GemmShape` and slices of K) as `fused_moe`
+    picks them for `tokens` tokens of `shape` (`gemm_configurations`)."""
     # The plan tile and the expected pairs are the same in every quantization mode: W4A16's are asked for.
     choice = dispatch.moe_dispatch(
         tokens, shape.top_k, shape.local_experts, "w4a16", False, global_num_experts=shape.num_experts,
@@ -181,10 +188,8 @@ def gemm_configurations(
     w1_shape, _ = weight_layout.prepared_shapes(shape.local_experts, 2 * intermediate, hidden, gated=True)
     w2_shape, _ = weight_layout.prepared_shapes(shape.local_experts, hidden, intermediate, gated=False)
     shape1 = moe_launch.gemm_shape(w1_shape, choice.tile_m, choice.expected_local_pairs, sms)
-    shape2, k_splits = moe_launch.fused_gemm2_tiling(
-        moe_launch.gemm_shape(w2_shape, choice.tile_m, choice.expected_local_pairs, sms)
-    )
-    return choice.tile_m, configurations(shape1), configurations(shape2, k_splits)
+    gemm2 = moe_launch.fused_gemm2_tiling(moe_launch.gemm_shape(w2_shape, choice.tile_m, choice.expected_local_pairs, sms))
+    return choice.tile_m, shape1, gemm2
 
 
 def compile_gemm1(config, shape: MoEShape = DEEPSEEK_V3, row_scaled: bool = False, prefetches_routed: bool = False):
@@ -197,12 +202,13 @@ def compile_gemm1(config, shape: MoEShape = DEEPSEEK_V3, row_scaled: bool = Fals
     )
 
 
-def compile_gemm2(config, shape: MoEShape = DEEPSEEK_V3, row_scaled: bool = False):
-    """The fused GEMM2 of `config` for `shape`'s sizes; `row_scaled`: it takes per-row scales."""
+def compile_gemm2(config, shape: MoEShape = DEEPSEEK_V3, row_scaled: bool = False, per_token_numerator=None):
+    """The fused GEMM2 of `config` for `shape`'s sizes; `row_scaled`: it takes per-row scales;
+    `per_token_numerator`: it quantizes its bf16 rows per token itself (`moe_launch.gemm2`'s `quantize`)."""
     key, k_splits, epilogue_rows = config
     return moe_launch.compile_gemm(
         "gemm2_fused", key, shape.intermediate_size, shape.hidden_size, shape.top_k, "none", (None,) * 3, True,
-        row_scaled=row_scaled, k_splits=k_splits, epilogue_rows=epilogue_rows,
+        row_scaled=row_scaled, k_splits=k_splits, epilogue_rows=epilogue_rows, per_token_numerator=per_token_numerator,
     )
 
 

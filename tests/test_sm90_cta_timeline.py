@@ -20,7 +20,7 @@ _COMPUTED_BY = ("epilogue", "shape_key", "act_k", "out_features", "top_k", "acti
                 "k_splits", "per_token_numerator", "tiling_invariant")
 """The arguments of `moe_launch.compile_gemm` that decide what a GEMM computes and how it is tiled: the
 timeline's GEMMs differ from `fused_moe`'s only in the others (the stamps' buffer as `row_scaled`, no
-routed-weight prefetch, the epilogue's row chunk stated as the tile's rows)."""
+routed-weight prefetch, no plan read before the wait, the epilogue's row chunk stated as the tile's rows)."""
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -53,6 +53,33 @@ def test_each_shape_compiles_the_gemms_fused_moe_picks(monkeypatch, shape):
         assert [moe_launch.uses_warp_mma(a["shape_key"]) for a in asked] == [True, False]
 
 
+@pytest.mark.parametrize("shape", ["deepseek_v3", "deepseek_v3_ep32"])
+def test_per_token_gemm2_is_the_one_fused_moe_has_quantize_its_rows(monkeypatch, shape):
+    asked = []
+    signature = inspect.signature(moe_launch.compile_gemm)
+
+    def recording(*args, **kwargs):  # no kernel compiled (nor cached under a stub)
+        arguments = signature.bind(*args, **kwargs)
+        arguments.apply_defaults()
+        asked.append(arguments.arguments)
+        return lambda *_args, **_kwargs: None
+
+    recording.cache_clear = lambda: None
+    monkeypatch.setattr(moe_launch, "compile_gemm", recording)
+    for tokens in (1, 2, 3):
+        asked.clear()
+        with precompile.compile_without_launching(132, compile_kernels=False):
+            precompile.compile_cell(SHAPES[shape], tokens, "fused_moe_w4a4_token")
+        picked = [tuple(a[name] for name in _COMPUTED_BY) for a in asked if a["epilogue"] == "gemm2_fused"]
+        assert len(picked) == 1 and picked[0][_COMPUTED_BY.index("per_token_numerator")] is not None, picked
+        for timed in (False, True):
+            asked.clear()
+            compile_pair(SHAPES[shape], tokens, 132, timed, per_token=True)
+            assert tuple(asked[1][name] for name in _COMPUTED_BY) == picked[0], (tokens, timed)
+    with pytest.raises(ValueError, match="kernel of its own"):
+        compile_pair(SHAPES[shape], 4, 132, False, per_token=True)
+
+
 _SCRIPT = textwrap.dedent(
     """
     import json, sys
@@ -60,9 +87,11 @@ _SCRIPT = textwrap.dedent(
     from benchmarks import sm90_cta_timeline as timeline
     from benchmarks.moe_cases import SHAPES
     out = Path(sys.argv[1])
-    shape = SHAPES[json.loads(sys.argv[2])["shape"]]
+    spec = json.loads(sys.argv[2])
+    shape = SHAPES[spec["shape"]]
     for timed in (False, True):
-        for name, compiled in zip(("gemm1", "gemm2"), timeline.compile_pair(shape, 1, 132, timed)):
+        gemms = timeline.compile_pair(shape, 1, 132, timed, spec["per_token"])
+        for name, compiled in list(zip(("gemm1", "gemm2"), gemms))[1 if spec["per_token"] else 0:]:
             (out / f"{name}_{'timed' if timed else 'default'}.cubin").write_bytes(compiled.__cubin__)
     """
 )
@@ -71,12 +100,35 @@ _SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module", params=["deepseek_v3", "glm"])
 def kernels(request, tmp_path_factory):
     """The T = 1 GEMMs of DeepSeek-V3 (`wgmma`) and of GLM (GEMM1 with per-warp `mma.sync`)."""
-    out = compile_in_subprocess(_SCRIPT, {"shape": request.param}, tmp_path_factory.mktemp("cta_timeline"))
+    out = compile_in_subprocess(
+        _SCRIPT, {"shape": request.param, "per_token": False}, tmp_path_factory.mktemp("cta_timeline")
+    )
     return request.param, {f.stem: sass(f) for f in out.glob("*.cubin")}
+
+
+@pytest.fixture(scope="module")
+def quantizing_gemm2(tmp_path_factory):
+    """DeepSeek-V3's per-token W4A4 GEMM2 at T = 1, quantizing its rows (`--per-token`)."""
+    out = compile_in_subprocess(
+        _SCRIPT, {"shape": "deepseek_v3", "per_token": True}, tmp_path_factory.mktemp("cta_timeline_per_token")
+    )
+    return "deepseek_v3", {f.stem: sass(f) for f in out.glob("*.cubin")}
 
 
 @pytest.mark.parametrize("gemm", ["gemm1", "gemm2"])
 def test_the_stamping_gemms_read_the_timer_around_the_pdl_wait_and_keep_the_default_compute(kernels, gemm):
+    check_stamping_gemm(kernels, gemm)
+
+
+def test_the_stamping_quantizing_gemm2_keeps_its_panel(quantizing_gemm2):
+    _, code = quantizing_gemm2
+    check_stamping_gemm(quantizing_gemm2, "gemm2")
+    for instruction in ("REDUX", "STS.128", "F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C", "FENCE.VIEW.ASYNC.S"):
+        assert code["gemm2_timed"].count(instruction) == code["gemm2_default"].count(instruction) > 0, instruction
+
+
+def check_stamping_gemm(kernels, gemm):
+    """The stamps, the wait sums and the default's compute in the stamping kind of `gemm` of `kernels`."""
     shape, code = kernels
     default, timed = code[f"{gemm}_default"], code[f"{gemm}_timed"]
     assert "SR_GLOBALTIMER" not in default and "REDG.E.ADD.64" not in default

@@ -609,8 +609,13 @@ def gemm2_quantizes_itself(
         return False
     codes_shape, _ = weight_layout.prepared_shapes(num_local_experts, hidden_size, intermediate_size, gated=False)
     sms = sm_count(torch.device(device).index)  # an index of None: the current device, as for the launches
-    shape, k_splits = fused_gemm2_tiling(gemm_shape(codes_shape, tile_m, expected_pairs, sms))
-    return shape.prepared_k // shape.tile_k // k_splits >= MIN_QUANTIZING_K_TILES
+    return quantizes_in_gemm2(*fused_gemm2_tiling(gemm_shape(codes_shape, tile_m, expected_pairs, sms)))
+
+
+def quantizes_in_gemm2(shape: GemmShape, k_splits: int) -> bool:
+    """Whether a fused GEMM2 of `shape` in `k_splits` slices of K quantizes its rows itself
+    (`gemm2_quantizes_itself`): decode tiles whose items run at least `MIN_QUANTIZING_K_TILES` k tiles."""
+    return shape.tile_rows <= INLINE_WGMMA_TILE_ROWS and shape.prepared_k // shape.tile_k // k_splits >= MIN_QUANTIZING_K_TILES
 
 
 def quantizing_shape_key(shape: GemmShape, k_splits: int) -> tuple:
