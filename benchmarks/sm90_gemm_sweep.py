@@ -188,8 +188,8 @@ def fused_moe_gemm_shapes(tokens: int, sms: int, shape: MoEShape = DEEPSEEK_V3) 
     w1_shape, _ = weight_layout.prepared_shapes(shape.local_experts, 2 * intermediate, hidden, gated=True)
     w2_shape, _ = weight_layout.prepared_shapes(shape.local_experts, hidden, intermediate, gated=False)
     shape1 = moe_launch.gemm_shape(w1_shape, choice.tile_m, choice.expected_local_pairs, sms)
-    gemm2 = moe_launch.fused_gemm2_tiling(moe_launch.gemm_shape(w2_shape, choice.tile_m, choice.expected_local_pairs, sms))
-    return choice.tile_m, shape1, gemm2
+    shape2 = moe_launch.gemm_shape(w2_shape, choice.tile_m, choice.expected_local_pairs, sms)
+    return choice.tile_m, shape1, moe_launch.fused_gemm2_tiling(shape2)
 
 
 def compile_gemm1(config, shape: MoEShape = DEEPSEEK_V3, row_scaled: bool = False, prefetches_routed: bool = False):

@@ -837,8 +837,9 @@ class MoEGemmSm90:
                         self.load_item_weights(mCodes, mScales, full, empty, storage, feature_block, expert, k_first, iteration)
                     else:
                         self.quantize_panel(
-                            storage, b_layout, mAct, mPermutedToPair, num_pairs, tile, k_first, iteration // self.k_iterations,
-                            pairs, item != first if const_expr(self.reads_plan_before_wait) else None,
+                            storage, b_layout, mAct, mPermutedToPair, num_pairs, tile, k_first,
+                            iteration // self.k_iterations, pairs,
+                            item != first if const_expr(self.reads_plan_before_wait) else None,
                         )
                 else:
                     self.produce_item(

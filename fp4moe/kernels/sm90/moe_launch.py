@@ -615,7 +615,8 @@ def gemm2_quantizes_itself(
 def quantizes_in_gemm2(shape: GemmShape, k_splits: int) -> bool:
     """Whether a fused GEMM2 of `shape` in `k_splits` slices of K quantizes its rows itself
     (`gemm2_quantizes_itself`): decode tiles whose items run at least `MIN_QUANTIZING_K_TILES` k tiles."""
-    return shape.tile_rows <= INLINE_WGMMA_TILE_ROWS and shape.prepared_k // shape.tile_k // k_splits >= MIN_QUANTIZING_K_TILES
+    item_k_tiles = shape.prepared_k // shape.tile_k // k_splits
+    return shape.tile_rows <= INLINE_WGMMA_TILE_ROWS and item_k_tiles >= MIN_QUANTIZING_K_TILES
 
 
 def quantizing_shape_key(shape: GemmShape, k_splits: int) -> tuple:
