@@ -822,6 +822,33 @@ def test_cuda_graph_replay_with_fresh_routing_equals_eager(mode, tokens):
         assert_bitwise_equal(out, ops.fused_moe(*args, **kwargs))
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_cuda_graph_replay_of_gemm2_quantizing_its_rows_with_fresh_routing_equals_eager(tokens, monkeypatch):
+    """Per-token W4A4 where GEMM2 quantizes its rows (the bound on its items' k tiles lowered for this small
+    shape): its first plan entries are read before its PDL wait (`reads_plan_before_wait`), so every replay
+    must see the plan its own plan kernel wrote, not the last replay's."""
+    from fp4moe.kernels.sm90 import moe_launch
+
+    monkeypatch.setattr(moe_launch, "MIN_QUANTIZING_K_TILES", 1)
+    p = make_problem(tokens=tokens, top_k=4, num_experts=16, hidden=256, intermediate=2048, mode="w4a4_per_token",
+                     device="cuda", seed=17 + tokens)
+    choice = fp4moe.moe_dispatch(tokens, 4, 16, "w4a4", True, device="cuda", hidden_size=256, intermediate_size=2048)
+    assert choice.intermediate_quantization == dispatch.QUANTIZATION_IN_GEMM2
+    args = list(prepared_args(p))
+    kwargs = p.op_kwargs(weight_layout="sm90", deterministic=True)
+    ops.fused_moe(*args, **kwargs)  # compile and warm up before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.fused_moe(*args, **kwargs)
+    for seed in range(4):
+        g = torch.Generator(device="cuda").manual_seed(200 + seed)
+        p.topk_ids.copy_(torch.argsort(torch.rand(tokens, 16, generator=g, device="cuda"), dim=1)[:, :4].to(torch.int32))
+        p.x.copy_(torch.randn(tokens, 256, generator=g, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        assert_bitwise_equal(out, ops.fused_moe(*args, **kwargs))
+        assert_moe_close(out, loop_reference(p))
+
+
 def test_no_host_synchronization():
     p = make_problem(tokens=33, top_k=8, num_experts=16, hidden=256, intermediate=128, mode="w4a16", device="cuda", seed=14)
     args, kwargs = prepared_args(p), p.op_kwargs(weight_layout="sm90")
