@@ -1,6 +1,6 @@
 """A same-lease A/B of the MoE benchmark: source trees run alternately, the ratio of every round.
 
-    python -m benchmarks.ab run --rounds 4 --out DIR [--cache-root DIR] TREE [TREE ...] -- [benchmarks.moe arguments]
+    python -m benchmarks.ab run --rounds 4 --out DIR [--cache-root DIR] [--time-limit S] TREE [TREE ...] -- [benchmarks.moe arguments]
     python -m benchmarks.ab compare [--statistic median|trimmed_mean] DIR BASE OTHER [OTHER ...]
 
 A tree is a folder holding a whole copy of the sources, named by the folder: `git archive HEAD | tar -x -C
@@ -37,11 +37,25 @@ def round_orders(trees: list[str], rounds: int) -> list[list[str]]:
     return [list(trees) if r % 2 == 0 else list(reversed(trees)) for r in range(rounds)]
 
 
-def run(trees: list[Path], rounds: int, out: Path, cache_root: Path | None, moe_arguments: list[str]) -> int:
-    """Every round's benchmark runs; the number of runs that failed (each one's log tail is printed)."""
+def run(
+    trees: list[Path], rounds: int, out: Path, cache_root: Path | None, moe_arguments: list[str],
+    time_limit_s: float | None = None,
+) -> int:
+    """Every round's benchmark runs; the number of runs that failed (each one's log tail is printed). With
+    `time_limit_s`, no round starts that would end past it (`fits_another_round`), so that every tree
+    finishes the same rounds."""
     failed = 0
     by_name = {tree.name: tree for tree in trees}
+    started, round_seconds = time.monotonic(), []
     for r, order in enumerate(round_orders(list(by_name), rounds), start=1):
+        elapsed = time.monotonic() - started
+        if time_limit_s is not None and not fits_another_round(elapsed, round_seconds, time_limit_s):
+            print(
+                f"[ab] stopping before round {r}/{rounds}: {time_limit_s - elapsed:.0f} s of the time limit left, "
+                f"the longest round took {max(round_seconds):.0f} s",
+                flush=True,
+            )
+            break
         for name in order:
             tree = by_name[name].resolve()
             results = out / name / f"r{r}"
@@ -59,7 +73,14 @@ def run(trees: list[Path], rounds: int, out: Path, cache_root: Path | None, moe_
             if code:
                 failed += 1
                 print(f"[ab] {name} round {r} failed ({code}):\n" + "".join(log.read_text().splitlines(True)[-20:]))
+        round_seconds.append(time.monotonic() - started - elapsed)
     return failed
+
+
+def fits_another_round(elapsed_s: float, round_seconds: list[float], time_limit_s: float) -> bool:
+    """Whether a round started after `elapsed_s` ends within `time_limit_s`, taking as long as the longest of
+    the rounds so far (`round_seconds`); the first round always starts (its length is not known)."""
+    return not round_seconds or elapsed_s + max(round_seconds) <= time_limit_s
 
 
 STATISTICS = ("median", "trimmed_mean")
@@ -134,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("--rounds", type=int, default=4)
     run_parser.add_argument("--out", type=Path, required=True)
     run_parser.add_argument("--cache-root", type=Path, help="kernel caches, one folder per tree name")
+    run_parser.add_argument(
+        "--time-limit", type=float, help="seconds: start no round that would end past them (every tree then has the same rounds)"
+    )
     run_parser.add_argument("trees", nargs="+", type=Path)
     compare_parser = commands.add_parser("compare", help="compare the trees' results")
     compare_parser.add_argument("out", type=Path)
@@ -142,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     compare_parser.add_argument("--statistic", choices=STATISTICS, default="median", help=STATISTICS_HELP)
     args = parser.parse_args(argv)
     if args.command == "run":
-        return 1 if run(args.trees, args.rounds, args.out, args.cache_root, moe_arguments) else 0
+        return 1 if run(args.trees, args.rounds, args.out, args.cache_root, moe_arguments, args.time_limit) else 0
     print("\n".join(compare(args.out, args.base, args.others, args.statistic)))
     return 0
 

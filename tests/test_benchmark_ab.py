@@ -68,3 +68,14 @@ def test_a_tree_with_fewer_rounds_is_compared_over_the_rounds_both_finished_and_
     assert lines[1] == (
         "change: rounds r1 of main's r1 r2: its ratios are over the rounds both finished, main's times over all of its own"
     )
+
+
+def test_no_round_starts_that_would_end_past_the_time_limit(tmp_path, capsys):
+    assert ab.fits_another_round(0.0, [], 0.0)  # the first round always runs
+    assert ab.fits_another_round(50.0, [30.0, 40.0], 90.0) and not ab.fits_another_round(51.0, [30.0, 40.0], 90.0)
+    trees = [_tree(tmp_path, "main", 2e-6), _tree(tmp_path, "change", 1e-6)]
+    out = tmp_path / "out"
+    assert ab.run(trees, 3, out, tmp_path / "caches", ["--smoke"], time_limit_s=1e-3) == 0
+    for tree in ("main", "change"):
+        assert sorted(p.parent.name for p in (out / tree).glob("r*/*.json")) == ["r1"]
+    assert "[ab] stopping before round 2/3" in capsys.readouterr().out
