@@ -129,9 +129,10 @@ def compare(out: Path, base: str, others: list[str], statistic: str = "median") 
         lines += [f"{tree}: {' '.join(map(str, key))} status {status}" for key, status in sorted(statuses.items())]
     base_rounds = finished_rounds(base_times)
     for tree, (times, _) in loaded.items():
-        if finished_rounds(times) != base_rounds:
+        rounds = finished_rounds(times)
+        if rounds != base_rounds:
             lines.append(
-                f"{tree}: rounds {' '.join(finished_rounds(times)) or 'none'} of {base}'s {' '.join(base_rounds)}: "
+                f"{tree}: rounds {' '.join(rounds) or 'none'} of {base}'s {' '.join(base_rounds)}: "
                 f"its ratios are over the rounds both finished, {base}'s times over all of its own"
             )
     return lines

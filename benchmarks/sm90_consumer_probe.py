@@ -748,7 +748,7 @@ class PanelNone(MoEGemmSm90):
 
     @cute.jit
     def quantize_panel(
-        self, storage, b_layout, mAct, mPermutedToPair, num_pairs, tile, k_first, item_number, pairs, later_item=None
+        self, storage, b_layout, mAct, mPermutedToPair, num_pairs, tile, k_first, item_number, pairs, reads_pairs
     ):
         buffer = item_number % 2
         cute.arch.mbarrier_wait(storage.rows_empty.data_ptr() + buffer, ((item_number // 2) & 1) ^ 1)

@@ -839,7 +839,7 @@ class MoEGemmSm90:
                         self.quantize_panel(
                             storage, b_layout, mAct, mPermutedToPair, num_pairs, tile, k_first,
                             iteration // self.k_iterations, pairs,
-                            item != first if const_expr(self.reads_plan_before_wait) else None,
+                            item != first if const_expr(self.reads_plan_before_wait) else True,
                         )
                 else:
                     self.produce_item(
@@ -1037,13 +1037,12 @@ class MoEGemmSm90:
 
     @cute.jit
     def quantize_panel(
-        self, storage, b_layout, mAct, mPermutedToPair, num_pairs, tile, k_first, item_number, pairs, later_item=None
+        self, storage, b_layout, mAct, mPermutedToPair, num_pairs, tile, k_first, item_number, pairs, reads_pairs
     ):
         """Producer warps 1-3: the item's rows, quantized per token, into panel `item_number % 2`
         (`quantizes_rows`), once the consumers have released it (`rows_empty`). The tile's pairs are read
-        once into the registers `pairs` (`read_panel_pairs`), for the scan and the fill; with
-        `reads_plan_before_wait` they hold the CTA's first item's already, and `later_item` says whether
-        this item is a later one.
+        once into the registers `pairs` (`read_panel_pairs`), for the scan and the fill, where `reads_pairs`
+        (with `reads_plan_before_wait` they hold the CTA's first item's already: False for that item).
 
         First each row holding a pair is scanned for its maximum magnitude (NaN ignored, from +0: the
         per-token quantizer's rescan): its 16-byte chunks spread over the 96 threads, `ROW_SCAN_LOADS`
@@ -1056,9 +1055,7 @@ class MoEGemmSm90:
         are: only their own accumulator columns read them. The stores are fenced for the `wgmma`s'
         async proxy before the warps arrive on `rows_full`."""
         buffer = item_number % 2
-        if const_expr(later_item is None):
-            self.read_panel_pairs(pairs, mPermutedToPair, tile)
-        elif later_item:
+        if reads_pairs:
             self.read_panel_pairs(pairs, mPermutedToPair, tile)
         cute.arch.mbarrier_wait(storage.rows_empty.data_ptr() + buffer, ((item_number // 2) & 1) ^ 1)
         self.scan_panel_rows(storage, mAct, pairs, num_pairs, tile, buffer)
