@@ -808,18 +808,27 @@ def test_cuda_graph_replay_with_fresh_routing_equals_eager(mode, tokens):
     p = make_problem(tokens=tokens, top_k=4, num_experts=16, hidden=256, intermediate=128, mode=mode, device="cuda",
                      seed=13)
     assert dispatch.moe_tile_m(tokens, 4, 16) == (16 if tokens == 24 else 192)
+    for replayed, eager in graph_replays_with_fresh_routing(p, range(100, 103)):
+        assert_bitwise_equal(replayed, eager)
+
+
+def graph_replays_with_fresh_routing(p, seeds):
+    """`fused_moe` of problem `p` (deterministic finalize) captured in a CUDA graph; per seed, fresh routing
+    and activations written into `p`'s inputs, then (the graph's replayed output, the eager call's)."""
     args = list(prepared_args(p))
     kwargs = p.op_kwargs(weight_layout="sm90", deterministic=True)
     ops.fused_moe(*args, **kwargs)  # compile and warm up before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = ops.fused_moe(*args, **kwargs)
-    for seed in range(3):
-        g = torch.Generator(device="cuda").manual_seed(100 + seed)
-        p.topk_ids.copy_(torch.argsort(torch.rand(tokens, 16, generator=g, device="cuda"), dim=1)[:, :4].to(torch.int32))
-        p.x.copy_(torch.randn(tokens, 256, generator=g, device="cuda").to(torch.bfloat16))
+    (tokens, hidden), (_, top_k), experts = p.x.shape, p.topk_ids.shape, p.weights.num_experts  # all local
+    for seed in seeds:
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        routing = torch.argsort(torch.rand(tokens, experts, generator=g, device="cuda"), dim=1)[:, :top_k]
+        p.topk_ids.copy_(routing.to(torch.int32))
+        p.x.copy_(torch.randn(tokens, hidden, generator=g, device="cuda").to(torch.bfloat16))
         graph.replay()
-        assert_bitwise_equal(out, ops.fused_moe(*args, **kwargs))
+        yield out, ops.fused_moe(*args, **kwargs)
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
@@ -834,19 +843,9 @@ def test_cuda_graph_replay_of_gemm2_quantizing_its_rows_with_fresh_routing_equal
                      device="cuda", seed=17 + tokens)
     choice = fp4moe.moe_dispatch(tokens, 4, 16, "w4a4", True, device="cuda", hidden_size=256, intermediate_size=2048)
     assert choice.intermediate_quantization == dispatch.QUANTIZATION_IN_GEMM2
-    args = list(prepared_args(p))
-    kwargs = p.op_kwargs(weight_layout="sm90", deterministic=True)
-    ops.fused_moe(*args, **kwargs)  # compile and warm up before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = ops.fused_moe(*args, **kwargs)
-    for seed in range(4):
-        g = torch.Generator(device="cuda").manual_seed(200 + seed)
-        p.topk_ids.copy_(torch.argsort(torch.rand(tokens, 16, generator=g, device="cuda"), dim=1)[:, :4].to(torch.int32))
-        p.x.copy_(torch.randn(tokens, 256, generator=g, device="cuda").to(torch.bfloat16))
-        graph.replay()
-        assert_bitwise_equal(out, ops.fused_moe(*args, **kwargs))
-        assert_moe_close(out, loop_reference(p))
+    for replayed, eager in graph_replays_with_fresh_routing(p, range(200, 204)):
+        assert_bitwise_equal(replayed, eager)
+        assert_moe_close(replayed, loop_reference(p))
 
 
 def test_no_host_synchronization():

@@ -23,12 +23,14 @@ timeline's GEMMs differ from `fused_moe`'s only in the others (the stamps' buffe
 routed-weight prefetch, no plan read before the wait, the epilogue's row chunk stated as the tile's rows)."""
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_each_shape_compiles_the_gemms_fused_moe_picks(monkeypatch, shape):
+@pytest.fixture
+def asked(monkeypatch):
+    """The arguments (defaults applied) of every `moe_launch.compile_gemm` call from here on; no kernel is
+    compiled (nor cached under a stub)."""
     asked = []
     signature = inspect.signature(moe_launch.compile_gemm)
 
-    def recording(*args, **kwargs):  # no kernel compiled (nor cached under a stub)
+    def recording(*args, **kwargs):
         arguments = signature.bind(*args, **kwargs)
         arguments.apply_defaults()
         asked.append(arguments.arguments)
@@ -36,6 +38,11 @@ def test_each_shape_compiles_the_gemms_fused_moe_picks(monkeypatch, shape):
 
     recording.cache_clear = lambda: None  # `timed_kernels` clears the process cache of its kernels
     monkeypatch.setattr(moe_launch, "compile_gemm", recording)
+    return asked
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_each_shape_compiles_the_gemms_fused_moe_picks(asked, shape):
     for tokens in (1, 2, 16):
         asked.clear()
         with precompile.compile_without_launching(132, compile_kernels=False):
@@ -54,18 +61,7 @@ def test_each_shape_compiles_the_gemms_fused_moe_picks(monkeypatch, shape):
 
 
 @pytest.mark.parametrize("shape", ["deepseek_v3", "deepseek_v3_ep32"])
-def test_per_token_gemm2_is_the_one_fused_moe_has_quantize_its_rows(monkeypatch, shape):
-    asked = []
-    signature = inspect.signature(moe_launch.compile_gemm)
-
-    def recording(*args, **kwargs):  # no kernel compiled (nor cached under a stub)
-        arguments = signature.bind(*args, **kwargs)
-        arguments.apply_defaults()
-        asked.append(arguments.arguments)
-        return lambda *_args, **_kwargs: None
-
-    recording.cache_clear = lambda: None
-    monkeypatch.setattr(moe_launch, "compile_gemm", recording)
+def test_per_token_gemm2_is_the_one_fused_moe_has_quantize_its_rows(asked, shape):
     for tokens in (1, 2, 3):
         asked.clear()
         with precompile.compile_without_launching(132, compile_kernels=False):
