@@ -272,6 +272,7 @@ PANEL_WARPS = 3
 PANEL_BARRIER = 15
 """The named barrier of the panel warps (the row scan's exchange of warp maxima): above the consumers'
 (`EXCHANGE_BARRIER`)."""
+PANEL_CHUNK_LOOP = True
 ROW_SCAN_LOADS = 4
 """16-byte loads a panel thread has in flight at once while it scans a row for its maximum."""
 
@@ -1097,8 +1098,8 @@ class MoEGemmSm90:
         thread, threads, maxima, act, row_bytes = self.panel_operands(storage, mAct)
         warp = thread // WARP_SIZE
         row_chunks = self.act_k // CHUNK_ELEMENTS
-        for n in cutlass.range_constexpr(self.tile_rows):
-            pair = pairs[n]
+        for n in cutlass.range(self.tile_rows, unroll=1):
+            pair = self.panel_pair(pairs, n)
             if (pair >= 0) & (pair < num_pairs):  # the same row on every panel thread
                 row_address = act + Int64(self.source_row(pair, tile, n)) * row_bytes + Int64(thread) * 16
                 magnitudes = Uint32(0)
@@ -1132,8 +1133,8 @@ class MoEGemmSm90:
         item_chunks = self.k_iterations * self.copy_columns
         first_column = k_first * self.tile_k
         numerator = Float32(self.per_token_numerator)
-        for n in cutlass.range_constexpr(self.tile_rows):
-            pair = pairs[n]
+        for n in cutlass.range(self.tile_rows, unroll=1):
+            pair = self.panel_pair(pairs, n)
             if (pair >= 0) & (pair < num_pairs):
                 row_max = maxima[(buffer * self.tile_rows + n) * PANEL_WARPS]
                 for w in cutlass.range_constexpr(1, PANEL_WARPS):
@@ -1150,12 +1151,32 @@ class MoEGemmSm90:
                     column = first_column + c * CHUNK_ELEMENTS
                     present = Int32((c < item_chunks) & (column < self.act_k))
                     chunks.append((c, dev.load_global_v4(row_address + Int64(column) * 2, present)))
-                for c, words in chunks:
-                    values = self.quantized_chunk(words, factors)
-                    if c < item_chunks:
-                        k_tile = c // self.copy_columns
-                        within = cute.crd2idx(((n, (c % self.copy_columns) * CHUNK_ELEMENTS, 0)), b_layout.outer) * 2
-                        dev.store_shared_v4(panel + k_tile * tile_bytes + dev.swizzle_128b(within), values)
+                if const_expr(PANEL_CHUNK_LOOP):
+                    for j in cutlass.range(len(chunks), unroll=1):
+                        c = thread + j * threads
+                        words = [chunks[0][1][w] for w in range(4)]
+                        for i in cutlass.range_constexpr(1, len(chunks)):
+                            words = [cutlass.select_(j == i, chunks[i][1][w], words[w]) for w in range(4)]
+                        values = self.quantized_chunk(words, factors)
+                        if c < item_chunks:
+                            k_tile = c // self.copy_columns
+                            within = cute.crd2idx(((n, (c % self.copy_columns) * CHUNK_ELEMENTS, 0)), b_layout.outer) * 2
+                            dev.store_shared_v4(panel + k_tile * tile_bytes + dev.swizzle_128b(within), values)
+                else:
+                    for c, words in chunks:
+                        values = self.quantized_chunk(words, factors)
+                        if c < item_chunks:
+                            k_tile = c // self.copy_columns
+                            within = cute.crd2idx(((n, (c % self.copy_columns) * CHUNK_ELEMENTS, 0)), b_layout.outer) * 2
+                            dev.store_shared_v4(panel + k_tile * tile_bytes + dev.swizzle_128b(within), values)
+
+    def panel_pair(self, pairs, n):
+        """`pairs[n]` for a row number `n` known at run time, from registers (a select per row). Plain
+        Python, run while the kernel is traced."""
+        pair = pairs[0]
+        for i in range(1, self.tile_rows):
+            pair = cutlass.select_(n == i, pairs[i], pair)
+        return pair
 
     def source_row(self, pair, tile, n):
         """The activation row of plan row `n` of `tile` holding `pair`: the token's (GEMM1) or the plan
