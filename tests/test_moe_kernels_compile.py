@@ -456,6 +456,18 @@ def test_quantizing_gemm2_launched_after_gemm1_reads_its_first_plan_entries_befo
             assert strong_loads == 0, variant
 
 
+def test_quantizing_gemms_hold_one_copy_of_the_panels_quantization(compiled):
+    """`MoEGemmSm90.quantize_panel` walks a tile's rows and a thread's chunks in run-time loops: each
+    GEMM that quantizes its rows holds the quantization of a chunk once (one E4M3 block-scale conversion,
+    `F2FP.SATFINITE.E4M3`, one 16-byte panel store, `STS.128`) instead of once per row and chunk, which
+    made the kernel five times longer."""
+    variants = [(i, v) for i, v in enumerate(GEMM_VARIANTS) if _quantizes(v[2:])]
+    assert len(variants) >= 2
+    for i, variant in variants:
+        sass = _sass(compiled, f"gemm_{i}")
+        assert sass.count("F2FP.SATFINITE.E4M3") == 1 and sass.count("STS.128") == 1, variant
+
+
 def test_decode_tiles_copy_their_weights_evict_first(compiled):
     """`moe_gemm.EVICT_FIRST_TILE_ROWS`: every weight bulk copy of a GEMM whose tiles hold at most that
     many rows carries an L2 cache policy (`desc[...]`), none of a taller tile's; so does every weight copy

@@ -272,7 +272,6 @@ PANEL_WARPS = 3
 PANEL_BARRIER = 15
 """The named barrier of the panel warps (the row scan's exchange of warp maxima): above the consumers'
 (`EXCHANGE_BARRIER`)."""
-PANEL_CHUNK_LOOP = True
 ROW_SCAN_LOADS = 4
 """16-byte loads a panel thread has in flight at once while it scans a row for its maximum."""
 
@@ -1054,7 +1053,12 @@ class MoEGemmSm90:
         on neighbouring lanes), quantized (`quantized_chunk`) and stored where the k tile's B operand
         reads them. Columns past the activations' K are zeros. Rows without a pair are left as they
         are: only their own accumulator columns read them. The stores are fenced for the `wgmma`s'
-        async proxy before the warps arrive on `rows_full`."""
+        async proxy before the warps arrive on `rows_full`.
+
+        The rows and a thread's chunks are run-time loops, not unrolled: a CTA runs this code once per
+        item, with the consumers waiting on it, from a cold instruction cache, so its length is on the
+        item's critical path: unrolled over the 8 rows and the chunks, the GEMM was five times longer and
+        per-token W4A4 slower at T < 4 (runs log, seventieth session)."""
         buffer = item_number % 2
         if reads_pairs:
             self.read_panel_pairs(pairs, mPermutedToPair, tile)
@@ -1124,7 +1128,8 @@ class MoEGemmSm90:
     def fill_panel(self, storage, b_layout, mAct, pairs, num_pairs, tile, k_first, item_number):
         """`quantize_panel`'s second part: from the rows' maxima (`scan_panel_rows`), their per-token
         scales for the epilogue and the item's chunks of each used row (of `pairs`), quantized, into the
-        panel."""
+        panel. A thread's chunks of a row are loaded at once, then quantized in a run-time loop (a chunk's
+        words picked from registers by selects), as the rows are walked: see `quantize_panel`."""
         thread, threads, maxima, act, row_bytes = self.panel_operands(storage, mAct)
         buffer = item_number % 2
         _, _, scales, offset = self.staged_view(storage, item_number)
@@ -1145,34 +1150,27 @@ class MoEGemmSm90:
                     scales[offset + n] = Float32(cutlass.select_(row_max == Float32(0.0), Float32(0.0), inverse))
                 factors = (nv.mul_rn(encode_scale, nv.f32_from_bits(nv.ONE_SIXTH_BITS)), inverse)
                 row_address = act + Int64(self.source_row(pair, tile, n)) * row_bytes
-                chunks = []
+                loads = []  # chunk thread + j * threads of the item, all in flight at once
                 for j in cutlass.range_constexpr(-(-item_chunks // threads)):
                     c = thread + j * threads
                     column = first_column + c * CHUNK_ELEMENTS
                     present = Int32((c < item_chunks) & (column < self.act_k))
-                    chunks.append((c, dev.load_global_v4(row_address + Int64(column) * 2, present)))
-                if const_expr(PANEL_CHUNK_LOOP):
-                    for j in cutlass.range(len(chunks), unroll=1):
-                        c = thread + j * threads
-                        words = [chunks[0][1][w] for w in range(4)]
-                        for i in cutlass.range_constexpr(1, len(chunks)):
-                            words = [cutlass.select_(j == i, chunks[i][1][w], words[w]) for w in range(4)]
-                        values = self.quantized_chunk(words, factors)
-                        if c < item_chunks:
-                            k_tile = c // self.copy_columns
-                            within = cute.crd2idx(((n, (c % self.copy_columns) * CHUNK_ELEMENTS, 0)), b_layout.outer) * 2
-                            dev.store_shared_v4(panel + k_tile * tile_bytes + dev.swizzle_128b(within), values)
-                else:
-                    for c, words in chunks:
-                        values = self.quantized_chunk(words, factors)
-                        if c < item_chunks:
-                            k_tile = c // self.copy_columns
-                            within = cute.crd2idx(((n, (c % self.copy_columns) * CHUNK_ELEMENTS, 0)), b_layout.outer) * 2
-                            dev.store_shared_v4(panel + k_tile * tile_bytes + dev.swizzle_128b(within), values)
+                    loads.append(dev.load_global_v4(row_address + Int64(column) * 2, present))
+                for j in cutlass.range(len(loads), unroll=1):
+                    c = thread + j * threads
+                    words = list(loads[0])
+                    for i in cutlass.range_constexpr(1, len(loads)):
+                        words = [cutlass.select_(j == i, loads[i][w], words[w]) for w in range(len(words))]
+                    values = self.quantized_chunk(words, factors)
+                    if c < item_chunks:
+                        k_tile = c // self.copy_columns
+                        within = cute.crd2idx(((n, (c % self.copy_columns) * CHUNK_ELEMENTS, 0)), b_layout.outer) * 2
+                        dev.store_shared_v4(panel + k_tile * tile_bytes + dev.swizzle_128b(within), values)
 
     def panel_pair(self, pairs, n):
-        """`pairs[n]` for a row number `n` known at run time, from registers (a select per row). Plain
-        Python, run while the kernel is traced."""
+        """`pairs[n]` (`read_panel_pairs`) for a row number `n` known at run time: from registers, a select
+        per row (a dynamic index would put `pairs` in local memory). Plain Python, run while the kernel is
+        traced."""
         pair = pairs[0]
         for i in range(1, self.tile_rows):
             pair = cutlass.select_(n == i, pairs[i], pair)
