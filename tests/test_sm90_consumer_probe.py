@@ -156,7 +156,8 @@ def test_each_panel_variant_drops_its_part_of_the_panel(tmp_path):
     row_loads = {name: text.count("LDG.E.128") for name, text in code.items()}  # the rows' 16-byte chunks
     assert row_loads["default"] > row_loads["panel_no_scan"] > row_loads["panel_none"]
     assert row_loads["panel_no_quantize"] == row_loads["default"]
-    assert len(code["panel_no_quantize"]) < len(code["default"]) / 2  # the quantization is most of the code
+    # The quantization arithmetic (its E4M3 block scales) is in the variants that keep it only.
+    assert [name for name, text in code.items() if "F2FP.SATFINITE.E4M3" in text] == ["default", "panel_no_scan"]
     for name, text in code.items():  # the consumers' MMAs and the weight stream are every variant's
         assert text.count("HGMMA") == code["default"].count("HGMMA") > 0 and "UBLKCP.S.G" in text, name
 
