@@ -313,6 +313,15 @@ def pipeline_stages(tile_features: int, tile_rows: int, tile_k: int, ctas_per_sm
     return max(2, min(MAX_STAGES, budget // stage_bytes(tile_features, tile_rows, tile_k, panel_k == 0)))
 
 
+def register_at(values, index):
+    """`values[index]` for an `index` known only at run time, from registers: a select per element (a
+    dynamic index would put them in local memory). Plain Python, run while the kernel is traced."""
+    picked = values[0]
+    for i in range(1, len(values)):
+        picked = cutlass.select_(index == i, values[i], picked)
+    return picked
+
+
 @cute.jit
 def quad_transpose(values, quad_lane):
     """The 4 x 4 transpose of `values` over the four lanes `lane ^ 4`, `lane ^ 8` apart (`quad_lane`:
@@ -1103,7 +1112,7 @@ class MoEGemmSm90:
         warp = thread // WARP_SIZE
         row_chunks = self.act_k // CHUNK_ELEMENTS
         for n in cutlass.range(self.tile_rows, unroll=1):
-            pair = self.panel_pair(pairs, n)
+            pair = register_at([pairs[i] for i in range(self.tile_rows)], n)
             if (pair >= 0) & (pair < num_pairs):  # the same row on every panel thread
                 row_address = act + Int64(self.source_row(pair, tile, n)) * row_bytes + Int64(thread) * 16
                 magnitudes = Uint32(0)
@@ -1129,7 +1138,7 @@ class MoEGemmSm90:
         """`quantize_panel`'s second part: from the rows' maxima (`scan_panel_rows`), their per-token
         scales for the epilogue and the item's chunks of each used row (of `pairs`), quantized, into the
         panel. A thread's chunks of a row are loaded at once, then quantized in a run-time loop (a chunk's
-        words picked from registers by selects), as the rows are walked: see `quantize_panel`."""
+        words picked from registers, `register_at`), as the rows are walked: see `quantize_panel`."""
         thread, threads, maxima, act, row_bytes = self.panel_operands(storage, mAct)
         buffer = item_number % 2
         _, _, scales, offset = self.staged_view(storage, item_number)
@@ -1139,7 +1148,7 @@ class MoEGemmSm90:
         first_column = k_first * self.tile_k
         numerator = Float32(self.per_token_numerator)
         for n in cutlass.range(self.tile_rows, unroll=1):
-            pair = self.panel_pair(pairs, n)
+            pair = register_at([pairs[i] for i in range(self.tile_rows)], n)
             if (pair >= 0) & (pair < num_pairs):
                 row_max = maxima[(buffer * self.tile_rows + n) * PANEL_WARPS]
                 for w in cutlass.range_constexpr(1, PANEL_WARPS):
@@ -1158,23 +1167,12 @@ class MoEGemmSm90:
                     loads.append(dev.load_global_v4(row_address + Int64(column) * 2, present))
                 for j in cutlass.range(len(loads), unroll=1):
                     c = thread + j * threads
-                    words = list(loads[0])
-                    for i in cutlass.range_constexpr(1, len(loads)):
-                        words = [cutlass.select_(j == i, loads[i][w], words[w]) for w in range(len(words))]
+                    words = [register_at([load[w] for load in loads], j) for w in range(len(loads[0]))]
                     values = self.quantized_chunk(words, factors)
                     if c < item_chunks:
                         k_tile = c // self.copy_columns
                         within = cute.crd2idx(((n, (c % self.copy_columns) * CHUNK_ELEMENTS, 0)), b_layout.outer) * 2
                         dev.store_shared_v4(panel + k_tile * tile_bytes + dev.swizzle_128b(within), values)
-
-    def panel_pair(self, pairs, n):
-        """`pairs[n]` (`read_panel_pairs`) for a row number `n` known at run time: from registers, a select
-        per row (a dynamic index would put `pairs` in local memory). Plain Python, run while the kernel is
-        traced."""
-        pair = pairs[0]
-        for i in range(1, self.tile_rows):
-            pair = cutlass.select_(n == i, pairs[i], pair)
-        return pair
 
     def source_row(self, pair, tile, n):
         """The activation row of plan row `n` of `tile` holding `pair`: the token's (GEMM1) or the plan
