@@ -264,9 +264,10 @@ def producer_registers(tile_rows: int, quantizing: bool = False) -> int:
     return LOADS_AHEAD_PRODUCER_REGISTERS if tile_rows <= LOADS_AHEAD_TILE_ROWS else PRODUCER_REGISTERS
 
 
-QUANTIZING_PRODUCER_REGISTERS = 56
+QUANTIZING_PRODUCER_REGISTERS = 64
 """The producer's registers in tiles that quantize their rows (`MoEGemmSm90(quantizes_rows=True)`):
-a row scan's loads in flight, a chunk's eight values and its block's scales."""
+a row scan's loads in flight beside the first row's item chunks (`fill_panel`), a chunk's eight values
+and its block's scales."""
 PANEL_WARPS = 3
 """Producer warps that quantize an item's rows into its panel (warps 1-3); warp 0 loads the weights."""
 PANEL_BARRIER = 15
@@ -1072,8 +1073,9 @@ class MoEGemmSm90:
         if reads_pairs:
             self.read_panel_pairs(pairs, mPermutedToPair, tile)
         cute.arch.mbarrier_wait(storage.rows_empty.data_ptr() + buffer, ((item_number // 2) & 1) ^ 1)
+        first_row_loads = self.item_row_loads(storage, mAct, pairs, num_pairs, tile, k_first, Int32(0), Int32(1))
         self.scan_panel_rows(storage, mAct, pairs, num_pairs, tile, buffer)
-        self.fill_panel(storage, b_layout, mAct, pairs, num_pairs, tile, k_first, item_number)
+        self.fill_panel(storage, b_layout, mAct, pairs, num_pairs, tile, k_first, item_number, first_row_loads)
         cute.arch.fence_view_async_shared()
         cute.arch.mbarrier_arrive(storage.rows_full.data_ptr() + buffer)
 
@@ -1133,11 +1135,30 @@ class MoEGemmSm90:
                     maxima[(buffer * self.tile_rows + n) * PANEL_WARPS + warp] = row_max
         cute.arch.barrier(barrier_id=PANEL_BARRIER, number_of_threads=threads)
 
+    def item_row_loads(self, storage, mAct, pairs, num_pairs, tile, k_first, n, wanted):
+        """The thread's chunks of the item's columns of row `n` (of `pairs`), all loads in flight at once
+        (none where the row holds no pair or `wanted` is 0): chunk `thread + j * threads` of the item is
+        load j. Plain Python, run while the kernel is traced."""
+        thread, threads, _, act, row_bytes = self.panel_operands(storage, mAct)
+        pair = register_at([pairs[i] for i in range(self.tile_rows)], n)
+        used = Int32((pair >= 0) & (pair < num_pairs)) & wanted
+        row_address = act + Int64(self.source_row(cutlass.select_(used != 0, pair, Int32(0)), tile, n)) * row_bytes
+        item_chunks = self.k_iterations * self.copy_columns
+        loads = []
+        for j in range(-(-item_chunks // threads)):
+            c = thread + j * threads
+            column = k_first * self.tile_k + c * CHUNK_ELEMENTS
+            present = Int32((c < item_chunks) & (column < self.act_k)) & used
+            loads.append(dev.load_global_v4(row_address + Int64(column) * 2, present))
+        return loads
+
     @cute.jit
-    def fill_panel(self, storage, b_layout, mAct, pairs, num_pairs, tile, k_first, item_number):
+    def fill_panel(self, storage, b_layout, mAct, pairs, num_pairs, tile, k_first, item_number, first_row_loads):
         """`quantize_panel`'s second part: from the rows' maxima (`scan_panel_rows`), their per-token
         scales for the epilogue and the item's chunks of each used row (of `pairs`), quantized, into the
-        panel. A thread's chunks of a row are loaded at once, then quantized in a run-time loop (a chunk's
+        panel. A thread's chunks of a row are loaded at once (the first row's, `first_row_loads`, with the
+        scan's loads: every used plan tile holds a pair in its first row, and at T < 4 most hold only it,
+        so its chunks are in registers when the scan ends), then quantized in a run-time loop (a chunk's
         words picked from registers, `register_at`), as the rows are walked: see `quantize_panel`."""
         thread, threads, maxima, act, row_bytes = self.panel_operands(storage, mAct)
         buffer = item_number % 2
@@ -1145,7 +1166,6 @@ class MoEGemmSm90:
         tile_bytes = cute.crd2idx((0, 0, 1), b_layout.outer) * 2
         panel = storage.act.data_ptr().toint() + buffer * self.k_iterations * tile_bytes
         item_chunks = self.k_iterations * self.copy_columns
-        first_column = k_first * self.tile_k
         numerator = Float32(self.per_token_numerator)
         for n in cutlass.range(self.tile_rows, unroll=1):
             pair = register_at([pairs[i] for i in range(self.tile_rows)], n)
@@ -1158,13 +1178,11 @@ class MoEGemmSm90:
                 if thread == 0:
                     scales[offset + n] = Float32(cutlass.select_(row_max == Float32(0.0), Float32(0.0), inverse))
                 factors = (nv.mul_rn(encode_scale, nv.f32_from_bits(nv.ONE_SIXTH_BITS)), inverse)
-                row_address = act + Int64(self.source_row(pair, tile, n)) * row_bytes
-                loads = []  # chunk thread + j * threads of the item, all in flight at once
-                for j in cutlass.range_constexpr(-(-item_chunks // threads)):
-                    c = thread + j * threads
-                    column = first_column + c * CHUNK_ELEMENTS
-                    present = Int32((c < item_chunks) & (column < self.act_k))
-                    loads.append(dev.load_global_v4(row_address + Int64(column) * 2, present))
+                later = self.item_row_loads(storage, mAct, pairs, num_pairs, tile, k_first, n, Int32(n != 0))
+                loads = [
+                    [cutlass.select_(n == 0, first[w], load[w]) for w in range(len(load))]
+                    for first, load in zip(first_row_loads, later)
+                ]
                 for j in cutlass.range(len(loads), unroll=1):
                     c = thread + j * threads
                     words = [register_at([load[w] for load in loads], j) for w in range(len(loads[0]))]
