@@ -1327,9 +1327,14 @@ class MoEGemmSm90:
         alpha = None if const_expr(self.staged_rows) else self.item_alpha(mAlpha, expert)
         item_factors = row_factors
         item_number = iteration // self.k_iterations
+        panel = None
         if const_expr(self.staged_rows or self.quantizes_rows):
             item_factors = (*row_factors, self.staged_view(storage, item_number))
-            cute.arch.mbarrier_wait(storage.rows_full.data_ptr() + item_number % 2, (item_number // 2) & 1)
+            rows_full = (storage.rows_full.data_ptr() + item_number % 2, (item_number // 2) & 1)
+            if const_expr(self.quantizes_rows):
+                panel = rows_full  # waited for before the first `wgmma` (`mma_step`)
+            else:
+                cute.arch.mbarrier_wait(*rows_full)
         if const_expr(not self.staged_rows):
             early_rows = self.chunk_rows(coordinates, tile * self.tile_rows, 0, item_factors, mPermutedToPair, num_pairs)
         for acc in accs:
@@ -1340,7 +1345,7 @@ class MoEGemmSm90:
                 item_b_operand = self.b_descriptors(storage, b_layout, (item_number % 2) * self.k_iterations)
             self.mainloop(
                 variants[self.tile_rows], iteration, fragments, item_b_operand, full, empty, codes_smem,
-                scales_smem, self.quantizes_rows,
+                scales_smem, panel,
             )
         else:
             granules = self.used_row_granules(item_factors, mPermutedToPair, num_pairs, tile, thread, group)
@@ -1397,9 +1402,11 @@ class MoEGemmSm90:
         return granules
 
     @cute.jit
-    def mainloop(self, variant, iteration, fragments, b_operand, full, empty, codes_smem, scales_smem, panel=False):
+    def mainloop(self, variant, iteration, fragments, b_operand, full, empty, codes_smem, scales_smem, panel=None):
         """`panel`: k tile k's B tile is the k-th from `b_operand`'s (the item's activation panel,
-        `quantizes_rows`), not its stage's."""
+        `quantizes_rows`), not its stage's; (its `rows_full` barrier, the phase's parity), which the first
+        k step waits for before its `wgmma`s, once it has decoded its A fragment (`mma_step`): the decode
+        runs while the producer warps still fill the panel."""
         if const_expr(self.warp_mma):
             self.mainloop_warp_mma(variant[1][0], iteration, b_operand, full, empty, codes_smem, scales_smem)
         elif const_expr(self.blocks_per_consumer == 2):
@@ -1432,7 +1439,7 @@ class MoEGemmSm90:
         warpgroup.wait_group(0)
 
     @cute.jit
-    def mainloop_one_block(self, variant, iteration, fragments, b_operand, full, empty, codes_smem, scales_smem, panel=False):
+    def mainloop_one_block(self, variant, iteration, fragments, b_operand, full, empty, codes_smem, scales_smem, panel=None):
         """The k loop of one item with one `variant` (its `wgmma` and the accumulator prefix it
         computes), to the completion of its last `wgmma`. The variant is static and no `wgmma` is in
         flight where the variants' branches meet: ptxas serializes every `wgmma` otherwise.
@@ -1552,7 +1559,7 @@ class MoEGemmSm90:
     @cute.jit
     def mma_step(
         self, variant, stage, phase, k, fragment, b_operand, full, empty, codes_smem, scales_smem, words=None,
-        load_next=False, previous=None, panel=False,
+        load_next=False, previous=None, panel=None,
     ):
         """k tile `k` of an item, in pipeline `stage` (barrier `phase`): decode the A fragment, issue
         the MMAs, release the previous k tile's stage once its MMAs are done (the item's last stage is
@@ -1565,7 +1572,7 @@ class MoEGemmSm90:
         run-time condition) the step waits for the next k tile and loads its words between the decode
         and the `wgmma`s, where their latency hides behind the MMAs' issue and the wait for the
         previous k tile's, and returns them as well, last (None where `load_next` is False). With `panel`
-        the B tile is the panel's k-th, not the stage's."""
+        (`mainloop`'s) the B tile is the panel's k-th, not the stage's."""
         next_stage, next_phase = self.next_stage(stage, phase)
         if const_expr(words is None):
             cute.arch.mbarrier_wait(full + stage, phase)
@@ -1580,7 +1587,10 @@ class MoEGemmSm90:
             if load_next:
                 cute.arch.mbarrier_wait(full + next_stage, next_phase)
                 next_words = self.load_words(codes_smem, scales_smem, next_stage)
-        self.issue_mmas(variant, fragment, b_operand, k if const_expr(panel) else stage)
+        if const_expr(panel is not None):
+            if k == 0:
+                cute.arch.mbarrier_wait(*panel)
+        self.issue_mmas(variant, fragment, b_operand, k if const_expr(panel is not None) else stage)
         warpgroup.wait_group(1)
         if k > 0:
             if const_expr(self.inline_wgmma):
