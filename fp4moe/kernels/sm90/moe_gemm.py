@@ -475,6 +475,9 @@ class MoEGemmSm90:
         self.tile_rows = tile_rows
         self.row_granule = row_granule
         self.variant_rows = variant_rows(tile_rows, row_granule, tile_features)
+        # A GEMM quantizing its rows multiplies its panel in the k loop of one variant (`consume_item`),
+        # whose first k step waits for the panel.
+        assert not quantizes_rows or len(self.variant_rows) == 1
         self.epilogue_rows = min(tile_rows, epilogue_rows)
         assert self.epilogue_rows % 8 == 0 and tile_rows % self.epilogue_rows == 0
         self.tile_k = tile_k
