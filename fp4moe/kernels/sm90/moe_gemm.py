@@ -1076,7 +1076,7 @@ class MoEGemmSm90:
         if reads_pairs:
             self.read_panel_pairs(pairs, mPermutedToPair, tile)
         cute.arch.mbarrier_wait(storage.rows_empty.data_ptr() + buffer, ((item_number // 2) & 1) ^ 1)
-        first_row_loads = self.item_row_loads(storage, mAct, pairs, num_pairs, tile, k_first, Int32(0), Int32(1))
+        first_row_loads = self.item_row_loads(storage, mAct, pairs[0], num_pairs, tile, k_first, Int32(0), Int32(1))
         self.scan_panel_rows(storage, mAct, pairs, num_pairs, tile, buffer)
         self.fill_panel(storage, b_layout, mAct, pairs, num_pairs, tile, k_first, item_number, first_row_loads)
         cute.arch.fence_view_async_shared()
@@ -1138,12 +1138,11 @@ class MoEGemmSm90:
                     maxima[(buffer * self.tile_rows + n) * PANEL_WARPS + warp] = row_max
         cute.arch.barrier(barrier_id=PANEL_BARRIER, number_of_threads=threads)
 
-    def item_row_loads(self, storage, mAct, pairs, num_pairs, tile, k_first, n, wanted):
-        """The thread's chunks of the item's columns of row `n` (of `pairs`), all loads in flight at once
-        (none where the row holds no pair or `wanted` is 0): chunk `thread + j * threads` of the item is
+    def item_row_loads(self, storage, mAct, pair, num_pairs, tile, k_first, n, wanted):
+        """The thread's chunks of the item's columns of row `n`, which holds `pair`, all loads in flight at
+        once (none where `pair` is not one or `wanted` is 0): chunk `thread + j * threads` of the item is
         load j. Plain Python, run while the kernel is traced."""
         thread, threads, _, act, row_bytes = self.panel_operands(storage, mAct)
-        pair = register_at([pairs[i] for i in range(self.tile_rows)], n)
         used = Int32((pair >= 0) & (pair < num_pairs)) & wanted
         row_address = act + Int64(self.source_row(cutlass.select_(used != 0, pair, Int32(0)), tile, n)) * row_bytes
         item_chunks = self.k_iterations * self.copy_columns
@@ -1181,7 +1180,7 @@ class MoEGemmSm90:
                 if thread == 0:
                     scales[offset + n] = Float32(cutlass.select_(row_max == Float32(0.0), Float32(0.0), inverse))
                 factors = (nv.mul_rn(encode_scale, nv.f32_from_bits(nv.ONE_SIXTH_BITS)), inverse)
-                later = self.item_row_loads(storage, mAct, pairs, num_pairs, tile, k_first, n, Int32(n != 0))
+                later = self.item_row_loads(storage, mAct, pair, num_pairs, tile, k_first, n, Int32(n != 0))
                 loads = [
                     [cutlass.select_(n == 0, first[w], load[w]) for w in range(len(load))]
                     for first, load in zip(first_row_loads, later)
