@@ -4,6 +4,7 @@ launched back to back with PDL in a CUDA graph, every CTA stamping `%globaltimer
     python -m benchmarks.sm90_cta_timeline [--shape glm] [--tokens 1,2] [--replays 30]
     python -m benchmarks.sm90_cta_timeline [--shape glm] --tokens 1,2 --compile-only      # no GPU needed
     python -m benchmarks.sm90_cta_timeline --shape deepseek_v3_ep32 --tokens 1,2,3 --per-token
+    python -m benchmarks.sm90_cta_timeline --tokens 1 --no-wait-sums
 
 For diagnosis only. `--shape` is one of the MoE harness's (`benchmarks.moe_cases.SHAPES`; DeepSeek-V3 by
 default): its sizes and local experts, with softmax routing (`benchmarks.sm90_gemm_sweep.routed_tokens`).
@@ -33,8 +34,10 @@ issue or by nothing the ring shows; a consumer blocked long on `full` is fed too
 
 Times are us from the first GEMM1 CTA's entry, per replay, after a reading L2 flush; each statistic is the
 median over the replays. The run also times the same two GEMMs without stamps (CUDA events, same replays),
-so that the stamps' own cost can be seen. `%globaltimer` ticks at the GPU's timer resolution (32 ns on
-the H200s measured), far below the times compared. Last, per GEMM, whether the same SMs are slow in every
+so that the stamps' own cost can be seen. The wait sums can change a kernel's code beyond their own
+instructions (in DeepSeek-V3's W4A16 GEMM2 its producer's bulk copies each go into a loop over the warp's
+lanes), and `--no-wait-sums` stamps the four points alone. `%globaltimer` ticks at the GPU's timer
+resolution (32 ns on the H200s measured), far below the times compared. Last, per GEMM, whether the same SMs are slow in every
 replay (`sm_persistence`): a rate that belongs to the SM, or one that changes from replay to replay.
 """
 from __future__ import annotations
@@ -162,6 +165,9 @@ class CtaTimed(MoEGemmSm90):
     the same waits. `produce` and `consume` are plain methods, run while the kernel is traced, within
     `_summing_waits`."""
 
+    sums_waits = True
+    """Whether the producer's and the consumers' loops add up their blocked waits (`WAIT_SUMS`)."""
+
     def __init__(self, **kwargs):
         quantizes_rows = kwargs["quantizes_rows"]
         super().__init__(**{**kwargs, "row_scaled": False})
@@ -175,7 +181,7 @@ class CtaTimed(MoEGemmSm90):
         self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
         row_factors, mLiveTiles,
     ):
-        with _summing_waits(row_factors[1], 0):
+        with _summing_waits(row_factors[1], 0) if self.sums_waits else contextlib.nullcontext():
             MoEGemmSm90.produce(
                 self, b_layout, mCodes, mScales, mAct, mPermutedToPair, mTileExpert, num_pairs, full, empty, storage,
                 row_factors, mLiveTiles,
@@ -194,7 +200,7 @@ class CtaTimed(MoEGemmSm90):
         self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs, num_pairs,
         full, empty, group, mLiveTiles,
     ):
-        with _summing_waits(row_factors[1], 1):
+        with _summing_waits(row_factors[1], 1) if self.sums_waits else contextlib.nullcontext():
             MoEGemmSm90.consume(
                 self, storage, tiled_mma, b_layout, mAlpha, row_factors, mPermutedToPair, mTileExpert, outputs,
                 num_pairs, full, empty, group, mLiveTiles,
@@ -207,25 +213,36 @@ class CtaTimed(MoEGemmSm90):
             self.stamp(mStamps, 4, global_timer())
 
 
+class CtaStamped(CtaTimed):
+    """`CtaTimed` with the four stamps only: its waits are `cute.arch.mbarrier_wait`'s, not summed (so that a
+    kernel whose wait sums change its own time can be timed by its stamps alone)."""
+
+    sums_waits = False
+
+
 @contextlib.contextmanager
-def timed_kernels():
-    """Inside: `moe_launch.compile_gemm` builds `CtaTimed` GEMMs, kept in the disk cache under their own keys."""
-    with gemm_class_kernels(CtaTimed, "cta_timeline"), mock.patch.object(
+def timed_kernels(sums_waits: bool = True):
+    """Inside: `moe_launch.compile_gemm` builds `CtaTimed` GEMMs (`CtaStamped` without `sums_waits`), kept in
+    the disk cache under their own keys."""
+    gemm_class, tag = (CtaTimed, "cta_timeline") if sums_waits else (CtaStamped, "cta_timeline_stamps")
+    with gemm_class_kernels(gemm_class, tag), mock.patch.object(
         moe_gemm, "wait_for_predecessor_and_release_successor", _stamped_wait
     ):
         yield
 
 
-def compile_pair(shape: MoEShape, tokens: int, sms: int, timed: bool, per_token: bool = False):
+def compile_pair(
+    shape: MoEShape, tokens: int, sms: int, timed: bool, per_token: bool = False, sums_waits: bool = True
+):
     """(GEMM1, fused GEMM2) as `fused_moe` configures them for `tokens` tokens of `shape` on a GPU of `sms`
-    multiprocessors; `timed`: the stamping kind; `per_token`: GEMM2 as per-token W4A4's, quantizing its rows
-    itself (`quantizing_gemm2_key`)."""
+    multiprocessors; `timed`: the stamping kind (`sums_waits`: with `WAIT_SUMS`); `per_token`: GEMM2 as
+    per-token W4A4's, quantizing its rows itself (`quantizing_gemm2_key`)."""
     _, configs1, configs2 = gemm_configurations(tokens, sms, shape)
     config2, numerator = configs2[0], None
     if per_token:
         config2, numerator = (quantizing_gemm2_key(shape, tokens, sms), *config2[1:]), PER_TOKEN_NUMERATOR
     assert max(configs1[0][0][-1], config2[0][-1]) <= MAX_CTAS, "more CTAs than the stamp buffers hold"
-    with timed_kernels() if timed else contextlib.nullcontext():
+    with timed_kernels(sums_waits) if timed else contextlib.nullcontext():
         return (
             compile_gemm1(configs1[0], shape, row_scaled=timed),
             compile_gemm2(config2, shape, row_scaled=timed, per_token_numerator=numerator),
@@ -257,7 +274,9 @@ def quantiles(values) -> str:
     return " ".join(f"{order_statistic(v, q):6.1f}" for q in (0.0, 0.1, 0.5, 0.9, 1.0))
 
 
-def run(shape: MoEShape, tokens: int, weights, replays: int, g, per_token: bool = False) -> None:
+def run(
+    shape: MoEShape, tokens: int, weights, replays: int, g, per_token: bool = False, sums_waits: bool = True
+) -> None:
     w1_alpha, w2_alpha = weights.alphas()
     x, _, topk_weights, _, _, _, permuted_to_pair, tile_expert = routed_tokens(tokens, g, shape)
     inter = torch.randn(permuted_to_pair.shape[0], shape.intermediate_size, generator=g, device="cuda")
@@ -279,7 +298,7 @@ def run(shape: MoEShape, tokens: int, weights, replays: int, g, per_token: bool 
 
     graphs = {}
     for timed in (False, True):
-        kernels = compile_pair(shape, tokens, sms, timed, per_token)
+        kernels = compile_pair(shape, tokens, sms, timed, per_token, sums_waits)
         chain(kernels, timed)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -317,7 +336,7 @@ def run(shape: MoEShape, tokens: int, weights, replays: int, g, per_token: bool 
           f"the first GEMM1 entry (the wait sums: us blocked), medians over {replays} replays of each order "
           "statistic", flush=True)
     print(f"{'kernel':6} {'stamp':34} {'min':>6} {'p10':>6} {'median':>6} {'p90':>6} {'max':>6}")
-    for (name, stamp), stats in summary(replays_stamps).items():
+    for (name, stamp), stats in summary(replays_stamps, sums_waits).items():
         print(f"{name:6} {stamp:34} {quantiles(stats)}", flush=True)
     persistence = sm_persistence(replays_stamps)
     print(f"T={tokens}: each SM's lateness (its CTA's time from its wait to its end, less the replay's median), "
@@ -327,7 +346,7 @@ def run(shape: MoEShape, tokens: int, weights, replays: int, g, per_token: bool 
               f"r = {halves:5.2f}; vs the other GEMM's r = {other:5.2f}", flush=True)
 
 
-def summary(replays_stamps) -> dict:
+def summary(replays_stamps, sums_waits: bool = True) -> dict:
     """Per (kernel, stamp): the median over replays of each order statistic of the CTAs' times, in us from
     the replay's first GEMM1 entry, and of their wait sums (`WAIT_SUMS`), in us. `replays_stamps`: per
     replay, GEMM1's and GEMM2's [CTAs, SLOTS] int64 stamps (ns). Also GEMM2's CTAs resident before GEMM1's
@@ -339,7 +358,7 @@ def summary(replays_stamps) -> dict:
         for k, name in enumerate(("GEMM1", "GEMM2")):
             for s, stamp in enumerate(STAMPS):
                 rows.setdefault((name, stamp), []).append(sorted(us[k][:, s].tolist()))
-            for s, wait in enumerate(WAIT_SUMS, start=1 + len(STAMPS)):
+            for s, wait in enumerate(WAIT_SUMS if sums_waits else (), start=1 + len(STAMPS)):
                 waits = (gemm1, gemm2)[k][:, s].double() / 1e3
                 rows.setdefault((name, wait), []).append(sorted(waits.tolist()))
         gemm1_last_end = float(us[0][:, STAMPS.index("ended")].max())
@@ -394,6 +413,10 @@ def main() -> int:
         "--per-token", action="store_true",
         help="GEMM2 as per-token W4A4's, quantizing its rows itself (T < 4 where fused_moe has it do so)",
     )
+    parser.add_argument(
+        "--no-wait-sums", action="store_true",
+        help="the four stamps only (for a kernel whose summed waits change its own time)",
+    )
     args = parser.parse_args()
     shape = SHAPES[args.shape]
     token_counts = [int(t) for t in args.tokens.split(",")]
@@ -401,7 +424,7 @@ def main() -> int:
         for tokens in token_counts:
             before = compiler.compilations
             for timed in (False, True):
-                compile_pair(shape, tokens, args.sms, timed, args.per_token)
+                compile_pair(shape, tokens, args.sms, timed, args.per_token, not args.no_wait_sums)
             # Kernels found in the disk cache (`FP4MOE_KERNEL_CACHE`) are loaded, not compiled.
             print(f"{shape.name} T={tokens}: {compiler.compilations - before} compiled", flush=True)
         return 0
@@ -412,7 +435,7 @@ def main() -> int:
     gemm2 = "per-token W4A4's GEMM2, quantizing its rows" if args.per_token else "W4A16's GEMM2"
     print(f"shape {shape.name}, softmax routing, W4A16's GEMM1, {gemm2}", flush=True)
     for tokens in token_counts:
-        run(shape, tokens, weights, args.replays, g, args.per_token)
+        run(shape, tokens, weights, args.replays, g, args.per_token, not args.no_wait_sums)
     return 0
 
 

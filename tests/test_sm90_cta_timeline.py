@@ -86,7 +86,7 @@ _SCRIPT = textwrap.dedent(
     spec = json.loads(sys.argv[2])
     shape = SHAPES[spec["shape"]]
     for timed in (False, True):
-        gemms = timeline.compile_pair(shape, 1, 132, timed, spec["per_token"])
+        gemms = timeline.compile_pair(shape, 1, 132, timed, spec["per_token"], spec["sums_waits"])
         for name, compiled in list(zip(("gemm1", "gemm2"), gemms))[1 if spec["per_token"] else 0:]:
             (out / f"{name}_{'timed' if timed else 'default'}.cubin").write_bytes(compiled.__cubin__)
     """
@@ -97,7 +97,8 @@ _SCRIPT = textwrap.dedent(
 def kernels(request, tmp_path_factory):
     """The T = 1 GEMMs of DeepSeek-V3 (`wgmma`) and of GLM (GEMM1 with per-warp `mma.sync`)."""
     out = compile_in_subprocess(
-        _SCRIPT, {"shape": request.param, "per_token": False}, tmp_path_factory.mktemp("cta_timeline")
+        _SCRIPT, {"shape": request.param, "per_token": False, "sums_waits": True},
+        tmp_path_factory.mktemp("cta_timeline"),
     )
     return request.param, {f.stem: sass(f) for f in out.glob("*.cubin")}
 
@@ -106,9 +107,20 @@ def kernels(request, tmp_path_factory):
 def quantizing_gemm2(tmp_path_factory):
     """DeepSeek-V3's per-token W4A4 GEMM2 at T = 1, quantizing its rows (`--per-token`)."""
     out = compile_in_subprocess(
-        _SCRIPT, {"shape": "deepseek_v3", "per_token": True}, tmp_path_factory.mktemp("cta_timeline_per_token")
+        _SCRIPT, {"shape": "deepseek_v3", "per_token": True, "sums_waits": True},
+        tmp_path_factory.mktemp("cta_timeline_per_token"),
     )
     return "deepseek_v3", {f.stem: sass(f) for f in out.glob("*.cubin")}
+
+
+@pytest.fixture(scope="module")
+def stamps_only(tmp_path_factory):
+    """DeepSeek-V3's T = 1 GEMMs stamping the four points alone (`--no-wait-sums`)."""
+    out = compile_in_subprocess(
+        _SCRIPT, {"shape": "deepseek_v3", "per_token": False, "sums_waits": False},
+        tmp_path_factory.mktemp("cta_timeline_stamps_only"),
+    )
+    return {f.stem: sass(f) for f in out.glob("*.cubin")}
 
 
 @pytest.mark.parametrize("gemm", ["gemm1", "gemm2"])
@@ -121,6 +133,18 @@ def test_the_stamping_quantizing_gemm2_keeps_its_panel(quantizing_gemm2):
     check_stamping_gemm(quantizing_gemm2, "gemm2")
     for instruction in ("REDUX", "STS.128", "F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C", "FENCE.VIEW.ASYNC.S"):
         assert code["gemm2_timed"].count(instruction) == code["gemm2_default"].count(instruction) > 0, instruction
+
+
+@pytest.mark.parametrize("gemm", ["gemm1", "gemm2"])
+def test_the_stamps_only_gemms_read_the_timer_four_times_and_issue_their_copies_as_the_default(stamps_only, gemm):
+    default, timed = stamps_only[f"{gemm}_default"], stamps_only[f"{gemm}_timed"]
+    assert timed.count("SR_GLOBALTIMERLO") == len(STAMPS) and "REDG.E.ADD.64" not in timed
+    lines = [line for line in timed.splitlines() if "SR_GLOBALTIMERLO" in line or "ACQBULK" in line]
+    assert [("ACQBULK" in line) for line in lines] == [False, True, False, False, False]
+    # The wait sums' timed waits put each bulk copy of DeepSeek-V3's GEMM2 producer in a loop over the warp's
+    # lanes (`ELECT`, `BRA.U.ANY`); without them the copies issue as the default's do.
+    for instruction in ("HGMMA", "HMUL2.BF16_V2", "UBLKCP.S.G", "ELECT", "BRA.U.ANY", "LDL"):
+        assert timed.count(instruction) == default.count(instruction), instruction
 
 
 def check_stamping_gemm(kernels, gemm):
@@ -165,6 +189,8 @@ def test_the_summary_takes_times_from_the_first_gemm1_entry_and_medians_over_rep
     assert rows[("GEMM1", "producer waited on empty")] == [1.0, 3.0]  # sums in us, not times since the entry
     assert rows[("GEMM1", "consumer waited on full")] == [9.0, 12.0]
     assert rows[("GEMM2", "consumer waited on full")] == [0.0, 0.0, 0.0]
+    stamps_only = summary(replays, sums_waits=False)  # `--no-wait-sums`: the same times, no wait rows
+    assert stamps_only == {key: value for key, value in rows.items() if key[1] not in WAIT_SUMS}
 
 
 @pytest.mark.parametrize("persistent", [True, False])
