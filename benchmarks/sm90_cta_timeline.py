@@ -37,8 +37,9 @@ median over the replays. The run also times the same two GEMMs without stamps (C
 so that the stamps' own cost can be seen. The wait sums can change a kernel's code beyond their own
 instructions (in DeepSeek-V3's W4A16 GEMM2 its producer's bulk copies each go into a loop over the warp's
 lanes), and `--no-wait-sums` stamps the four points alone. `%globaltimer` ticks at the GPU's timer
-resolution (32 ns on the H200s measured), far below the times compared. Last, per GEMM, whether the same SMs are slow in every
-replay (`sm_persistence`): a rate that belongs to the SM, or one that changes from replay to replay.
+resolution (32 ns on the H200s measured), far below the times compared. Last, per GEMM, whether the same
+SMs are slow in every replay (`sm_persistence`): a rate that belongs to the SM, or one that changes from
+replay to replay.
 """
 from __future__ import annotations
 
