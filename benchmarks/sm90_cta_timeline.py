@@ -34,9 +34,9 @@ issue or by nothing the ring shows; a consumer blocked long on `full` is fed too
 
 Times are us from the first GEMM1 CTA's entry, per replay, after a reading L2 flush; each statistic is the
 median over the replays. The run also times the same two GEMMs without stamps (CUDA events, same replays),
-so that the stamps' own cost can be seen. The wait sums can change a kernel's code beyond their own
-instructions (in DeepSeek-V3's W4A16 GEMM2 its producer's bulk copies each go into a loop over the warp's
-lanes), and `--no-wait-sums` stamps the four points alone. `%globaltimer` ticks at the GPU's timer
+so that the stamps' own cost can be seen. The wait sums add instructions of their own (two timer reads and
+an addition at each pipeline wait; in DeepSeek-V3's W4A16 GEMM2, a register its consumers spill at their
+first wait), and `--no-wait-sums` stamps the four points alone. `%globaltimer` ticks at the GPU's timer
 resolution (32 ns on the H200s measured), far below the times compared. Last, per GEMM, whether the same
 SMs are slow in every replay (`sm_persistence`): a rate that belongs to the SM, or one that changes from
 replay to replay.
@@ -112,16 +112,22 @@ SUSPEND_HINT_NS = 10_000_000
 @dsl_user_op
 def blocked_wait_ns(mbar_ptr, phase, *, loc=None, ip=None) -> Int64:
     """Wait for phase parity `phase` of the mbarrier at `mbar_ptr` as `cute.arch.mbarrier_wait` does (`try_wait`
-    with its suspend hint, until the phase completes), and return how long the wait blocked, in ns: 0 where
-    one `test_wait` finds the phase complete, else the timer's difference around the `try_wait` loop. So a
-    wait that does not block adds nothing to a sum of them, not a timer read's worth."""
+    with its suspend hint, until the phase completes), and return how long the wait blocked, in ns: 0 where a
+    `test_wait` before it finds the phase complete, else the difference of the timer's low 32 bits (a wait
+    under 4.29 s) around the `try_wait` loop. So a wait that does not block adds nothing to a sum of them, not
+    a timer read's worth. The timer is read either way and the loop is `cute.arch.mbarrier_wait`'s, with no
+    branch around it: where a branch skipped the timed loop, ptxas issued each bulk copy of the GEMMs'
+    producers in a loop over the warp's lanes (`ELECT`, `BRA.U.ANY`), which slowed DeepSeek-V3's W4A16 GEMM2
+    at T = 1 by some 9 us (runs log, seventy-third session)."""
     ptx = (
-        "{ .reg .pred done; .reg .u64 start, end; mov.u64 $0, 0; "
-        "mbarrier.test_wait.parity.shared::cta.b64 done, [$1], $2; @done bra timed_wait_end; "
-        "mov.u64 start, %globaltimer; "
-        f"timed_wait_loop: mbarrier.try_wait.parity.shared::cta.b64 done, [$1], $2, {SUSPEND_HINT_NS}; "
-        "@!done bra timed_wait_loop; "
-        "mov.u64 end, %globaltimer; sub.u64 $0, end, start; timed_wait_end: }"
+        "{ .reg .pred ready, done; .reg .u32 start, end, blocked; "
+        "mbarrier.test_wait.parity.shared::cta.b64 ready, [$1], $2; "
+        "mov.u32 start, %globaltimer_lo; "
+        "TIMED_WAIT: "
+        f"mbarrier.try_wait.parity.shared::cta.b64 done, [$1], $2, {SUSPEND_HINT_NS}; "
+        "@done bra.uni TIMED_DONE; bra.uni TIMED_WAIT; TIMED_DONE: "
+        "mov.u32 end, %globaltimer_lo; sub.u32 blocked, end, start; selp.u32 blocked, 0, blocked, ready; "
+        "cvt.u64.u32 $0, blocked; }"
     )
     return Int64(dev._asm(T.i64(), ptx, "=l,r,r", (Int32(mbar_ptr.toint()), Int32(phase)), True, loc, ip))
 

@@ -142,10 +142,8 @@ def test_the_stamps_only_gemms_read_the_timer_four_times_and_issue_their_copies_
     default, timed = code[f"{gemm}_default"], code[f"{gemm}_timed"]
     lines = [line for line in timed.splitlines() if "SR_GLOBALTIMERLO" in line or "ACQBULK" in line]
     assert [("ACQBULK" in line) for line in lines] == [False, True, False, False, False]
-    # The wait sums' timed waits put each bulk copy of DeepSeek-V3's GEMM2 producer in a loop over the warp's
-    # lanes (`ELECT`, `BRA.U.ANY`); without them the copies issue as the default's do.
-    for instruction in ("ELECT", "BRA.U.ANY", "LDL"):
-        assert timed.count(instruction) == default.count(instruction), instruction
+    # The wait sums cost DeepSeek-V3's GEMM2 consumers a spilled register; the stamps alone spill nothing.
+    assert timed.count("LDL") == default.count("LDL")
 
 
 def check_stamping_gemm(kernels, gemm, sums_waits=True):
@@ -163,7 +161,9 @@ def check_stamping_gemm(kernels, gemm, sums_waits=True):
     assert [("ACQBULK" in line) for line in lines[:3]] == [False, True, False]  # entry, the wait, waited
     warp_mma = (shape, gemm) == ("glm", "gemm1")
     assert (default.count("HMMA") > 0, default.count("HGMMA") > 0) == (warp_mma, not warp_mma)
-    for instruction in ("HGMMA", "HMMA", "HMUL2.BF16_V2", "UBLKCP.S.G"):
+    # The producers' bulk copies issue as the default's, not each in a loop over the warp's lanes (`ELECT`,
+    # `BRA.U.ANY`), which a branch around the timed wait made ptxas emit (`blocked_wait_ns`).
+    for instruction in ("HGMMA", "HMMA", "HMUL2.BF16_V2", "UBLKCP.S.G", "ELECT", "BRA.U.ANY"):
         assert timed.count(instruction) == default.count(instruction), instruction
 
 
