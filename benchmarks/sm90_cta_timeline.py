@@ -117,8 +117,8 @@ def blocked_wait_ns(mbar_ptr, phase, *, loc=None, ip=None) -> Int64:
     under 4.29 s) around the `try_wait` loop. So a wait that does not block adds nothing to a sum of them, not
     a timer read's worth. The timer is read either way and the loop is `cute.arch.mbarrier_wait`'s, with no
     branch around it: where a branch skipped the timed loop, ptxas issued each bulk copy of the GEMMs'
-    producers in a loop over the warp's lanes (`ELECT`, `BRA.U.ANY`), which slowed DeepSeek-V3's W4A16 GEMM2
-    at T = 1 by some 9 us (runs log, seventy-third session)."""
+    producers in a loop over the warp's lanes (`ELECT`, `BRA.U.ANY`), and the stamping GEMM ran slower than
+    the one it traces (runs log)."""
     ptx = (
         "{ .reg .pred ready, done; .reg .u32 start, end, blocked; "
         "mbarrier.test_wait.parity.shared::cta.b64 ready, [$1], $2; "
