@@ -846,15 +846,15 @@ def check_fused_moe(
     check_moe_plan_fits_int32(topk_ids, experts, max(MOE_TILE_M_CHOICES), "fused_moe's route plan")
     per_tensor_w4a4 = quant_mode == "w4a4" and not per_token_activation
     needs_fc1 = per_tensor_w4a4 and x_scales is None
-    for name, scale, needed in (
-        ("fc1_input_scale", fc1_input_scale, needs_fc1),
-        ("fc2_input_scale", fc2_input_scale, per_tensor_w4a4),
+    for name, scale, needed, used_by in (
+        ("fc1_input_scale", fc1_input_scale, needs_fc1, "per-tensor w4a4 with bf16 x"),
+        ("fc2_input_scale", fc2_input_scale, per_tensor_w4a4, "per-tensor w4a4"),
     ):
         if needed and scale is None:
             raise ValueError(f"{name} (the encode-direction global scale) is required for per-tensor w4a4")
         if not needed and scale is not None:
             raise ValueError(
-                f"{name} is only used by per-tensor w4a4 with bf16 x; got quant_mode={quant_mode!r}, "
+                f"{name} is only used by {used_by}; got quant_mode={quant_mode!r}, "
                 f"per_token_activation={per_token_activation}, pre-quantized x={x_scales is not None}"
             )
         if scale is not None:
